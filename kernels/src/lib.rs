@@ -1,7 +1,24 @@
 //! Numerical kernels for the native CPU engines: forward and backward of every op the model
-//! uses, on f32 slices, threaded with rayon.
+//! uses, on row-major f32 slices, threaded with rayon.
 //!
-//! Owns: GEMM (through `gemm`), norms, RoPE, attention, SwiGLU, embedding, the fused
-//! log-softmax/log-prob/entropy head, AdamW and gradient-norm utilities.
+//! Owns: GEMM (through `gemm`, AVX-512 when the CPU has it), RMSNorm, RoPE, causal grouped-query
+//! attention, SwiGLU, embedding gather/scatter-add, the fused log-softmax/log-prob/entropy head,
+//! AdamW and gradient-norm utilities, and the thread-count setting.
+//!
 //! Never: knows about models, checkpoints, configs, or anything asynchronous. Kernels take
-//! slices and shapes and return results; allocation policy belongs to the caller.
+//! slices and shapes and write into caller-provided outputs; allocation policy is the caller's.
+//! Shapes are checked with `assert!` at each kernel's entry: a mismatch is a bug in the caller
+//! (the learner validates user input before it reaches here), never a user-facing error.
+
+pub mod activation;
+pub mod attention;
+pub mod embedding;
+pub mod head;
+pub mod matmul;
+pub mod norm;
+pub mod optim;
+pub mod rope;
+pub mod threads;
+
+#[cfg(test)]
+pub(crate) mod testutil;

@@ -1,0 +1,407 @@
+//! Causal grouped-query attention over a batch of rows, with segment masks for padding and
+//! packing.
+//!
+//! Layout: `q` is `[batch·seq, heads·head_dim]`, `k` and `v` are `[batch·seq,
+//! kv_heads·head_dim]`. Query token `i` sees key token `j` of the same row iff `j ≤ i` and
+//! `seg[j] == seg[i]`: one segment per row gives a padded batch (give padding its own segment
+//! id), several per row a packed one.
+//!
+//! Memory: the forward keeps only the per-row log-sum-exp (`[batch, heads, seq]`); the
+//! backward recomputes the probabilities one head at a time, so nothing of size seq² outlives a
+//! single head's computation.
+
+use crate::embedding::SendPtr;
+use crate::matmul::{Par, strided};
+use rayon::prelude::*;
+
+/// Shape of one attention call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttnShape {
+    /// Rows in the batch.
+    pub batch: usize,
+    /// Tokens per row.
+    pub seq: usize,
+    /// Query heads.
+    pub heads: usize,
+    /// Key/value heads (`heads` must be a multiple).
+    pub kv_heads: usize,
+    /// Size of each head's vector.
+    pub head_dim: usize,
+}
+
+impl AttnShape {
+    fn check(&self, q: &[f32], k: &[f32], v: &[f32], seg: &[u32]) {
+        let n = self.batch * self.seq;
+        assert!(
+            self.kv_heads > 0 && self.heads.is_multiple_of(self.kv_heads),
+            "attention: heads"
+        );
+        assert_eq!(
+            q.len(),
+            n * self.heads * self.head_dim,
+            "attention: q shape"
+        );
+        assert_eq!(
+            k.len(),
+            n * self.kv_heads * self.head_dim,
+            "attention: k shape"
+        );
+        assert_eq!(v.len(), k.len(), "attention: v shape");
+        assert_eq!(seg.len(), n, "attention: seg shape");
+    }
+}
+
+/// Scaled, masked scores → probabilities in place (`s` is `[seq, seq]`). Returns nothing;
+/// writes each row's log-sum-exp of the scaled scores into `lse` (forward) or uses the given
+/// one (`recompute`).
+fn softmax_rows(
+    s: &mut [f32],
+    seq: usize,
+    seg: &[u32],
+    scale: f32,
+    lse: &mut [f32],
+    recompute: bool,
+) {
+    for i in 0..seq {
+        let row = &mut s[i * seq..(i + 1) * seq];
+        let si = seg[i];
+        if recompute {
+            let l = lse[i];
+            for j in 0..seq {
+                row[j] = if j <= i && seg[j] == si {
+                    (row[j] * scale - l).exp()
+                } else {
+                    0.0
+                };
+            }
+            continue;
+        }
+        let mut max = f32::NEG_INFINITY;
+        for j in 0..=i {
+            if seg[j] == si {
+                max = max.max(row[j] * scale);
+            }
+        }
+        let mut sum = 0.0f32;
+        for j in 0..seq {
+            if j <= i && seg[j] == si {
+                let e = (row[j] * scale - max).exp();
+                row[j] = e;
+                sum += e;
+            } else {
+                row[j] = 0.0;
+            }
+        }
+        let inv = 1.0 / sum;
+        row[..=i].iter_mut().for_each(|p| *p *= inv);
+        lse[i] = max + sum.ln();
+    }
+}
+
+/// Forward. Writes `out` (`[batch·seq, heads·head_dim]`) and `lse` (`[batch, heads, seq]`).
+pub fn attention(
+    sh: AttnShape,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    seg: &[u32],
+    scale: f32,
+    out: &mut [f32],
+    lse: &mut [f32],
+) {
+    sh.check(q, k, v, seg);
+    assert_eq!(out.len(), q.len(), "attention: out shape");
+    assert_eq!(
+        lse.len(),
+        sh.batch * sh.heads * sh.seq,
+        "attention: lse shape"
+    );
+    let (t, d, nh, nkv) = (sh.seq, sh.head_dim, sh.heads, sh.kv_heads);
+    let group = nh / nkv;
+    let (qs, kvs) = ((nh * d) as isize, (nkv * d) as isize);
+    let out_ptr = SendPtr(out.as_mut_ptr());
+    lse.par_chunks_mut(t).enumerate().for_each_init(
+        || vec![0.0f32; t * t],
+        |s, (bh, lse_row)| {
+            let (b, h) = (bh / nh, bh % nh);
+            let g = h / group;
+            let row0 = b * t;
+            let seg = &seg[row0..row0 + t];
+            let out_ptr = &out_ptr;
+            // SAFETY: all views stay inside q/k/v/out (row0+t rows, head offsets < row width);
+            // each task writes only its own head's columns of `out`.
+            unsafe {
+                let qp = q.as_ptr().add(row0 * nh * d + h * d);
+                let kp = k.as_ptr().add(row0 * nkv * d + g * d);
+                let vp = v.as_ptr().add(row0 * nkv * d + g * d);
+                strided(
+                    t,
+                    d,
+                    t,
+                    qp,
+                    qs,
+                    1,
+                    kp,
+                    1,
+                    kvs,
+                    s.as_mut_ptr(),
+                    t as isize,
+                    false,
+                    Par::Single,
+                );
+                softmax_rows(s, t, seg, scale, lse_row, false);
+                let op = out_ptr.0.add(row0 * nh * d + h * d);
+                strided(
+                    t,
+                    t,
+                    d,
+                    s.as_ptr(),
+                    t as isize,
+                    1,
+                    vp,
+                    kvs,
+                    1,
+                    op,
+                    qs,
+                    false,
+                    Par::Single,
+                );
+            }
+        },
+    );
+}
+
+/// Backward. Overwrites `dq`, `dk`, `dv` from `d_out`, the forward's inputs, `out` and `lse`.
+pub fn attention_backward(
+    sh: AttnShape,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    seg: &[u32],
+    scale: f32,
+    out: &[f32],
+    lse: &[f32],
+    d_out: &[f32],
+    dq: &mut [f32],
+    dk: &mut [f32],
+    dv: &mut [f32],
+) {
+    sh.check(q, k, v, seg);
+    assert!(out.len() == q.len() && d_out.len() == q.len() && dq.len() == q.len());
+    assert!(
+        dk.len() == k.len() && dv.len() == v.len(),
+        "attention_backward: dk/dv shape"
+    );
+    let (t, d, nh, nkv) = (sh.seq, sh.head_dim, sh.heads, sh.kv_heads);
+    let group = nh / nkv;
+    let (qs, kvs) = ((nh * d) as isize, (nkv * d) as isize);
+    let (dq_p, dk_p, dv_p) = (
+        SendPtr(dq.as_mut_ptr()),
+        SendPtr(dk.as_mut_ptr()),
+        SendPtr(dv.as_mut_ptr()),
+    );
+    (0..sh.batch * nkv).into_par_iter().for_each_init(
+        || (vec![0.0f32; t * t], vec![0.0f32; t * t], vec![0.0f32; t]),
+        |(p, dp, lse_buf), bg| {
+            let (b, g) = (bg / nkv, bg % nkv);
+            let row0 = b * t;
+            let seg = &seg[row0..row0 + t];
+            let (dq_p, dk_p, dv_p) = (&dq_p, &dk_p, &dv_p);
+            for h in g * group..(g + 1) * group {
+                let first = h == g * group;
+                lse_buf.copy_from_slice(&lse[(b * nh + h) * t..(b * nh + h + 1) * t]);
+                // D_i = Σ_c dO[i,c]·O[i,c]
+                let mut dsum = vec![0.0f32; t];
+                for i in 0..t {
+                    let o = (row0 + i) * nh * d + h * d;
+                    dsum[i] = (0..d).map(|c| d_out[o + c] * out[o + c]).sum();
+                }
+                // SAFETY: views inside their buffers as in the forward; task (b, g) alone writes
+                // dk/dv columns of kv head g and dq columns of heads in its group.
+                unsafe {
+                    let qp = q.as_ptr().add(row0 * nh * d + h * d);
+                    let kp = k.as_ptr().add(row0 * nkv * d + g * d);
+                    let vp = v.as_ptr().add(row0 * nkv * d + g * d);
+                    let dop = d_out.as_ptr().add(row0 * nh * d + h * d);
+                    strided(
+                        t,
+                        d,
+                        t,
+                        qp,
+                        qs,
+                        1,
+                        kp,
+                        1,
+                        kvs,
+                        p.as_mut_ptr(),
+                        t as isize,
+                        false,
+                        Par::Single,
+                    );
+                    softmax_rows(p, t, seg, scale, lse_buf, true);
+                    // dP = dO · Vᵀ
+                    strided(
+                        t,
+                        d,
+                        t,
+                        dop,
+                        qs,
+                        1,
+                        vp,
+                        1,
+                        kvs,
+                        dp.as_mut_ptr(),
+                        t as isize,
+                        false,
+                        Par::Single,
+                    );
+                    for i in 0..t {
+                        for j in 0..t {
+                            let x = i * t + j;
+                            dp[x] = p[x] * (dp[x] - dsum[i]) * scale;
+                        }
+                    }
+                    // dQ = dS · K
+                    let dqp = dq_p.0.add(row0 * nh * d + h * d);
+                    strided(
+                        t,
+                        t,
+                        d,
+                        dp.as_ptr(),
+                        t as isize,
+                        1,
+                        kp,
+                        kvs,
+                        1,
+                        dqp,
+                        qs,
+                        false,
+                        Par::Single,
+                    );
+                    // dK (+)= dSᵀ · Q
+                    let dkp = dk_p.0.add(row0 * nkv * d + g * d);
+                    strided(
+                        t,
+                        t,
+                        d,
+                        dp.as_ptr(),
+                        1,
+                        t as isize,
+                        qp,
+                        qs,
+                        1,
+                        dkp,
+                        kvs,
+                        !first,
+                        Par::Single,
+                    );
+                    // dV (+)= Pᵀ · dO
+                    let dvp = dv_p.0.add(row0 * nkv * d + g * d);
+                    strided(
+                        t,
+                        t,
+                        d,
+                        p.as_ptr(),
+                        1,
+                        t as isize,
+                        dop,
+                        qs,
+                        1,
+                        dvp,
+                        kvs,
+                        !first,
+                        Par::Single,
+                    );
+                }
+            }
+        },
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testutil::{check_grad, close, randn};
+
+    /// f64 reference: Σ coef · attention(q, k, v).
+    fn reference(
+        sh: AttnShape,
+        q: &[f64],
+        k: &[f64],
+        v: &[f64],
+        seg: &[u32],
+        scale: f64,
+        coef: &[f32],
+    ) -> (f64, Vec<f64>) {
+        let (t, d, nh, nkv) = (sh.seq, sh.head_dim, sh.heads, sh.kv_heads);
+        let mut out = vec![0.0; q.len()];
+        for b in 0..sh.batch {
+            for h in 0..nh {
+                let g = h / (nh / nkv);
+                for i in 0..t {
+                    let qi = &q[((b * t + i) * nh + h) * d..][..d];
+                    let mut w = vec![f64::NEG_INFINITY; t];
+                    for j in 0..=i {
+                        if seg[b * t + j] == seg[b * t + i] {
+                            let kj = &k[((b * t + j) * nkv + g) * d..][..d];
+                            w[j] = scale * qi.iter().zip(kj).map(|(a, b)| a * b).sum::<f64>();
+                        }
+                    }
+                    let m = w.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                    let z: f64 = w.iter().map(|x| (x - m).exp()).sum();
+                    for j in 0..t {
+                        let pj = (w[j] - m).exp() / z;
+                        let vj = &v[((b * t + j) * nkv + g) * d..][..d];
+                        for c in 0..d {
+                            out[((b * t + i) * nh + h) * d + c] += pj * vj[c];
+                        }
+                    }
+                }
+            }
+        }
+        let loss = out.iter().zip(coef).map(|(o, c)| o * *c as f64).sum();
+        (loss, out)
+    }
+
+    #[test]
+    fn forward_and_backward_match_an_f64_reference() {
+        let sh = AttnShape {
+            batch: 2,
+            seq: 7,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 5,
+        };
+        let n = sh.batch * sh.seq;
+        // row 0: padded after 5 tokens; row 1: two packed segments.
+        let seg = [0u32, 0, 0, 0, 0, 9, 9, 1, 1, 1, 2, 2, 2, 2];
+        let q = randn(n * 4 * 5, 11);
+        let k = randn(n * 2 * 5, 12);
+        let v = randn(n * 2 * 5, 13);
+        let coef = randn(n * 4 * 5, 14);
+        let scale = 1.0 / (5f32).sqrt();
+        let mut out = vec![0.0; q.len()];
+        let mut lse = vec![0.0; sh.batch * sh.heads * sh.seq];
+        attention(sh, &q, &k, &v, &seg, scale, &mut out, &mut lse);
+        let f64s = |x: &[f32]| x.iter().map(|&v| v as f64).collect::<Vec<f64>>();
+        let (q64, k64, v64) = (f64s(&q), f64s(&k), f64s(&v));
+        let (_, ref_out) = reference(sh, &q64, &k64, &v64, &seg, scale as f64, &coef);
+        let ref_out: Vec<f32> = ref_out.iter().map(|&x| x as f32).collect();
+        close(&out, &ref_out, 1e-5, "attention out");
+
+        let (mut dq, mut dk, mut dv) = (vec![9.0; q.len()], vec![9.0; k.len()], vec![9.0; v.len()]);
+        attention_backward(
+            sh, &q, &k, &v, &seg, scale, &out, &lse, &coef, &mut dq, &mut dk, &mut dv,
+        );
+        let s = scale as f64;
+        check_grad(&q, &dq, 140, 1e-3, "attention dq", &|p| {
+            reference(sh, p, &k64, &v64, &seg, s, &coef).0
+        });
+        check_grad(&k, &dk, 70, 1e-3, "attention dk", &|p| {
+            reference(sh, &q64, p, &v64, &seg, s, &coef).0
+        });
+        check_grad(&v, &dv, 70, 1e-3, "attention dv", &|p| {
+            reference(sh, &q64, &k64, p, &seg, s, &coef).0
+        });
+    }
+}

@@ -1,0 +1,189 @@
+//! Dense matrix multiply on row-major f32, all transpose combinations, through the `gemm`
+//! crate (runtime dispatch picks AVX-512 where present).
+
+use gemm::Parallelism;
+
+/// How a matrix operand is laid out in memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Op {
+    /// Use the matrix as stored (row-major).
+    N,
+    /// Use its transpose (the stored matrix is row-major with the other shape).
+    T,
+}
+
+/// Whether a multiply spreads over the rayon pool. Small matmuls inside an already parallel
+/// loop (per attention head) must use `Single`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Par {
+    /// Use the current rayon pool.
+    Pool,
+    /// Run on the calling thread.
+    Single,
+}
+
+/// `C[m,n] = op(A)[m,k] · op(B)[k,n]`, or `C += …` when `accumulate`.
+///
+/// `A` holds `m·k` values (`[m,k]` for `Op::N`, `[k,m]` for `Op::T`), `B` holds `k·n`.
+pub fn matmul(
+    m: usize,
+    k: usize,
+    n: usize,
+    a: &[f32],
+    op_a: Op,
+    b: &[f32],
+    op_b: Op,
+    c: &mut [f32],
+    accumulate: bool,
+    par: Par,
+) {
+    assert!(
+        a.len() >= m * k,
+        "matmul: A has {} values, needs {}",
+        a.len(),
+        m * k
+    );
+    assert!(
+        b.len() >= k * n,
+        "matmul: B has {} values, needs {}",
+        b.len(),
+        k * n
+    );
+    assert!(
+        c.len() >= m * n,
+        "matmul: C has {} values, needs {}",
+        c.len(),
+        m * n
+    );
+    let (a_rs, a_cs) = match op_a {
+        Op::N => (k as isize, 1),
+        Op::T => (1, m as isize),
+    };
+    let (b_rs, b_cs) = match op_b {
+        Op::N => (n as isize, 1),
+        Op::T => (1, k as isize),
+    };
+    // SAFETY: the strides above describe matrices that fit in the asserted slice lengths, and
+    // `c` is exclusively borrowed.
+    unsafe {
+        strided(
+            m,
+            k,
+            n,
+            a.as_ptr(),
+            a_rs,
+            a_cs,
+            b.as_ptr(),
+            b_rs,
+            b_cs,
+            c.as_mut_ptr(),
+            n as isize,
+            accumulate,
+            par,
+        );
+    }
+}
+
+/// Strided multiply for views into larger buffers (attention heads inside a `[tokens, heads·d]`
+/// activation). `C[i,j] (+)= Σ_p A[i·a_rs + p·a_cs] · B[p·b_rs + j·b_cs]`, `C` row stride `c_rs`.
+///
+/// # Safety
+/// Every addressed element must lie inside its allocation, and `c` must not alias `a` or `b`.
+pub unsafe fn strided(
+    m: usize,
+    k: usize,
+    n: usize,
+    a: *const f32,
+    a_rs: isize,
+    a_cs: isize,
+    b: *const f32,
+    b_rs: isize,
+    b_cs: isize,
+    c: *mut f32,
+    c_rs: isize,
+    accumulate: bool,
+    par: Par,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    let parallelism = match par {
+        Par::Pool if m * n * k >= 64 * 64 * 64 => Parallelism::Rayon(0),
+        _ => Parallelism::None,
+    };
+    // SAFETY: forwarded from the caller's contract.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            c,
+            1,
+            c_rs,
+            accumulate,
+            a,
+            a_cs,
+            a_rs,
+            b,
+            b_cs,
+            b_rs,
+            if accumulate { 1.0 } else { 0.0 },
+            1.0,
+            false,
+            false,
+            false,
+            parallelism,
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testutil::{close, randn};
+
+    fn naive(m: usize, k: usize, n: usize, a: &[f32], ta: Op, b: &[f32], tb: Op) -> Vec<f32> {
+        let mut c = vec![0.0f32; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                let mut s = 0.0f64;
+                for p in 0..k {
+                    let av = if ta == Op::N {
+                        a[i * k + p]
+                    } else {
+                        a[p * m + i]
+                    };
+                    let bv = if tb == Op::N {
+                        b[p * n + j]
+                    } else {
+                        b[j * k + p]
+                    };
+                    s += av as f64 * bv as f64;
+                }
+                c[i * n + j] = s as f32;
+            }
+        }
+        c
+    }
+
+    #[test]
+    fn all_transpose_combinations_match_naive() {
+        let (m, k, n) = (37, 29, 41);
+        let a = randn(m * k, 1);
+        let b = randn(k * n, 2);
+        for ta in [Op::N, Op::T] {
+            for tb in [Op::N, Op::T] {
+                let mut c = vec![0.0; m * n];
+                matmul(m, k, n, &a, ta, &b, tb, &mut c, false, Par::Pool);
+                close(&c, &naive(m, k, n, &a, ta, &b, tb), 1e-4, "matmul");
+                // accumulate adds onto what is there
+                matmul(m, k, n, &a, ta, &b, tb, &mut c, true, Par::Single);
+                let twice: Vec<f32> = naive(m, k, n, &a, ta, &b, tb)
+                    .iter()
+                    .map(|x| 2.0 * x)
+                    .collect();
+                close(&c, &twice, 1e-4, "matmul accumulate");
+            }
+        }
+    }
+}
