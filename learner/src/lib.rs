@@ -1,4 +1,21 @@
-//! The learner: the model, its forward and backward, the optimiser, RL losses and advantage
-//! estimators, checkpoints in Hugging Face layout, and the `TrainingEngine` trait.
+//! The learner: the model (Llama, Qwen2, Qwen3 families) with its forward and backward on the
+//! CPU kernels, the optimiser, checkpoints in Hugging Face layout, and the tokenizer.
 //!
-//! Never: opens sockets, spawns processes, or knows which pool or machine it runs on.
+//! Owns: model configs, parameters and their on-disk format, training-step mathematics.
+//! Never: opens sockets, spawns processes, or knows which pool or machine it runs on; never
+//! panics on user input (configs, checkpoints, token ids): those are [`Error`]s that name the
+//! file, tensor or value.
+
+pub mod checkpoint;
+pub mod config;
+pub mod error;
+pub mod model;
+pub mod optim;
+pub mod params;
+pub mod rng;
+pub mod tokenizer;
+
+pub use config::{Arch, ModelConfig};
+pub use error::{Error, Result};
+pub use model::{Batch, Model, Scores, Tape};
+pub use params::{Params, Tensor};

@@ -1,0 +1,112 @@
+//! Checkpoint folders in Hugging Face layout: `config.json`, `model.safetensors` (or shards),
+//! the tokenizer files, and, for training, the optimiser state under `optimizer/` (kept out of
+//! the top level because inference servers load every top-level `*.safetensors`).
+//!
+//! Saving is atomic: everything is written to a sibling temporary folder that is renamed into
+//! place, so a crash mid-save never leaves a half-written checkpoint under the final name.
+
+use crate::config::ModelConfig;
+use crate::error::{Error, Result};
+use crate::model::Model;
+use crate::optim::Optimizer;
+use crate::tokenizer::Tokenizer;
+use std::path::{Path, PathBuf};
+
+/// Files copied through unchanged from a loaded checkpoint to a saved one.
+pub const ASSET_FILES: &[&str] = &[
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "generation_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+];
+
+/// A checkpoint in memory: the model and the side files that travel with it.
+#[derive(Debug)]
+pub struct Checkpoint {
+    /// Config and weights.
+    pub model: Model,
+    /// (file name, bytes) of tokenizer and generation files, written back on save.
+    pub assets: Vec<(String, Vec<u8>)>,
+}
+
+impl Checkpoint {
+    /// Loads a checkpoint folder.
+    pub fn load(dir: &Path) -> Result<Self> {
+        if !dir.is_dir() {
+            return Err(Error::io(
+                dir,
+                std::io::Error::new(std::io::ErrorKind::NotFound, "checkpoint folder not found"),
+            ));
+        }
+        let config = ModelConfig::from_file(&dir.join("config.json"))?;
+        let model = Model::load_weights(config, dir)?;
+        let mut assets = Vec::new();
+        for name in ASSET_FILES {
+            let p = dir.join(name);
+            if p.is_file() {
+                assets.push((
+                    name.to_string(),
+                    std::fs::read(&p).map_err(|e| Error::io(&p, e))?,
+                ));
+            }
+        }
+        Ok(Self { model, assets })
+    }
+
+    /// The tokenizer shipped with the checkpoint, if it has `tokenizer.json`.
+    pub fn tokenizer(&self) -> Option<Result<Tokenizer>> {
+        self.assets
+            .iter()
+            .find(|(n, _)| n == "tokenizer.json")
+            .map(|(n, bytes)| {
+                let text = std::str::from_utf8(bytes).map_err(|e| Error::Tokenizer {
+                    path: n.into(),
+                    msg: e.to_string(),
+                })?;
+                Tokenizer::from_json(text, Path::new(n))
+            })
+    }
+
+    /// Writes the checkpoint (and `optimizer`'s state, when given) to `dir`, atomically.
+    pub fn save(&self, dir: &Path, optimizer: Option<&Optimizer>) -> Result<()> {
+        let tmp = sibling(dir, ".tmp");
+        if tmp.exists() {
+            std::fs::remove_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
+        }
+        std::fs::create_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
+        let cfg = tmp.join("config.json");
+        let text = serde_json::to_string_pretty(&self.model.config.to_hf_json())
+            .expect("JSON value serialises");
+        std::fs::write(&cfg, text).map_err(|e| Error::io(&cfg, e))?;
+        self.model.params.save(&tmp.join("model.safetensors"))?;
+        for (name, bytes) in &self.assets {
+            let p = tmp.join(name);
+            std::fs::write(&p, bytes).map_err(|e| Error::io(&p, e))?;
+        }
+        if let Some(opt) = optimizer {
+            opt.save(&tmp.join("optimizer"))?;
+        }
+        if dir.exists() {
+            let old = sibling(dir, ".old");
+            let _ = std::fs::remove_dir_all(&old);
+            std::fs::rename(dir, &old).map_err(|e| Error::io(dir, e))?;
+            std::fs::rename(&tmp, dir).map_err(|e| Error::io(dir, e))?;
+            std::fs::remove_dir_all(&old).map_err(|e| Error::io(&old, e))?;
+        } else {
+            std::fs::rename(&tmp, dir).map_err(|e| Error::io(dir, e))?;
+        }
+        Ok(())
+    }
+}
+
+fn sibling(dir: &Path, suffix: &str) -> PathBuf {
+    let mut name = dir
+        .file_name()
+        .map(|n| n.to_os_string())
+        .unwrap_or_default();
+    name.push(suffix);
+    dir.with_file_name(name)
+}

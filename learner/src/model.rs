@@ -1,0 +1,806 @@
+//! The decoder-only transformer (Llama / Qwen2 / Qwen3), executed eagerly on the CPU kernels:
+//! forward to per-token log-probs and entropy (or full logits), and backward from
+//! d(loss)/d(log-prob) and d(loss)/d(entropy) per token into parameter gradients.
+
+use crate::config::ModelConfig;
+use crate::error::{Error, Result};
+use crate::params::{Layout, Params, Tensor};
+use kernels::attention::{AttnShape, attention, attention_backward};
+use kernels::matmul::{Op, Par, matmul};
+use kernels::rope::{RopeTable, apply as rope, inv_freq};
+use kernels::{activation, embedding, head, norm};
+use std::path::Path;
+
+/// Segment id given to padding tokens by [`Batch::padded`].
+pub const PAD_SEGMENT: u32 = u32::MAX;
+
+/// A batch of token rows, padded to one length (and optionally packed with several segments
+/// per row). All vectors have `rows · seq` entries.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Batch {
+    /// Number of rows.
+    pub rows: usize,
+    /// Tokens per row.
+    pub seq: usize,
+    /// Input token ids.
+    pub tokens: Vec<u32>,
+    /// Position id of each token (restarts at 0 in each segment).
+    pub positions: Vec<u32>,
+    /// Segment id of each token: attention never crosses segments.
+    pub segments: Vec<u32>,
+    /// Target id whose log-prob is scored at each position (the next token; arbitrary where
+    /// the caller masks it out).
+    pub targets: Vec<u32>,
+}
+
+impl Batch {
+    /// Right-pads `seqs` to the longest; targets are each next token (0 at the last token and
+    /// on padding). Padding gets token 0 and segment [`PAD_SEGMENT`].
+    pub fn padded(seqs: &[&[u32]]) -> Self {
+        let rows = seqs.len();
+        let seq = seqs.iter().map(|s| s.len()).max().unwrap_or(0);
+        let n = rows * seq;
+        let mut b = Batch {
+            rows,
+            seq,
+            tokens: vec![0; n],
+            positions: vec![0; n],
+            segments: vec![PAD_SEGMENT; n],
+            targets: vec![0; n],
+        };
+        for (r, s) in seqs.iter().enumerate() {
+            for (t, &tok) in s.iter().enumerate() {
+                let i = r * seq + t;
+                b.tokens[i] = tok;
+                b.positions[i] = t as u32;
+                b.segments[i] = 0;
+                b.targets[i] = s.get(t + 1).copied().unwrap_or(0);
+            }
+        }
+        b
+    }
+
+    /// Total positions (`rows · seq`).
+    pub fn len(&self) -> usize {
+        self.rows * self.seq
+    }
+
+    /// Whether the batch holds no position.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Refuses a batch the model cannot run, naming the offending value.
+    pub fn validate(&self, config: &ModelConfig) -> Result<()> {
+        let n = self.len();
+        if n == 0 {
+            return Err(Error::Batch("the batch is empty".into()));
+        }
+        for (what, v) in [
+            ("tokens", &self.tokens),
+            ("positions", &self.positions),
+            ("segments", &self.segments),
+            ("targets", &self.targets),
+        ] {
+            if v.len() != n {
+                return Err(Error::Batch(format!(
+                    "`{what}` has {} entries, rows·seq is {n}",
+                    v.len()
+                )));
+            }
+        }
+        let vocab = config.vocab_size as u32;
+        if let Some((i, t)) = self
+            .tokens
+            .iter()
+            .chain(&self.targets)
+            .enumerate()
+            .find(|(_, t)| **t >= vocab)
+        {
+            return Err(Error::Batch(format!(
+                "token id {t} at index {} is not below vocab_size {vocab}",
+                i % n
+            )));
+        }
+        if let Some(p) = self
+            .positions
+            .iter()
+            .find(|&&p| p as usize >= config.max_position_embeddings)
+        {
+            return Err(Error::Batch(format!(
+                "position {p} is beyond the context of {} tokens (max_position_embeddings)",
+                config.max_position_embeddings
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Per-token results of a forward pass.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Scores {
+    /// log p(target | prefix) at each position, from logits / temperature.
+    pub logp: Vec<f32>,
+    /// Entropy of the tempered next-token distribution at each position.
+    pub entropy: Vec<f32>,
+}
+
+/// Qwen3's q and k before their per-head norms, and the norms' inverse RMS.
+struct QkPre {
+    q: Vec<f32>,
+    k: Vec<f32>,
+    q_inv: Vec<f32>,
+    k_inv: Vec<f32>,
+}
+
+/// Activations one layer keeps for its backward.
+struct LayerTape {
+    x: Vec<f32>,
+    inv1: Vec<f32>,
+    h1: Vec<f32>,
+    /// Qwen3 only: q and k before their norms.
+    qk_pre: Option<QkPre>,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    o: Vec<f32>,
+    lse: Vec<f32>,
+    x2: Vec<f32>,
+    inv2: Vec<f32>,
+    h2: Vec<f32>,
+    g: Vec<f32>,
+    u: Vec<f32>,
+    m: Vec<f32>,
+}
+
+/// What the decoder stack hands to the head.
+struct Trunk {
+    hidden: Vec<f32>,
+    rope: RopeTable,
+    layers: Vec<LayerTape>,
+    x_last: Vec<f32>,
+    inv_final: Vec<f32>,
+}
+
+/// Everything a forward pass keeps for its backward.
+pub struct Tape {
+    batch: Batch,
+    temperature: f32,
+    rope: RopeTable,
+    layers: Vec<LayerTape>,
+    x_last: Vec<f32>,
+    inv_final: Vec<f32>,
+    h_final: Vec<f32>,
+    lse: Vec<f32>,
+    entropy: Vec<f32>,
+}
+
+/// A model: config, parameters and the layout that names them.
+#[derive(Clone, Debug)]
+pub struct Model {
+    /// Its configuration.
+    pub config: ModelConfig,
+    /// Its weights.
+    pub params: Params,
+    layout: Layout,
+    inv_freq: Vec<f64>,
+}
+
+/// `y = x · Wᵀ (+ b)` for `n` rows.
+fn linear(x: &[f32], n: usize, w: &Tensor, b: Option<&Tensor>) -> Vec<f32> {
+    let (out, inp) = (w.shape[0], w.shape[1]);
+    let mut y = vec![0.0f32; n * out];
+    if let Some(b) = b {
+        y.chunks_mut(out).for_each(|r| r.copy_from_slice(&b.data));
+    }
+    matmul(
+        n,
+        inp,
+        out,
+        x,
+        Op::N,
+        &w.data,
+        Op::T,
+        &mut y,
+        b.is_some(),
+        Par::Pool,
+    );
+    y
+}
+
+/// Backward of [`linear`]: `dW += dyᵀ·x`, `db += Σ dy`, `dx (+)= dy·W`.
+fn linear_backward(
+    dy: &[f32],
+    n: usize,
+    x: &[f32],
+    w: &Tensor,
+    dw: &mut [f32],
+    db: Option<&mut [f32]>,
+    dx: &mut [f32],
+    accumulate: bool,
+) {
+    let (out, inp) = (w.shape[0], w.shape[1]);
+    matmul(out, n, inp, dy, Op::T, x, Op::N, dw, true, Par::Pool);
+    if let Some(db) = db {
+        for r in dy.chunks(out) {
+            db.iter_mut().zip(r).for_each(|(a, b)| *a += b);
+        }
+    }
+    matmul(
+        n,
+        out,
+        inp,
+        dy,
+        Op::N,
+        &w.data,
+        Op::N,
+        dx,
+        accumulate,
+        Par::Pool,
+    );
+}
+
+fn add_into(a: &mut [f32], b: &[f32]) {
+    a.iter_mut().zip(b).for_each(|(x, y)| *x += y);
+}
+
+impl Model {
+    /// A model with the given weights (their names and shapes must follow `config`).
+    pub fn new(config: ModelConfig, params: Params) -> Result<Self> {
+        let (layout, specs) = Layout::new(&config);
+        if specs.len() != params.tensors.len() {
+            return Err(Error::config(
+                "<params>",
+                format!(
+                    "{} tensors given, the config needs {}",
+                    params.tensors.len(),
+                    specs.len()
+                ),
+            ));
+        }
+        for ((name, shape), t) in specs.iter().zip(&params.tensors) {
+            if *name != t.name
+                || *shape != t.shape
+                || t.data.len() != shape.iter().product::<usize>()
+            {
+                return Err(Error::BadTensor {
+                    path: "<params>".into(),
+                    name: t.name.clone(),
+                    msg: format!("expected `{name}` with shape {shape:?}"),
+                });
+            }
+        }
+        let inv_freq = inv_freq(config.head_dim, config.rope_theta, config.rope_scaling);
+        Ok(Self {
+            config,
+            params,
+            layout,
+            inv_freq,
+        })
+    }
+
+    /// Seeded random initialisation from a config (normal(0, 0.02) as `transformers` does).
+    pub fn init(config: ModelConfig, seed: u64) -> Self {
+        let (_, specs) = Layout::new(&config);
+        let params = Params::init(&specs, 0.02, seed);
+        Self::new(config, params).expect("init follows the layout")
+    }
+
+    /// Loads weights for `config` from a checkpoint folder.
+    pub fn load_weights(config: ModelConfig, dir: &Path) -> Result<Self> {
+        let (_, specs) = Layout::new(&config);
+        let params = Params::load(dir, &specs)?;
+        Self::new(config, params)
+    }
+
+    /// Where each role's tensor is in `params`.
+    pub fn layout(&self) -> &Layout {
+        &self.layout
+    }
+
+    fn t(&self, i: usize) -> &Tensor {
+        &self.params.tensors[i]
+    }
+
+    fn head_weight(&self) -> &Tensor {
+        self.t(self.layout.lm_head.unwrap_or(self.layout.embed))
+    }
+
+    fn attn_shape(&self, b: &Batch) -> AttnShape {
+        AttnShape {
+            batch: b.rows,
+            seq: b.seq,
+            heads: self.config.num_heads,
+            kv_heads: self.config.num_kv_heads,
+            head_dim: self.config.head_dim,
+        }
+    }
+
+    /// Runs the decoder stack; returns the final normed hidden states and, when `keep`, the tape.
+    fn trunk(&self, b: &Batch, keep: bool) -> Trunk {
+        let c = &self.config;
+        let (n, h, d) = (b.len(), c.hidden_size, c.head_dim);
+        let (nh, nkv) = (c.num_heads, c.num_kv_heads);
+        let table = RopeTable::new(&b.positions, &self.inv_freq);
+        let sh = self.attn_shape(b);
+        let scale = 1.0 / (d as f32).sqrt();
+        let mut x = vec![0.0f32; n * h];
+        embedding::gather(&self.t(self.layout.embed).data, h, &b.tokens, &mut x);
+        let mut tapes = Vec::new();
+        for ids in &self.layout.layers {
+            let mut h1 = vec![0.0; n * h];
+            let mut inv1 = vec![0.0; n];
+            norm::rmsnorm(
+                &x,
+                &self.t(ids.ln1).data,
+                c.rms_norm_eps,
+                &mut h1,
+                &mut inv1,
+            );
+            let mut q = linear(&h1, n, self.t(ids.q), ids.q_bias.map(|i| self.t(i)));
+            let mut k = linear(&h1, n, self.t(ids.k), ids.k_bias.map(|i| self.t(i)));
+            let v = linear(&h1, n, self.t(ids.v), ids.v_bias.map(|i| self.t(i)));
+            let qk_pre = match (ids.q_norm, ids.k_norm) {
+                (Some(qn), Some(kn)) => {
+                    let (q_pre, k_pre) = (q.clone(), k.clone());
+                    let mut q_inv = vec![0.0; n * nh];
+                    let mut k_inv = vec![0.0; n * nkv];
+                    norm::rmsnorm(&q_pre, &self.t(qn).data, c.rms_norm_eps, &mut q, &mut q_inv);
+                    norm::rmsnorm(&k_pre, &self.t(kn).data, c.rms_norm_eps, &mut k, &mut k_inv);
+                    Some(QkPre {
+                        q: q_pre,
+                        k: k_pre,
+                        q_inv,
+                        k_inv,
+                    })
+                }
+                _ => None,
+            };
+            rope(&mut q, nh, &table, false);
+            rope(&mut k, nkv, &table, false);
+            let mut o = vec![0.0; n * nh * d];
+            let mut lse = vec![0.0; b.rows * nh * b.seq];
+            attention(sh, &q, &k, &v, &b.segments, scale, &mut o, &mut lse);
+            let a = linear(&o, n, self.t(ids.o), ids.o_bias.map(|i| self.t(i)));
+            let mut x2 = a;
+            add_into(&mut x2, &x);
+            let mut h2 = vec![0.0; n * h];
+            let mut inv2 = vec![0.0; n];
+            norm::rmsnorm(
+                &x2,
+                &self.t(ids.ln2).data,
+                c.rms_norm_eps,
+                &mut h2,
+                &mut inv2,
+            );
+            let g = linear(&h2, n, self.t(ids.gate), None);
+            let u = linear(&h2, n, self.t(ids.up), None);
+            let mut m = vec![0.0; g.len()];
+            activation::swiglu(&g, &u, &mut m);
+            let f = linear(&m, n, self.t(ids.down), None);
+            let mut x3 = f;
+            add_into(&mut x3, &x2);
+            if keep {
+                tapes.push(LayerTape {
+                    x,
+                    inv1,
+                    h1,
+                    qk_pre,
+                    q,
+                    k,
+                    v,
+                    o,
+                    lse,
+                    x2,
+                    inv2,
+                    h2,
+                    g,
+                    u,
+                    m,
+                });
+            }
+            x = x3;
+        }
+        let mut hf = vec![0.0; n * h];
+        let mut invf = vec![0.0; n];
+        norm::rmsnorm(
+            &x,
+            &self.t(self.layout.norm).data,
+            c.rms_norm_eps,
+            &mut hf,
+            &mut invf,
+        );
+        Trunk {
+            hidden: hf,
+            rope: table,
+            layers: tapes,
+            x_last: x,
+            inv_final: invf,
+        }
+    }
+
+    /// Full logits `[rows·seq, vocab]` (no temperature). For tests and small batches: it
+    /// materialises the whole matrix.
+    pub fn logits(&self, b: &Batch) -> Result<Vec<f32>> {
+        b.validate(&self.config)?;
+        let hidden = self.trunk(b, false).hidden;
+        Ok(linear(&hidden, b.len(), self.head_weight(), None))
+    }
+
+    /// Log-probs of `b.targets` and entropies, under logits / `temperature`, without a tape.
+    pub fn score(&self, b: &Batch, temperature: f32) -> Result<Scores> {
+        Ok(self.forward_impl(b, temperature, false)?.0)
+    }
+
+    /// Forward keeping what the backward needs.
+    pub fn forward(&self, b: &Batch, temperature: f32) -> Result<(Scores, Tape)> {
+        let (s, tape) = self.forward_impl(b, temperature, true)?;
+        Ok((s, tape.expect("kept")))
+    }
+
+    fn forward_impl(
+        &self,
+        b: &Batch,
+        temperature: f32,
+        keep: bool,
+    ) -> Result<(Scores, Option<Tape>)> {
+        b.validate(&self.config)?;
+        if !(temperature > 0.0 && temperature.is_finite()) {
+            return Err(Error::Batch(format!(
+                "temperature must be positive, got {temperature}"
+            )));
+        }
+        let n = b.len();
+        let Trunk {
+            hidden: hf,
+            rope,
+            layers,
+            x_last,
+            inv_final,
+        } = self.trunk(b, keep);
+        let (mut logp, mut entropy, mut lse) = (vec![0.0; n], vec![0.0; n], vec![0.0; n]);
+        let w = self.head_weight();
+        head::logprob_entropy(
+            &hf,
+            &w.data,
+            self.config.hidden_size,
+            &b.targets,
+            temperature,
+            &mut logp,
+            &mut entropy,
+            &mut lse,
+        );
+        let scores = Scores {
+            logp,
+            entropy: entropy.clone(),
+        };
+        let tape = keep.then(|| Tape {
+            batch: b.clone(),
+            temperature,
+            rope,
+            layers,
+            x_last,
+            inv_final,
+            h_final: hf,
+            lse,
+            entropy,
+        });
+        Ok((scores, tape))
+    }
+
+    /// Backward from d(loss)/d(logp) and d(loss)/d(entropy) per position; accumulates into
+    /// `grads` (same layout as `params`).
+    pub fn backward(&self, tape: Tape, d_logp: &[f32], d_entropy: &[f32], grads: &mut Params) {
+        let c = &self.config;
+        let b = &tape.batch;
+        let (n, h, d) = (b.len(), c.hidden_size, c.head_dim);
+        let (nh, nkv) = (c.num_heads, c.num_kv_heads);
+        assert!(
+            d_logp.len() == n && d_entropy.len() == n,
+            "backward: gradient length"
+        );
+        let sh = self.attn_shape(b);
+        let scale = 1.0 / (d as f32).sqrt();
+        let head_id = self.layout.lm_head.unwrap_or(self.layout.embed);
+        let mut dh = vec![0.0; n * h];
+        head::logprob_entropy_backward(
+            &tape.h_final,
+            &self.t(head_id).data,
+            h,
+            &b.targets,
+            tape.temperature,
+            &tape.lse,
+            &tape.entropy,
+            d_logp,
+            d_entropy,
+            &mut dh,
+            &mut grads.tensors[head_id].data,
+        );
+        let mut dx = vec![0.0; n * h];
+        norm::rmsnorm_backward(
+            &tape.x_last,
+            &self.t(self.layout.norm).data,
+            &tape.inv_final,
+            &dh,
+            &mut dx,
+            &mut grads.tensors[self.layout.norm].data,
+        );
+        for (ids, lt) in self.layout.layers.iter().zip(tape.layers).rev() {
+            // MLP: x3 = x2 + down(swiglu(gate(h2), up(h2)))
+            let mut dm = vec![0.0; lt.m.len()];
+            linear_backward(
+                &dx,
+                n,
+                &lt.m,
+                self.t(ids.down),
+                &mut grads.tensors[ids.down].data,
+                None,
+                &mut dm,
+                false,
+            );
+            let (mut dg, mut du) = (vec![0.0; dm.len()], vec![0.0; dm.len()]);
+            activation::swiglu_backward(&lt.g, &lt.u, &dm, &mut dg, &mut du);
+            drop(dm);
+            let mut dh2 = vec![0.0; n * h];
+            linear_backward(
+                &dg,
+                n,
+                &lt.h2,
+                self.t(ids.gate),
+                &mut grads.tensors[ids.gate].data,
+                None,
+                &mut dh2,
+                false,
+            );
+            linear_backward(
+                &du,
+                n,
+                &lt.h2,
+                self.t(ids.up),
+                &mut grads.tensors[ids.up].data,
+                None,
+                &mut dh2,
+                true,
+            );
+            let mut dx2 = vec![0.0; n * h];
+            norm::rmsnorm_backward(
+                &lt.x2,
+                &self.t(ids.ln2).data,
+                &lt.inv2,
+                &dh2,
+                &mut dx2,
+                &mut grads.tensors[ids.ln2].data,
+            );
+            add_into(&mut dx2, &dx);
+            // Attention: x2 = x + o_proj(attn(rope(q), rope(k), v))
+            let mut d_o = vec![0.0; lt.o.len()];
+            let (dw_o, db_o) = two_mut(&mut grads.tensors, ids.o, ids.o_bias);
+            linear_backward(&dx2, n, &lt.o, self.t(ids.o), dw_o, db_o, &mut d_o, false);
+            let (mut dq, mut dk, mut dv) = (
+                vec![0.0; lt.q.len()],
+                vec![0.0; lt.k.len()],
+                vec![0.0; lt.v.len()],
+            );
+            attention_backward(
+                sh,
+                &lt.q,
+                &lt.k,
+                &lt.v,
+                &b.segments,
+                scale,
+                &lt.o,
+                &lt.lse,
+                &d_o,
+                &mut dq,
+                &mut dk,
+                &mut dv,
+            );
+            drop(d_o);
+            rope(&mut dq, nh, &tape.rope, true);
+            rope(&mut dk, nkv, &tape.rope, true);
+            if let (
+                Some(QkPre {
+                    q: q_pre,
+                    k: k_pre,
+                    q_inv,
+                    k_inv,
+                }),
+                Some(qn),
+                Some(kn),
+            ) = (&lt.qk_pre, ids.q_norm, ids.k_norm)
+            {
+                let mut dq_pre = vec![0.0; dq.len()];
+                norm::rmsnorm_backward(
+                    q_pre,
+                    &self.t(qn).data,
+                    q_inv,
+                    &dq,
+                    &mut dq_pre,
+                    &mut grads.tensors[qn].data,
+                );
+                dq = dq_pre;
+                let mut dk_pre = vec![0.0; dk.len()];
+                norm::rmsnorm_backward(
+                    k_pre,
+                    &self.t(kn).data,
+                    k_inv,
+                    &dk,
+                    &mut dk_pre,
+                    &mut grads.tensors[kn].data,
+                );
+                dk = dk_pre;
+            }
+            let mut dh1 = vec![0.0; n * h];
+            let (dw, db) = two_mut(&mut grads.tensors, ids.q, ids.q_bias);
+            linear_backward(&dq, n, &lt.h1, self.t(ids.q), dw, db, &mut dh1, false);
+            let (dw, db) = two_mut(&mut grads.tensors, ids.k, ids.k_bias);
+            linear_backward(&dk, n, &lt.h1, self.t(ids.k), dw, db, &mut dh1, true);
+            let (dw, db) = two_mut(&mut grads.tensors, ids.v, ids.v_bias);
+            linear_backward(&dv, n, &lt.h1, self.t(ids.v), dw, db, &mut dh1, true);
+            let mut dx1 = vec![0.0; n * h];
+            norm::rmsnorm_backward(
+                &lt.x,
+                &self.t(ids.ln1).data,
+                &lt.inv1,
+                &dh1,
+                &mut dx1,
+                &mut grads.tensors[ids.ln1].data,
+            );
+            add_into(&mut dx1, &dx2);
+            dx = dx1;
+        }
+        embedding::scatter_add(
+            &mut grads.tensors[self.layout.embed].data,
+            h,
+            &b.tokens,
+            &dx,
+        );
+    }
+}
+
+/// Mutable access to a weight's gradient and, when present, its bias's.
+fn two_mut(t: &mut [Tensor], w: usize, b: Option<usize>) -> (&mut [f32], Option<&mut [f32]>) {
+    match b {
+        None => (&mut t[w].data, None),
+        Some(bi) => {
+            assert!(bi > w, "bias tensors follow their weights in the layout");
+            let (lo, hi) = t.split_at_mut(bi);
+            (&mut lo[w].data, Some(&mut hi[0].data))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn tiny(arch: &str, extra: serde_json::Value) -> Model {
+        let mut cfg = json!({"model_type": arch, "vocab_size": 50, "hidden_size": 16, "intermediate_size": 24,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+            "max_position_embeddings": 64});
+        for (k, v) in extra.as_object().unwrap() {
+            cfg[k] = v.clone();
+        }
+        let config = ModelConfig::from_json(cfg, Path::new("test")).unwrap();
+        let mut m = Model::init(config, 7);
+        // Wider weights than the 0.02 init, so every path carries signal; norms away from 1.
+        for (i, t) in m.params.tensors.iter_mut().enumerate() {
+            let mut rng = <rand_chacha::ChaCha8Rng as rand::SeedableRng>::seed_from_u64(i as u64);
+            let mut noise = vec![0.0; t.data.len()];
+            crate::rng::fill_normal(&mut rng, &mut noise, 0.3);
+            t.data.iter_mut().zip(noise).for_each(|(v, n)| *v += n);
+        }
+        m
+    }
+
+    /// loss = Σ c1·logp + c2·entropy over a padded batch; the directional derivative along a
+    /// random direction must match the analytic gradient (f32 central differences).
+    fn directional_check(m: &Model) {
+        let batch = Batch::padded(&[&[1u32, 5, 9, 13, 2, 7][..], &[3, 4, 11][..]]);
+        let n = batch.len();
+        let c1: Vec<f32> = (0..n).map(|i| ((i * 7 % 5) as f32 - 2.0) * 0.3).collect();
+        let c2: Vec<f32> = (0..n).map(|i| ((i * 3 % 4) as f32 - 1.5) * 0.2).collect();
+        let loss = |m: &Model| -> f64 {
+            let s = m.score(&batch, 0.8).unwrap();
+            (0..n)
+                .map(|i| (c1[i] * s.logp[i] + c2[i] * s.entropy[i]) as f64)
+                .sum()
+        };
+        let (_, tape) = m.forward(&batch, 0.8).unwrap();
+        let mut grads = m.params.zeros_like();
+        m.backward(tape, &c1, &c2, &mut grads);
+        let mut rng = <rand_chacha::ChaCha8Rng as rand::SeedableRng>::seed_from_u64(99);
+        let mut dir = m.params.zeros_like();
+        for t in &mut dir.tensors {
+            crate::rng::fill_normal(&mut rng, &mut t.data, 1.0);
+        }
+        let analytic: f64 = grads
+            .tensors
+            .iter()
+            .zip(&dir.tensors)
+            .map(|(g, d)| {
+                g.data
+                    .iter()
+                    .zip(&d.data)
+                    .map(|(a, b)| (*a as f64) * (*b as f64))
+                    .sum::<f64>()
+            })
+            .sum();
+        let h = 1e-3f32;
+        let shifted = |sign: f32| {
+            let mut p = m.clone();
+            for (t, d) in p.params.tensors.iter_mut().zip(&dir.tensors) {
+                t.data
+                    .iter_mut()
+                    .zip(&d.data)
+                    .for_each(|(v, dv)| *v += sign * h * dv);
+            }
+            loss(&p)
+        };
+        let numeric = (shifted(1.0) - shifted(-1.0)) / (2.0 * h as f64);
+        assert!(
+            (numeric - analytic).abs() <= 2e-2 * (1.0 + analytic.abs()),
+            "numeric {numeric} vs analytic {analytic}"
+        );
+    }
+
+    #[test]
+    fn qwen3_with_tied_embeddings_backward_matches_finite_differences() {
+        directional_check(&tiny("qwen3", json!({"tie_word_embeddings": true})));
+    }
+
+    #[test]
+    fn llama_with_attention_bias_and_rope_scaling_backward_matches_finite_differences() {
+        directional_check(&tiny(
+            "llama",
+            json!({"attention_bias": true, "rope_scaling":
+            {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+             "original_max_position_embeddings": 32}}),
+        ));
+    }
+
+    #[test]
+    fn padding_does_not_change_a_rows_scores() {
+        let m = tiny("qwen2", json!({}));
+        let alone = m.score(&Batch::padded(&[&[3u32, 4, 11][..]]), 1.0).unwrap();
+        let padded = m
+            .score(
+                &Batch::padded(&[&[3u32, 4, 11][..], &[1, 5, 9, 13, 2, 7][..]]),
+                1.0,
+            )
+            .unwrap();
+        for i in 0..2 {
+            assert!((alone.logp[i] - padded.logp[i]).abs() < 1e-5);
+        }
+    }
+
+    #[test]
+    fn bad_batches_are_refused_naming_the_value() {
+        let m = tiny("qwen2", json!({}));
+        let e = m
+            .score(&Batch::padded(&[&[3u32, 50][..]]), 1.0)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("token id 50") && e.contains("vocab_size 50"),
+            "{e}"
+        );
+        let e = m.score(&Batch::padded(&[]), 1.0).unwrap_err().to_string();
+        assert!(e.contains("empty"), "{e}");
+        let long: Vec<u32> = vec![1; 65];
+        let e = m
+            .score(&Batch::padded(&[&long[..]]), 1.0)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("position 64") && e.contains("max_position_embeddings"),
+            "{e}"
+        );
+        let e = m
+            .score(&Batch::padded(&[&[1u32][..]]), 0.0)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("temperature"), "{e}");
+    }
+}

@@ -1,0 +1,234 @@
+//! The optimiser around the AdamW kernel: learning-rate schedules with warmup, global-norm
+//! gradient clipping, skipping steps whose gradient norm is not finite, and its state on disk.
+
+use crate::error::{Error, Result};
+use crate::params::Params;
+use kernels::optim::{AdamW, clip_factor, global_norm, scale};
+use std::path::Path;
+
+/// Shape of the learning-rate curve after warmup.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ScheduleKind {
+    /// Flat at the base rate.
+    Constant,
+    /// Cosine decay from the base rate to `min_lr_ratio · base` at `total_steps`.
+    Cosine,
+}
+
+/// Learning rate per optimiser call, as `transformers`' schedules with warmup define it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LrSchedule {
+    /// Peak learning rate.
+    pub base_lr: f32,
+    /// Linear warmup from 0 over this many calls.
+    pub warmup_steps: u64,
+    /// Length of the whole run (cosine only).
+    pub total_steps: u64,
+    /// Constant or cosine.
+    pub kind: ScheduleKind,
+    /// Floor of the cosine, as a fraction of `base_lr`.
+    pub min_lr_ratio: f32,
+}
+
+impl LrSchedule {
+    /// A constant rate without warmup.
+    pub fn constant(lr: f32) -> Self {
+        Self {
+            base_lr: lr,
+            warmup_steps: 0,
+            total_steps: 0,
+            kind: ScheduleKind::Constant,
+            min_lr_ratio: 0.0,
+        }
+    }
+
+    /// The rate at call `step` (counting from 0).
+    pub fn lr(&self, step: u64) -> f32 {
+        if step < self.warmup_steps {
+            return self.base_lr * step as f32 / self.warmup_steps.max(1) as f32;
+        }
+        match self.kind {
+            ScheduleKind::Constant => self.base_lr,
+            ScheduleKind::Cosine => {
+                let span = self.total_steps.saturating_sub(self.warmup_steps).max(1);
+                let progress = ((step - self.warmup_steps) as f64 / span as f64).min(1.0);
+                let cos = 0.5 * (1.0 + (std::f64::consts::PI * progress).cos());
+                self.base_lr * (self.min_lr_ratio + (1.0 - self.min_lr_ratio) * cos as f32)
+            }
+        }
+    }
+}
+
+/// What one optimiser call did.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StepReport {
+    /// Global gradient norm before clipping.
+    pub grad_norm: f64,
+    /// Learning rate used.
+    pub lr: f32,
+    /// True when the norm was not finite and the update was skipped.
+    pub skipped: bool,
+}
+
+/// AdamW with its moments, schedule and clipping.
+#[derive(Clone, Debug)]
+pub struct Optimizer {
+    /// β₁, β₂, ε and weight decay (the `lr` field is overwritten by the schedule).
+    pub hparams: AdamW,
+    /// Learning-rate schedule.
+    pub schedule: LrSchedule,
+    /// Clip the global gradient norm to this (None: no clipping).
+    pub grad_clip: Option<f64>,
+    /// Optimiser calls so far (indexes the schedule).
+    pub calls: u64,
+    /// Updates actually applied (AdamW's bias correction counts these).
+    pub applied: u64,
+    m: Params,
+    v: Params,
+}
+
+impl Optimizer {
+    /// Fresh state for parameters shaped like `params`.
+    pub fn new(
+        params: &Params,
+        hparams: AdamW,
+        schedule: LrSchedule,
+        grad_clip: Option<f64>,
+    ) -> Self {
+        Self {
+            hparams,
+            schedule,
+            grad_clip,
+            calls: 0,
+            applied: 0,
+            m: params.zeros_like(),
+            v: params.zeros_like(),
+        }
+    }
+
+    /// Applies `grads` to `params`: clip, skip if not finite, AdamW at the scheduled rate.
+    /// Leaves `grads` clipped; the caller zeroes them for the next step.
+    pub fn step(&mut self, params: &mut Params, grads: &mut Params) -> StepReport {
+        let lr = self.schedule.lr(self.calls);
+        self.calls += 1;
+        let norm = global_norm(grads.tensors.iter().map(|t| t.data.as_slice()));
+        if !norm.is_finite() {
+            return StepReport {
+                grad_norm: norm,
+                lr,
+                skipped: true,
+            };
+        }
+        if let Some(max) = self.grad_clip {
+            let f = clip_factor(norm, max);
+            if f < 1.0 {
+                grads.tensors.iter_mut().for_each(|t| scale(&mut t.data, f));
+            }
+        }
+        self.applied += 1;
+        let hp = AdamW { lr, ..self.hparams };
+        for (((p, g), m), v) in params
+            .tensors
+            .iter_mut()
+            .zip(&grads.tensors)
+            .zip(&mut self.m.tensors)
+            .zip(&mut self.v.tensors)
+        {
+            hp.update(self.applied, &mut p.data, &g.data, &mut m.data, &mut v.data);
+        }
+        StepReport {
+            grad_norm: norm,
+            lr,
+            skipped: false,
+        }
+    }
+
+    /// Writes the moments (`state.safetensors`) and counters (`state.json`) into `dir`.
+    pub fn save(&self, dir: &Path) -> Result<()> {
+        std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+        self.m.save_prefixed(&dir.join("m.safetensors"), "")?;
+        self.v.save_prefixed(&dir.join("v.safetensors"), "")?;
+        let meta = serde_json::json!({"calls": self.calls, "applied": self.applied});
+        let path = dir.join("state.json");
+        std::fs::write(&path, meta.to_string()).map_err(|e| Error::io(&path, e))
+    }
+
+    /// Restores what [`Optimizer::save`] wrote, for parameters shaped like the current ones.
+    pub fn load(&mut self, dir: &Path) -> Result<()> {
+        let specs: Vec<(String, Vec<usize>)> = self
+            .m
+            .tensors
+            .iter()
+            .map(|t| (t.name.clone(), t.shape.clone()))
+            .collect();
+        let load = |file: &str| -> Result<Params> {
+            let tmp = dir.join(file);
+            let st = crate::params::load_file(&tmp, &specs)?;
+            Ok(st)
+        };
+        let (m, v) = (load("m.safetensors")?, load("v.safetensors")?);
+        let path = dir.join("state.json");
+        let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+        let meta: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| Error::config(&path, format!("invalid JSON: {e}")))?;
+        let field = |k: &str| {
+            meta.get(k)
+                .and_then(|v| v.as_u64())
+                .ok_or_else(|| Error::config(&path, format!("missing field `{k}`")))
+        };
+        self.calls = field("calls")?;
+        self.applied = field("applied")?;
+        self.m = m;
+        self.v = v;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn warmup_then_cosine() {
+        let s = LrSchedule {
+            base_lr: 1.0,
+            warmup_steps: 4,
+            total_steps: 14,
+            kind: ScheduleKind::Cosine,
+            min_lr_ratio: 0.0,
+        };
+        assert_eq!(s.lr(0), 0.0);
+        assert_eq!(s.lr(2), 0.5);
+        assert_eq!(s.lr(4), 1.0);
+        assert!((s.lr(9) - 0.5).abs() < 1e-6);
+        assert!(s.lr(14).abs() < 1e-6);
+        assert_eq!(LrSchedule::constant(0.3).lr(100), 0.3);
+    }
+
+    #[test]
+    fn non_finite_gradients_skip_the_update() {
+        let specs = vec![("w".to_string(), vec![2])];
+        let mut p = Params::init(&specs, 1.0, 1);
+        let before = p.clone();
+        let mut g = p.zeros_like();
+        g.tensors[0].data[0] = f32::NAN;
+        let mut opt = Optimizer::new(&p, AdamW::default(), LrSchedule::constant(0.1), Some(1.0));
+        let r = opt.step(&mut p, &mut g);
+        assert!(r.skipped);
+        assert_eq!(p, before);
+        assert_eq!((opt.calls, opt.applied), (1, 0));
+    }
+
+    #[test]
+    fn clipping_bounds_the_norm() {
+        let specs = vec![("w".to_string(), vec![2])];
+        let mut p = Params::zeros(&specs);
+        let mut g = p.zeros_like();
+        g.tensors[0].data.copy_from_slice(&[30.0, 40.0]);
+        let mut opt = Optimizer::new(&p, AdamW::default(), LrSchedule::constant(0.1), Some(1.0));
+        let r = opt.step(&mut p, &mut g);
+        assert!((r.grad_norm - 50.0).abs() < 1e-9);
+        let clipped = global_norm([g.tensors[0].data.as_slice()]);
+        assert!((clipped - 1.0).abs() < 1e-5);
+    }
+}

@@ -1,0 +1,248 @@
+//! Parity with a real peer: `tests/data/tiny-qwen2` was written by Hugging Face `transformers`
+//! (logits, log-probs, gradients, tokenizer ids). Our model must reproduce them.
+
+use learner::checkpoint::Checkpoint;
+use learner::{Batch, Model};
+use safetensors::SafeTensors;
+use serde_json::Value;
+use std::path::PathBuf;
+
+fn data() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/data/tiny-qwen2")
+}
+
+struct Reference {
+    json: Value,
+    bytes: Vec<u8>,
+}
+
+impl Reference {
+    fn load() -> Self {
+        let json =
+            serde_json::from_str(&std::fs::read_to_string(data().join("reference.json")).unwrap())
+                .unwrap();
+        let bytes = std::fs::read(data().join("reference.safetensors")).unwrap();
+        Self { json, bytes }
+    }
+    fn tensor(&self, name: &str) -> Vec<f32> {
+        let st = SafeTensors::deserialize(&self.bytes).unwrap();
+        let t = st.tensor(name).unwrap();
+        t.data()
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+            .collect()
+    }
+    fn ids(&self, key: &str) -> Vec<Vec<u32>> {
+        self.json[key]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| {
+                r.as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|v| v.as_u64().unwrap() as u32)
+                    .collect()
+            })
+            .collect()
+    }
+}
+
+fn model() -> Checkpoint {
+    Checkpoint::load(&data().join("checkpoint")).expect("fixture loads")
+}
+
+fn assert_close(got: &[f32], want: &[f32], tol: f32, what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    let worst = got
+        .iter()
+        .zip(want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max);
+    assert!(worst <= tol, "{what}: max abs difference {worst} > {tol}");
+}
+
+#[test]
+fn logits_of_each_input_match_transformers() {
+    let (ckpt, r) = (model(), Reference::load());
+    for (k, ids) in r.ids("input_ids").iter().enumerate() {
+        let logits = ckpt.model.logits(&Batch::padded(&[ids])).unwrap();
+        assert_close(
+            &logits,
+            &r.tensor(&format!("logits_{k}")),
+            1e-4,
+            &format!("logits_{k}"),
+        );
+    }
+}
+
+#[test]
+fn padded_batch_logits_match_under_the_mask() {
+    let (ckpt, r) = (model(), Reference::load());
+    let pb = &r.json["padded_batch"];
+    let rows: Vec<Vec<u32>> = pb["input_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|row| {
+            row.as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_u64().unwrap() as u32)
+                .collect()
+        })
+        .collect();
+    let mask: Vec<Vec<u64>> = pb["attention_mask"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|row| {
+            row.as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_u64().unwrap())
+                .collect()
+        })
+        .collect();
+    let seqs: Vec<Vec<u32>> = rows
+        .iter()
+        .zip(&mask)
+        .map(|(r, m)| {
+            r.iter()
+                .zip(m)
+                .filter(|(_, m)| **m == 1)
+                .map(|(t, _)| *t)
+                .collect()
+        })
+        .collect();
+    let refs: Vec<&[u32]> = seqs.iter().map(|s| s.as_slice()).collect();
+    let batch = Batch::padded(&refs);
+    let logits = ckpt.model.logits(&batch).unwrap();
+    let want = r.tensor("padded_batch_logits");
+    let vocab = ckpt.model.config.vocab_size;
+    assert_eq!(batch.seq, mask[0].len());
+    for (b, m) in mask.iter().enumerate() {
+        for (t, &on) in m.iter().enumerate() {
+            if on == 1 {
+                let i = (b * batch.seq + t) * vocab;
+                assert_close(
+                    &logits[i..i + vocab],
+                    &want[i..i + vocab],
+                    1e-4,
+                    &format!("padded[{b},{t}]"),
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn token_logprobs_match_transformers() {
+    let (ckpt, r) = (model(), Reference::load());
+    let ids = r.ids("input_ids");
+    let refs: Vec<&[u32]> = ids.iter().map(|s| s.as_slice()).collect();
+    let batch = Batch::padded(&refs);
+    let scores = ckpt.model.score(&batch, 1.0).unwrap();
+    for (k, row) in r.json["token_logprobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .enumerate()
+    {
+        let want: Vec<f32> = row
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_f64().unwrap() as f32)
+            .collect();
+        let got = &scores.logp[k * batch.seq..k * batch.seq + want.len()];
+        assert_close(got, &want, 1e-4, &format!("token_logprobs[{k}]"));
+    }
+}
+
+#[test]
+fn gradient_of_the_mean_nll_matches_every_parameter() {
+    let (ckpt, r) = (model(), Reference::load());
+    let ids = &r.ids("input_ids")[0];
+    let batch = Batch::padded(&[ids]);
+    let (scores, tape) = ckpt.model.forward(&batch, 1.0).unwrap();
+    let n = ids.len() - 1;
+    let nll = -scores.logp[..n].iter().sum::<f32>() / n as f32;
+    let want_nll = r.json["nll_seq0"].as_f64().unwrap() as f32;
+    assert!((nll - want_nll).abs() < 1e-4, "nll {nll} vs {want_nll}");
+    let mut d_logp = vec![0.0; batch.len()];
+    d_logp[..n].fill(-1.0 / n as f32);
+    let mut grads = ckpt.model.params.zeros_like();
+    ckpt.model
+        .backward(tape, &d_logp, &vec![0.0; batch.len()], &mut grads);
+    // Relative to each tensor's largest entry: f32 summation order differs from PyTorch's, so
+    // entries far below the tensor's scale carry absolute, not relative, rounding error.
+    for g in &grads.tensors {
+        let want = r.tensor(&format!("grad.{}", g.name));
+        let scale = want.iter().map(|v| v.abs()).fold(0.0f32, f32::max);
+        let worst = g
+            .data
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        eprintln!(
+            "grad.{}: max |diff| / max |ref| = {:.2e}",
+            g.name,
+            worst / scale
+        );
+        assert!(
+            worst <= 1e-4 * scale,
+            "grad.{}: max |diff| {worst} > 1e-4 × {scale}",
+            g.name
+        );
+    }
+}
+
+#[test]
+fn tokenizer_ids_and_decoding_match() {
+    let (ckpt, r) = (model(), Reference::load());
+    let tok = ckpt
+        .tokenizer()
+        .expect("fixture ships tokenizer.json")
+        .unwrap();
+    let texts = r.json["texts"].as_array().unwrap();
+    for (text, want) in texts.iter().zip(r.ids("input_ids")) {
+        let text = text.as_str().unwrap();
+        assert_eq!(tok.encode(text).unwrap(), want, "ids of {text:?}");
+        assert_eq!(
+            tok.decode(&want).unwrap(),
+            r.json["decode_roundtrip"][0]
+                .as_str()
+                .map(|_| text)
+                .unwrap()
+        );
+    }
+}
+
+#[test]
+fn save_then_load_reproduces_the_logits() {
+    let ckpt = model();
+    let dir = std::env::temp_dir().join(format!("trellis-save-{}", std::process::id()));
+    let out = dir.join("ckpt");
+    ckpt.save(&out, None).unwrap();
+    for f in [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    ] {
+        assert!(out.join(f).is_file(), "{f} written");
+    }
+    let back = Checkpoint::load(&out).unwrap();
+    let batch = Batch::padded(&[&[304u32, 284, 294, 20, 13][..]]);
+    assert_eq!(
+        ckpt.model.logits(&batch).unwrap(),
+        back.model.logits(&batch).unwrap()
+    );
+    // Saving over an existing checkpoint replaces it whole.
+    ckpt.save(&out, None).unwrap();
+    assert!(Model::load_weights(back.model.config.clone(), &out).is_ok());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
