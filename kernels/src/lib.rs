@@ -17,6 +17,7 @@ pub mod head;
 pub mod matmul;
 pub mod norm;
 pub mod optim;
+pub mod peak;
 pub mod rope;
 pub mod threads;
 

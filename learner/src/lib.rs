@@ -6,6 +6,7 @@
 //! panics on user input (configs, checkpoints, token ids): those are [`Error`]s that name the
 //! file, tensor or value.
 
+pub mod bench;
 pub mod checkpoint;
 pub mod config;
 pub mod error;

@@ -1,22 +1,158 @@
 //! `trellis`: the command-line entry point. Subcommands are thin: they parse arguments and call
 //! into the library crates; errors are reported with `anyhow` context chains.
 
-use clap::Parser;
+use anyhow::{Context, Result, bail};
+use clap::{Parser, Subcommand};
+use learner::checkpoint::Checkpoint;
+use learner::{Batch, bench};
+use std::path::PathBuf;
 
 /// Trellis: an RL post-training orchestrator for language models.
 #[derive(Debug, Parser)]
-#[command(name = "trellis", version)]
+#[command(name = "trellis", version, arg_required_else_help = true)]
 struct Cli {
     /// Log filter in `tracing` syntax (also read from TRELLIS_LOG).
     #[arg(long, global = true, env = "TRELLIS_LOG", default_value = "info")]
     log: String,
+    /// Kernel threads (0 = all cores).
+    #[arg(long, global = true, default_value_t = 0)]
+    threads: usize,
+    #[command(subcommand)]
+    command: Command,
 }
 
-fn main() -> anyhow::Result<()> {
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Per-token log-probs and total NLL of a text under a checkpoint.
+    Score {
+        /// Checkpoint folder (Hugging Face layout).
+        #[arg(long)]
+        model: PathBuf,
+        /// The text to score.
+        #[arg(long)]
+        text: String,
+        /// Print JSON: {"token_ids": [...], "logprobs": [...], "nll": x}.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Benchmarks.
+    Bench {
+        #[command(subcommand)]
+        what: BenchCommand,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum BenchCommand {
+    /// One training step of the reference model: tokens/s, GFLOP/s, MFU, GEMM rate, peak RSS.
+    Train {
+        /// Rows per step.
+        #[arg(long, default_value_t = 8)]
+        batch: usize,
+        /// Tokens per row.
+        #[arg(long, default_value_t = 256)]
+        seq: usize,
+        /// Timed steps (after one warm-up).
+        #[arg(long, default_value_t = 5)]
+        steps: usize,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+fn score(model: &std::path::Path, text: &str, json: bool) -> Result<()> {
+    let ckpt = Checkpoint::load(model)?;
+    let tok = ckpt
+        .tokenizer()
+        .with_context(|| format!("{}: no tokenizer.json in the checkpoint", model.display()))??;
+    let ids = tok.encode(text)?;
+    if ids.len() < 2 {
+        bail!(
+            "--text must give at least two tokens to score; {text:?} gives {}",
+            ids.len()
+        );
+    }
+    let scores = ckpt.model.score(&Batch::padded(&[&ids]), 1.0)?;
+    let logprobs = &scores.logp[..ids.len() - 1];
+    let nll = -logprobs.iter().map(|&v| v as f64).sum::<f64>();
+    if json {
+        let out = serde_json::json!({"token_ids": ids, "logprobs": logprobs, "nll": nll});
+        println!("{out}");
+    } else {
+        for (i, lp) in logprobs.iter().enumerate() {
+            let piece = tok.decode(&ids[i + 1..i + 2])?;
+            println!("{:>6}  {:>10.4}  {piece:?}", ids[i + 1], lp);
+        }
+        println!(
+            "tokens {}  nll {nll:.4}  mean {:.4}",
+            ids.len(),
+            nll / logprobs.len() as f64
+        );
+    }
+    Ok(())
+}
+
+fn bench_train(batch: usize, seq: usize, steps: usize, json: bool) -> Result<()> {
+    if batch == 0 || seq < 2 || steps == 0 {
+        bail!("--batch and --steps must be positive and --seq at least 2");
+    }
+    let opts = bench::TrainBenchOptions {
+        batch,
+        seq,
+        steps,
+        ..Default::default()
+    };
+    let r = bench::train_bench(&opts);
+    if json {
+        println!("{}", serde_json::to_string(&r)?);
+        return Ok(());
+    }
+    println!(
+        "train step, reference model ({:.1}M params), batch {batch} × seq {seq}, {} threads",
+        r.params as f64 / 1e6,
+        r.threads
+    );
+    println!(
+        "  step time (median of {steps}) {:.3} s",
+        r.step_seconds_median
+    );
+    println!("  tokens/s                   {:.0}", r.tokens_per_second);
+    println!(
+        "  achieved                   {:.1} GFLOP/s ({:.1} GFLOP per step)",
+        r.achieved_gflops, r.model_gflops_per_step
+    );
+    println!(
+        "  f32 FMA peak (measured)    {:.1} GFLOP/s",
+        r.peak_fma_gflops
+    );
+    println!("  MFU                        {:.1}%", 100.0 * r.mfu);
+    println!(
+        "  GEMM 1024³                 {:.1} GFLOP/s ({:.1}% of peak)",
+        r.gemm_1024_gflops,
+        100.0 * r.gemm_fraction_of_peak
+    );
+    println!("  peak RSS                   {:.0} MiB", r.peak_rss_mib);
+    Ok(())
+}
+
+fn main() -> Result<()> {
     let cli = Cli::parse();
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_new(&cli.log)?)
         .with_writer(std::io::stderr)
         .init();
-    Ok(())
+    kernels::threads::init(cli.threads);
+    match cli.command {
+        Command::Score { model, text, json } => score(&model, &text, json),
+        Command::Bench {
+            what:
+                BenchCommand::Train {
+                    batch,
+                    seq,
+                    steps,
+                    json,
+                },
+        } => bench_train(batch, seq, steps, json),
+    }
 }

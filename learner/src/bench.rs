@@ -1,0 +1,167 @@
+//! `trellis bench train`: one full training step (forward, backward, AdamW) of a reference
+//! model on random tokens, reported as tokens/s, GFLOP/s and MFU against the f32 FMA peak
+//! measured in the same run, with the GEMM rate at 1024³ and peak RSS.
+
+use crate::config::ModelConfig;
+use crate::model::{Batch, Model};
+use crate::optim::{LrSchedule, Optimizer};
+use kernels::matmul::{Op, Par, matmul};
+use kernels::optim::AdamW;
+use serde::Serialize;
+use std::time::Instant;
+
+/// What to measure.
+#[derive(Clone, Debug)]
+pub struct TrainBenchOptions {
+    /// Model config (defaults to [`reference_config`]).
+    pub config: ModelConfig,
+    /// Rows per step.
+    pub batch: usize,
+    /// Tokens per row.
+    pub seq: usize,
+    /// Timed steps (after one warm-up step).
+    pub steps: usize,
+}
+
+/// The reference config of the model issue: hidden 512, 8 layers, 8 heads, intermediate 1408,
+/// vocab 8192.
+pub fn reference_config() -> ModelConfig {
+    let v = serde_json::json!({"model_type": "qwen2", "vocab_size": 8192, "hidden_size": 512,
+        "intermediate_size": 1408, "num_hidden_layers": 8, "num_attention_heads": 8,
+        "num_key_value_heads": 8, "max_position_embeddings": 4096});
+    ModelConfig::from_json(v, std::path::Path::new("<reference>"))
+        .expect("reference config is valid")
+}
+
+impl Default for TrainBenchOptions {
+    fn default() -> Self {
+        Self {
+            config: reference_config(),
+            batch: 8,
+            seq: 256,
+            steps: 5,
+        }
+    }
+}
+
+/// Results (all rates are medians over the timed steps).
+#[derive(Clone, Debug, Serialize)]
+pub struct TrainBenchReport {
+    pub threads: usize,
+    pub params: usize,
+    pub tokens_per_step: usize,
+    pub step_seconds_median: f64,
+    pub step_seconds_all: Vec<f64>,
+    pub tokens_per_second: f64,
+    pub model_gflops_per_step: f64,
+    pub achieved_gflops: f64,
+    pub peak_fma_gflops: f64,
+    pub mfu: f64,
+    pub gemm_1024_gflops: f64,
+    pub gemm_fraction_of_peak: f64,
+    pub peak_rss_mib: f64,
+}
+
+/// Model FLOPs of one forward+backward over `tokens` tokens in rows of `seq`: 6 per
+/// matmul parameter per token (the embedding gather has none) plus attention's
+/// 12·layers·hidden·seq per token (PaLM's accounting).
+pub fn train_flops(c: &ModelConfig, tokens: usize, seq: usize) -> f64 {
+    let embed = if c.tie_word_embeddings {
+        0
+    } else {
+        c.vocab_size * c.hidden_size
+    };
+    let matmul_params = (c.num_params() - embed) as f64;
+    let attn = 12.0 * (c.num_layers * c.num_heads * c.head_dim * seq) as f64;
+    (6.0 * matmul_params + attn) * tokens as f64
+}
+
+fn median(xs: &[f64]) -> f64 {
+    let mut v = xs.to_vec();
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Peak resident set size of this process, in MiB (Linux; 0 elsewhere).
+pub fn peak_rss_mib() -> f64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok())
+        })
+        .map_or(0.0, |kb| kb / 1024.0)
+}
+
+/// GFLOP/s of a 1024³ matmul on the kernel pool (best of 5).
+pub fn gemm_gflops(n: usize) -> f64 {
+    let a = vec![0.5f32; n * n];
+    let b = vec![0.25f32; n * n];
+    let mut c = vec![0.0f32; n * n];
+    let mut best = f64::MAX;
+    for _ in 0..6 {
+        let t = Instant::now();
+        matmul(n, n, n, &a, Op::N, &b, Op::N, &mut c, false, Par::Pool);
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    2.0 * (n * n * n) as f64 / best / 1e9
+}
+
+/// Runs the benchmark.
+pub fn train_bench(opts: &TrainBenchOptions) -> TrainBenchReport {
+    let threads = kernels::threads::current();
+    let peak = kernels::peak::fma_peak_gflops(threads);
+    let gemm = gemm_gflops(1024);
+    let c = opts.config.clone();
+    let mut model = Model::init(c.clone(), 0);
+    let mut grads = model.params.zeros_like();
+    let mut opt = Optimizer::new(
+        &model.params,
+        AdamW::default(),
+        LrSchedule::constant(1e-4),
+        Some(1.0),
+    );
+    let vocab = c.vocab_size as u32;
+    let rows: Vec<Vec<u32>> = (0..opts.batch)
+        .map(|r| {
+            (0..opts.seq)
+                .map(|t| ((r * 7919 + t * 104_729) as u32) % vocab)
+                .collect()
+        })
+        .collect();
+    let refs: Vec<&[u32]> = rows.iter().map(|r| r.as_slice()).collect();
+    let batch = Batch::padded(&refs);
+    let n = batch.len();
+    let d_logp = vec![-1.0 / n as f32; n];
+    let d_ent = vec![0.0; n];
+    let mut times = Vec::new();
+    for i in 0..=opts.steps {
+        let t = Instant::now();
+        let (_, tape) = model.forward(&batch, 1.0).expect("valid synthetic batch");
+        model.backward(tape, &d_logp, &d_ent, &mut grads);
+        opt.step(&mut model.params, &mut grads);
+        grads.fill_zero();
+        if i > 0 {
+            times.push(t.elapsed().as_secs_f64());
+        }
+    }
+    let step = median(&times);
+    let flops = train_flops(&c, n, opts.seq);
+    let achieved = flops / step / 1e9;
+    TrainBenchReport {
+        threads,
+        params: c.num_params(),
+        tokens_per_step: n,
+        step_seconds_median: step,
+        step_seconds_all: times,
+        tokens_per_second: n as f64 / step,
+        model_gflops_per_step: flops / 1e9,
+        achieved_gflops: achieved,
+        peak_fma_gflops: peak,
+        mfu: achieved / peak,
+        gemm_1024_gflops: gemm,
+        gemm_fraction_of_peak: gemm / peak,
+        peak_rss_mib: peak_rss_mib(),
+    }
+}
