@@ -13,6 +13,7 @@ pub mod error;
 pub mod model;
 pub mod optim;
 pub mod params;
+pub mod rl;
 pub mod rng;
 pub mod tokenizer;
 
