@@ -94,13 +94,13 @@ pub fn peak_rss_mib() -> f64 {
         .map_or(0.0, |kb| kb / 1024.0)
 }
 
-/// GFLOP/s of a 1024³ matmul on the kernel pool (best of 5).
+/// GFLOP/s of an n³ matmul on the kernel pool (best of 20, after a warm-up).
 pub fn gemm_gflops(n: usize) -> f64 {
     let a = vec![0.5f32; n * n];
     let b = vec![0.25f32; n * n];
     let mut c = vec![0.0f32; n * n];
     let mut best = f64::MAX;
-    for _ in 0..6 {
+    for _ in 0..21 {
         let t = Instant::now();
         matmul(n, n, n, &a, Op::N, &b, Op::N, &mut c, false, Par::Pool);
         best = best.min(t.elapsed().as_secs_f64());

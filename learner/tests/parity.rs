@@ -246,3 +246,41 @@ fn save_then_load_reproduces_the_logits() {
     assert!(Model::load_weights(back.model.config.clone(), &out).is_ok());
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn micro_batch_accumulation_equals_one_batch() {
+    // Two micro-batches of one row each, accumulated, give the gradient of the two-row batch
+    // (the loss is a sum over tokens, so the gradients add).
+    let (ckpt, r) = (model(), Reference::load());
+    let ids = r.ids("input_ids");
+    let (a, b) = (&ids[0], &ids[2]); // 9 and 36 tokens: the pair is padded
+    let grad_of = |rows: &[&[u32]], grads: &mut learner::Params| {
+        let batch = Batch::padded(rows);
+        let (_, tape) = ckpt.model.forward(&batch, 1.0).unwrap();
+        let mut d = vec![0.0; batch.len()];
+        for (r, row) in rows.iter().enumerate() {
+            d[r * batch.seq..r * batch.seq + row.len() - 1].fill(-0.1);
+        }
+        ckpt.model
+            .backward(tape, &d, &vec![0.0; batch.len()], grads);
+    };
+    let mut whole = ckpt.model.params.zeros_like();
+    grad_of(&[a, b], &mut whole);
+    let mut acc = ckpt.model.params.zeros_like();
+    grad_of(&[a], &mut acc);
+    grad_of(&[b], &mut acc);
+    for (w, m) in whole.tensors.iter().zip(&acc.tensors) {
+        let scale = w.data.iter().map(|v| v.abs()).fold(0.0f32, f32::max);
+        let worst = w
+            .data
+            .iter()
+            .zip(&m.data)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0f32, f32::max);
+        assert!(
+            worst <= 1e-5 * scale.max(1e-3),
+            "{}: {worst} vs scale {scale}",
+            w.name
+        );
+    }
+}

@@ -136,7 +136,23 @@ fn bench_train(batch: usize, seq: usize, steps: usize, json: bool) -> Result<()>
     Ok(())
 }
 
+/// Training allocates and frees hundreds of MB of activations every step. By default glibc hands
+/// freed memory back to the OS, so each step pays page faults, zeroing and TLB shootdowns on
+/// fresh pages (measured with `perf`: about a fifth of a training step). Keep it in the heap.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+fn tune_allocator() {
+    // SAFETY: mallopt only adjusts allocator parameters; called before any other thread exists.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX);
+    }
+}
+
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+fn tune_allocator() {}
+
 fn main() -> Result<()> {
+    tune_allocator();
     let cli = Cli::parse();
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_new(&cli.log)?)
