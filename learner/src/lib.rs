@@ -15,9 +15,10 @@ pub mod optim;
 pub mod params;
 pub mod rl;
 pub mod rng;
+pub mod snapshot;
 pub mod tokenizer;
 
 pub use config::{Arch, ModelConfig};
 pub use error::{Error, Result};
-pub use model::{Batch, Model, Scores, Tape};
+pub use model::{Attend, Batch, Model, Scores, Tape};
 pub use params::{Params, Tensor};

@@ -175,6 +175,31 @@ pub struct Tape {
     entropy: Vec<f32>,
 }
 
+/// How a layer's attention is computed: over the batch itself (training, scoring), or over a
+/// KV cache that also keeps this call's keys and values (generation).
+pub trait Attend {
+    /// `q` is `[n, heads·head_dim]`, `k` and `v` are `[n, kv_heads·head_dim]`, all rotated.
+    /// Writes `out` (`[n, heads·head_dim]`) and returns what the backward needs (the
+    /// log-sum-exp per head and query; empty when there is no backward).
+    fn attend(&mut self, layer: usize, q: &[f32], k: &[f32], v: &[f32], out: &mut [f32]) -> Vec<f32>;
+}
+
+/// Attention within a padded or packed batch.
+struct BatchAttend<'a> {
+    shape: AttnShape,
+    segments: &'a [u32],
+    scale: f32,
+}
+
+impl Attend for BatchAttend<'_> {
+    fn attend(&mut self, _layer: usize, q: &[f32], k: &[f32], v: &[f32], out: &mut [f32]) -> Vec<f32> {
+        let sh = self.shape;
+        let mut lse = vec![0.0; sh.batch * sh.heads * sh.seq];
+        attention(sh, q, k, v, self.segments, self.scale, out, &mut lse);
+        lse
+    }
+}
+
 /// A model: config, parameters and the layout that names them.
 #[derive(Clone, Debug)]
 pub struct Model {
@@ -318,16 +343,36 @@ impl Model {
 
     /// Runs the decoder stack; returns the final normed hidden states and, when `keep`, the tape.
     fn trunk(&self, b: &Batch, keep: bool) -> Trunk {
+        let mut attn = BatchAttend {
+            shape: self.attn_shape(b),
+            segments: &b.segments,
+            scale: 1.0 / (self.config.head_dim as f32).sqrt(),
+        };
+        self.layers(&b.tokens, &b.positions, &mut attn, keep)
+    }
+
+    /// The final normed hidden states (`[tokens, hidden]`) of `tokens` at `positions`, with
+    /// attention computed by `attn` (a KV cache, for generation). Token ids and positions must
+    /// be valid for the config (generation validates requests before they get here).
+    pub fn forward_hidden(&self, tokens: &[u32], positions: &[u32], attn: &mut dyn Attend) -> Vec<f32> {
+        assert_eq!(tokens.len(), positions.len(), "forward_hidden: one position per token");
+        self.layers(tokens, positions, attn, false).hidden
+    }
+
+    /// Logits (`[rows, vocab]`) of final hidden states (`[rows, hidden]`).
+    pub fn logits_of_hidden(&self, hidden: &[f32]) -> Vec<f32> {
+        linear(hidden, hidden.len() / self.config.hidden_size, self.head_weight(), None)
+    }
+
+    fn layers(&self, tokens: &[u32], positions: &[u32], attn: &mut dyn Attend, keep: bool) -> Trunk {
         let c = &self.config;
-        let (n, h, d) = (b.len(), c.hidden_size, c.head_dim);
+        let (n, h, d) = (tokens.len(), c.hidden_size, c.head_dim);
         let (nh, nkv) = (c.num_heads, c.num_kv_heads);
-        let table = RopeTable::new(&b.positions, &self.inv_freq);
-        let sh = self.attn_shape(b);
-        let scale = 1.0 / (d as f32).sqrt();
+        let table = RopeTable::new(positions, &self.inv_freq);
         let mut x = vec![0.0f32; n * h];
-        embedding::gather(&self.t(self.layout.embed).data, h, &b.tokens, &mut x);
+        embedding::gather(&self.t(self.layout.embed).data, h, tokens, &mut x);
         let mut tapes = Vec::new();
-        for ids in &self.layout.layers {
+        for (layer, ids) in self.layout.layers.iter().enumerate() {
             let mut h1 = vec![0.0; n * h];
             let mut inv1 = vec![0.0; n];
             norm::rmsnorm(
@@ -359,8 +404,7 @@ impl Model {
             rope(&mut q, nh, &table, false);
             rope(&mut k, nkv, &table, false);
             let mut o = vec![0.0; n * nh * d];
-            let mut lse = vec![0.0; b.rows * nh * b.seq];
-            attention(sh, &q, &k, &v, &b.segments, scale, &mut o, &mut lse);
+            let lse = attn.attend(layer, &q, &k, &v, &mut o);
             let a = linear(&o, n, self.t(ids.o), ids.o_bias.map(|i| self.t(i)));
             let mut x2 = a;
             add_into(&mut x2, &x);
