@@ -181,7 +181,14 @@ pub trait Attend {
     /// `q` is `[n, heads·head_dim]`, `k` and `v` are `[n, kv_heads·head_dim]`, all rotated.
     /// Writes `out` (`[n, heads·head_dim]`) and returns what the backward needs (the
     /// log-sum-exp per head and query; empty when there is no backward).
-    fn attend(&mut self, layer: usize, q: &[f32], k: &[f32], v: &[f32], out: &mut [f32]) -> Vec<f32>;
+    fn attend(
+        &mut self,
+        layer: usize,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        out: &mut [f32],
+    ) -> Vec<f32>;
 }
 
 /// Attention within a padded or packed batch.
@@ -192,7 +199,14 @@ struct BatchAttend<'a> {
 }
 
 impl Attend for BatchAttend<'_> {
-    fn attend(&mut self, _layer: usize, q: &[f32], k: &[f32], v: &[f32], out: &mut [f32]) -> Vec<f32> {
+    fn attend(
+        &mut self,
+        _layer: usize,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        out: &mut [f32],
+    ) -> Vec<f32> {
         let sh = self.shape;
         let mut lse = vec![0.0; sh.batch * sh.heads * sh.seq];
         attention(sh, q, k, v, self.segments, self.scale, out, &mut lse);
@@ -354,17 +368,37 @@ impl Model {
     /// The final normed hidden states (`[tokens, hidden]`) of `tokens` at `positions`, with
     /// attention computed by `attn` (a KV cache, for generation). Token ids and positions must
     /// be valid for the config (generation validates requests before they get here).
-    pub fn forward_hidden(&self, tokens: &[u32], positions: &[u32], attn: &mut dyn Attend) -> Vec<f32> {
-        assert_eq!(tokens.len(), positions.len(), "forward_hidden: one position per token");
+    pub fn forward_hidden(
+        &self,
+        tokens: &[u32],
+        positions: &[u32],
+        attn: &mut dyn Attend,
+    ) -> Vec<f32> {
+        assert_eq!(
+            tokens.len(),
+            positions.len(),
+            "forward_hidden: one position per token"
+        );
         self.layers(tokens, positions, attn, false).hidden
     }
 
     /// Logits (`[rows, vocab]`) of final hidden states (`[rows, hidden]`).
     pub fn logits_of_hidden(&self, hidden: &[f32]) -> Vec<f32> {
-        linear(hidden, hidden.len() / self.config.hidden_size, self.head_weight(), None)
+        linear(
+            hidden,
+            hidden.len() / self.config.hidden_size,
+            self.head_weight(),
+            None,
+        )
     }
 
-    fn layers(&self, tokens: &[u32], positions: &[u32], attn: &mut dyn Attend, keep: bool) -> Trunk {
+    fn layers(
+        &self,
+        tokens: &[u32],
+        positions: &[u32],
+        attn: &mut dyn Attend,
+        keep: bool,
+    ) -> Trunk {
         let c = &self.config;
         let (n, h, d) = (tokens.len(), c.hidden_size, c.head_dim);
         let (nh, nkv) = (c.num_heads, c.num_kv_heads);

@@ -1,0 +1,564 @@
+//! The native engine: the learner's model run eagerly on the CPU kernels behind a worker thread
+//! that does continuous batching over a paged KV cache.
+//!
+//! Scheduling: requests queue in arrival order; one is admitted when the pool has the blocks
+//! for its prompt and for the longest possible output of every sample (so a running sequence
+//! never runs out of cache and nothing is ever dropped); admitted prompts are prefilled once and
+//! forked into their `n` samples; all running sequences then decode together, one token per
+//! step, leaving as they finish while waiting requests join between steps. Weight swaps happen
+//! between decode steps.
+
+use crate::kv::{BlockPool, CachedStep, KvShape, SeqCache};
+use crate::sampling::sample;
+use crate::{Completion, EngineError, FinishReason, GenerateRequest, InferenceEngine, VersionSpan};
+use learner::snapshot::WeightSnapshot;
+use learner::{Model, ModelConfig};
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, mpsc};
+use tokio::sync::oneshot;
+
+/// What in-flight sequences do when new weights arrive.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum SwapPolicy {
+    /// Sequences already running finish on the weights they started with; new ones use the new.
+    #[default]
+    FinishOnOld,
+    /// Every sequence continues on the new weights from the next token (its cached keys and
+    /// values stay those of the old weights, as in vLLM).
+    ContinueOnNew,
+}
+
+/// Engine settings.
+#[derive(Clone, Debug)]
+pub struct NativeConfig {
+    /// Bytes for the KV cache pool (keys and values of all layers).
+    pub kv_cache_bytes: usize,
+    /// Token slots per cache block.
+    pub block_size: usize,
+    /// Most sequences decoded together.
+    pub max_batch: usize,
+    /// Behaviour on weight swaps.
+    pub swap: SwapPolicy,
+    /// Weight version of the initial model.
+    pub initial_version: u64,
+}
+
+impl Default for NativeConfig {
+    fn default() -> Self {
+        Self {
+            kv_cache_bytes: 1 << 30,
+            block_size: 16,
+            max_batch: 256,
+            swap: SwapPolicy::default(),
+            initial_version: 0,
+        }
+    }
+}
+
+type Reply<T> = oneshot::Sender<Result<T, EngineError>>;
+
+enum Cmd {
+    Generate(Vec<GenerateRequest>, Reply<Vec<Completion>>),
+    Update(WeightSnapshot, Reply<()>),
+}
+
+/// Counters the engine keeps (read with [`NativeEngine::stats`]).
+#[derive(Debug, Default)]
+pub struct Stats {
+    /// Prompt tokens run through the model (once per request, whatever its `n`).
+    pub prefill_tokens: AtomicU64,
+    /// Tokens produced by decode steps.
+    pub decode_tokens: AtomicU64,
+    /// Decode steps run.
+    pub decode_steps: AtomicU64,
+}
+
+/// A point-in-time copy of [`Stats`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StatsSnapshot {
+    /// See [`Stats::prefill_tokens`].
+    pub prefill_tokens: u64,
+    /// See [`Stats::decode_tokens`].
+    pub decode_tokens: u64,
+    /// See [`Stats::decode_steps`].
+    pub decode_steps: u64,
+}
+
+/// Handle to a native engine; dropping it stops the worker once its work is done.
+pub struct NativeEngine {
+    tx: Option<mpsc::Sender<Cmd>>,
+    version: Arc<AtomicU64>,
+    stats: Arc<Stats>,
+    config: ModelConfig,
+    kv: KvShape,
+    worker: Option<std::thread::JoinHandle<()>>,
+}
+
+impl NativeEngine {
+    /// Starts an engine serving `model`.
+    pub fn new(model: Model, cfg: NativeConfig) -> Self {
+        let c = &model.config;
+        let per_block = 2 * c.num_layers * cfg.block_size.max(1) * c.num_kv_heads * c.head_dim * 4;
+        let kv = KvShape {
+            layers: c.num_layers,
+            block_size: cfg.block_size.max(1),
+            num_blocks: (cfg.kv_cache_bytes / per_block).max(1),
+            kv_heads: c.num_kv_heads,
+            heads: c.num_heads,
+            head_dim: c.head_dim,
+        };
+        let version = Arc::new(AtomicU64::new(cfg.initial_version));
+        let stats = Arc::new(Stats::default());
+        let (tx, rx) = mpsc::channel();
+        let config = model.config.clone();
+        let mut worker = Worker {
+            model: Arc::new(model),
+            version: cfg.initial_version,
+            shared_version: version.clone(),
+            stats: stats.clone(),
+            pool: BlockPool::new(kv),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            jobs: HashMap::new(),
+            next_job: 0,
+            cfg,
+            next_seed: 0x5eed,
+        };
+        let handle = std::thread::Builder::new()
+            .name("trellis-native-engine".into())
+            .spawn(move || worker.run(&rx))
+            .expect("spawn the engine thread");
+        Self {
+            tx: Some(tx),
+            version,
+            stats,
+            config,
+            kv,
+            worker: Some(handle),
+        }
+    }
+
+    /// The engine's counters.
+    pub fn stats(&self) -> StatsSnapshot {
+        StatsSnapshot {
+            prefill_tokens: self.stats.prefill_tokens.load(Ordering::Relaxed),
+            decode_tokens: self.stats.decode_tokens.load(Ordering::Relaxed),
+            decode_steps: self.stats.decode_steps.load(Ordering::Relaxed),
+        }
+    }
+
+    /// The KV pool's geometry.
+    pub fn kv_shape(&self) -> KvShape {
+        self.kv
+    }
+
+    /// The served model's config.
+    pub fn model_config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    fn validate(&self, reqs: &[GenerateRequest]) -> Result<(), EngineError> {
+        let c = &self.config;
+        for (i, r) in reqs.iter().enumerate() {
+            let bad = |msg: String| Err(EngineError::InvalidRequest { request: i, msg });
+            if r.prompt.is_empty() {
+                return bad("the prompt is empty".into());
+            }
+            if let Some(t) = r.prompt.iter().find(|&&t| t as usize >= c.vocab_size) {
+                return bad(format!(
+                    "token id {t} is not below the vocabulary size {}",
+                    c.vocab_size
+                ));
+            }
+            if let Err(e) = r.params.validate() {
+                return bad(e);
+            }
+            let (p, k) = (r.prompt.len(), r.params.max_tokens);
+            if p + k > c.max_position_embeddings {
+                return bad(format!(
+                    "prompt of {p} tokens + max_tokens {k} exceeds the model's context of {} tokens",
+                    c.max_position_embeddings
+                ));
+            }
+            let need = blocks_needed(self.kv, p, k, r.params.n);
+            if need > self.kv.num_blocks {
+                return bad(format!(
+                    "needs {need} KV-cache blocks but the pool has {}; raise kv_cache_bytes or lower n / max_tokens",
+                    self.kv.num_blocks
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn send<T>(
+        &self,
+        make: impl FnOnce(Reply<T>) -> Cmd,
+    ) -> Result<oneshot::Receiver<Result<T, EngineError>>, EngineError> {
+        let (tx, rx) = oneshot::channel();
+        self.tx
+            .as_ref()
+            .ok_or(EngineError::Closed)?
+            .send(make(tx))
+            .map_err(|_| EngineError::Closed)?;
+        Ok(rx)
+    }
+
+    /// [`InferenceEngine::generate`] for callers without an async runtime.
+    pub fn generate_blocking(
+        &self,
+        reqs: Vec<GenerateRequest>,
+    ) -> Result<Vec<Completion>, EngineError> {
+        self.validate(&reqs)?;
+        self.send(|r| Cmd::Generate(reqs, r))?
+            .blocking_recv()
+            .map_err(|_| EngineError::Closed)?
+    }
+
+    /// [`InferenceEngine::update_weights`] for callers without an async runtime.
+    pub fn update_weights_blocking(&self, snapshot: WeightSnapshot) -> Result<(), EngineError> {
+        self.send(|r| Cmd::Update(snapshot, r))?
+            .blocking_recv()
+            .map_err(|_| EngineError::Closed)?
+    }
+}
+
+impl Drop for NativeEngine {
+    fn drop(&mut self) {
+        self.tx.take();
+        if let Some(h) = self.worker.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+impl InferenceEngine for NativeEngine {
+    async fn generate(&self, reqs: Vec<GenerateRequest>) -> Result<Vec<Completion>, EngineError> {
+        self.validate(&reqs)?;
+        self.send(|r| Cmd::Generate(reqs, r))?
+            .await
+            .map_err(|_| EngineError::Closed)?
+    }
+
+    async fn update_weights(&self, snapshot: WeightSnapshot) -> Result<(), EngineError> {
+        self.send(|r| Cmd::Update(snapshot, r))?
+            .await
+            .map_err(|_| EngineError::Closed)?
+    }
+
+    fn weight_version(&self) -> u64 {
+        self.version.load(Ordering::Acquire)
+    }
+}
+
+/// Peak blocks one request holds: its prompt, then per sample the shared full prompt blocks plus
+/// its own blocks for the rest (the last sampled token is never cached).
+fn blocks_needed(kv: KvShape, prompt: usize, max_tokens: usize, n: usize) -> usize {
+    let full = prompt / kv.block_size;
+    kv.blocks_for(prompt) + n * (kv.blocks_for(prompt + max_tokens - 1) - full)
+}
+
+struct Job {
+    results: Vec<Option<Completion>>,
+    remaining: usize,
+    reply: Option<Reply<Vec<Completion>>>,
+}
+
+struct Pending {
+    job: u64,
+    request: usize,
+    /// Where this request's samples go in the job's results.
+    slot: usize,
+    req: GenerateRequest,
+}
+
+struct Seq {
+    job: u64,
+    slot: usize,
+    request: usize,
+    index: usize,
+    params: Arc<crate::SamplingParams>,
+    stops: Vec<u32>,
+    rng: ChaCha8Rng,
+    model: Arc<Model>,
+    version: u64,
+    cache: SeqCache,
+    /// Sampled but not yet run through the model.
+    pending: u32,
+    tokens: Vec<u32>,
+    logprobs: Vec<f32>,
+    spans: Vec<VersionSpan>,
+}
+
+impl Seq {
+    /// Records a sampled token; returns the finish reason if the sequence is done.
+    fn push(&mut self, token: u32, logprob: f32) -> Option<FinishReason> {
+        let i = self.tokens.len();
+        match self.spans.last_mut() {
+            Some(s) if s.version == self.version => s.end = i + 1,
+            _ => self.spans.push(VersionSpan {
+                version: self.version,
+                start: i,
+                end: i + 1,
+            }),
+        }
+        self.tokens.push(token);
+        self.logprobs.push(logprob);
+        self.pending = token;
+        if self.stops.contains(&token) {
+            Some(FinishReason::Stop)
+        } else if self.tokens.len() >= self.params.max_tokens {
+            Some(FinishReason::Length)
+        } else {
+            None
+        }
+    }
+}
+
+struct Worker {
+    model: Arc<Model>,
+    version: u64,
+    shared_version: Arc<AtomicU64>,
+    stats: Arc<Stats>,
+    pool: BlockPool,
+    waiting: VecDeque<Pending>,
+    running: Vec<Seq>,
+    jobs: HashMap<u64, Job>,
+    next_job: u64,
+    cfg: NativeConfig,
+    next_seed: u64,
+}
+
+impl Worker {
+    fn run(&mut self, rx: &mpsc::Receiver<Cmd>) {
+        loop {
+            if self.running.is_empty() && self.waiting.is_empty() {
+                match rx.recv() {
+                    Ok(cmd) => self.handle(cmd),
+                    Err(_) => return,
+                }
+            }
+            while let Ok(cmd) = rx.try_recv() {
+                self.handle(cmd);
+            }
+            self.admit();
+            if !self.running.is_empty() {
+                self.decode_step();
+            }
+        }
+    }
+
+    fn handle(&mut self, cmd: Cmd) {
+        match cmd {
+            Cmd::Generate(reqs, reply) => {
+                let job = self.next_job;
+                self.next_job += 1;
+                let total: usize = reqs.iter().map(|r| r.params.n).sum();
+                self.jobs.insert(
+                    job,
+                    Job {
+                        results: vec![None; total],
+                        remaining: total,
+                        reply: Some(reply),
+                    },
+                );
+                let mut slot = 0;
+                for (request, req) in reqs.into_iter().enumerate() {
+                    let n = req.params.n;
+                    self.waiting.push_back(Pending {
+                        job,
+                        request,
+                        slot,
+                        req,
+                    });
+                    slot += n;
+                }
+            }
+            Cmd::Update(snap, reply) => {
+                let res = self.swap(snap);
+                let _ = reply.send(res);
+            }
+        }
+    }
+
+    fn swap(&mut self, snap: WeightSnapshot) -> Result<(), EngineError> {
+        if snap.version <= self.version {
+            return Err(EngineError::BadWeights(format!(
+                "version {} is not newer than the served version {}",
+                snap.version, self.version
+            )));
+        }
+        let params = Arc::unwrap_or_clone(snap.params);
+        let model = Model::new(self.model.config.clone(), params)
+            .map_err(|e| EngineError::BadWeights(e.to_string()))?;
+        self.model = Arc::new(model);
+        self.version = snap.version;
+        self.shared_version.store(snap.version, Ordering::Release);
+        if self.cfg.swap == SwapPolicy::ContinueOnNew {
+            for s in &mut self.running {
+                s.model = self.model.clone();
+                s.version = self.version;
+            }
+        }
+        Ok(())
+    }
+
+    fn admit(&mut self) {
+        while let Some(p) = self.waiting.front() {
+            let (plen, k, n) = (p.req.prompt.len(), p.req.params.max_tokens, p.req.params.n);
+            let room = self.running.is_empty() || self.running.len() + n <= self.cfg.max_batch;
+            if !room || self.pool.free_blocks() < blocks_needed(self.pool.shape(), plen, k, n) {
+                return;
+            }
+            let p = self.waiting.pop_front().expect("front exists");
+            self.prefill(p);
+        }
+    }
+
+    fn prefill(&mut self, p: Pending) {
+        let kv = self.pool.shape();
+        let plen = p.req.prompt.len();
+        let blocks = self
+            .pool
+            .alloc(kv.blocks_for(plen))
+            .expect("admission checked the pool");
+        let mut parent = SeqCache { blocks, len: 0 };
+        let positions: Vec<u32> = (0..plen as u32).collect();
+        let hidden = {
+            let mut step = CachedStep {
+                pool: &mut self.pool,
+                seqs: vec![&parent],
+                counts: vec![plen],
+            };
+            self.model
+                .forward_hidden(&p.req.prompt, &positions, &mut step)
+        };
+        parent.len = plen;
+        self.stats
+            .prefill_tokens
+            .fetch_add(plen as u64, Ordering::Relaxed);
+        let h = self.model.config.hidden_size;
+        let logits = self.model.logits_of_hidden(&hidden[(plen - 1) * h..]);
+        let params = Arc::new(p.req.params);
+        let mut stops = params.stop_token_ids.clone();
+        if !params.ignore_eos
+            && let Some(eos) = self.model.config.eos_token_id
+        {
+            stops.push(eos);
+        }
+        let seed = params.seed.unwrap_or_else(|| {
+            self.next_seed = self.next_seed.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            self.next_seed
+        });
+        let full = plen / kv.block_size;
+        let partial = usize::from(!plen.is_multiple_of(kv.block_size));
+        let extra = kv.blocks_for(plen + params.max_tokens - 1) - full - partial;
+        for index in 0..params.n {
+            let cache = self
+                .pool
+                .fork(&parent, extra)
+                .expect("admission reserved the blocks");
+            let mut rng = ChaCha8Rng::seed_from_u64(seed);
+            rng.set_stream(index as u64);
+            let mut seq = Seq {
+                job: p.job,
+                slot: p.slot + index,
+                request: p.request,
+                index,
+                params: params.clone(),
+                stops: stops.clone(),
+                rng,
+                model: self.model.clone(),
+                version: self.version,
+                cache,
+                pending: 0,
+                tokens: Vec::new(),
+                logprobs: Vec::new(),
+                spans: Vec::new(),
+            };
+            let (tok, lp) = sample(&logits, &seq.params, &mut seq.rng);
+            match seq.push(tok, lp) {
+                Some(reason) => self.finish(seq, reason),
+                None => self.running.push(seq),
+            }
+        }
+        self.pool.release(&parent);
+    }
+
+    fn decode_step(&mut self) {
+        // Sequences on different weights (after a swap with FinishOnOld) decode in separate groups.
+        let mut groups: Vec<(Arc<Model>, Vec<usize>)> = Vec::new();
+        for (i, s) in self.running.iter().enumerate() {
+            match groups.iter_mut().find(|(m, _)| Arc::ptr_eq(m, &s.model)) {
+                Some((_, v)) => v.push(i),
+                None => groups.push((s.model.clone(), vec![i])),
+            }
+        }
+        let mut done = Vec::new();
+        self.stats.decode_steps.fetch_add(1, Ordering::Relaxed);
+        self.stats
+            .decode_tokens
+            .fetch_add(self.running.len() as u64, Ordering::Relaxed);
+        for (model, idx) in groups {
+            let tokens: Vec<u32> = idx.iter().map(|&i| self.running[i].pending).collect();
+            let positions: Vec<u32> = idx
+                .iter()
+                .map(|&i| self.running[i].cache.len as u32)
+                .collect();
+            let hidden = {
+                let seqs = idx.iter().map(|&i| &self.running[i].cache).collect();
+                let mut step = CachedStep {
+                    pool: &mut self.pool,
+                    seqs,
+                    counts: vec![1; idx.len()],
+                };
+                model.forward_hidden(&tokens, &positions, &mut step)
+            };
+            let logits = model.logits_of_hidden(&hidden);
+            let vocab = model.config.vocab_size;
+            for (j, &i) in idx.iter().enumerate() {
+                let s = &mut self.running[i];
+                s.cache.len += 1;
+                let (tok, lp) = sample(&logits[j * vocab..(j + 1) * vocab], &s.params, &mut s.rng);
+                if let Some(reason) = s.push(tok, lp) {
+                    done.push((i, reason));
+                }
+            }
+        }
+        done.sort_by_key(|&(i, _)| std::cmp::Reverse(i));
+        for (i, reason) in done {
+            let s = self.running.swap_remove(i);
+            self.finish(s, reason);
+        }
+    }
+
+    fn finish(&mut self, s: Seq, reason: FinishReason) {
+        self.pool.release(&s.cache);
+        let Some(job) = self.jobs.get_mut(&s.job) else {
+            return;
+        };
+        job.results[s.slot] = Some(Completion {
+            request: s.request,
+            index: s.index,
+            token_ids: s.tokens,
+            logprobs: s.logprobs,
+            finish_reason: reason,
+            weight_versions: s.spans,
+        });
+        job.remaining -= 1;
+        if job.remaining == 0 {
+            let job = self.jobs.remove(&s.job).expect("present");
+            let results = job
+                .results
+                .into_iter()
+                .map(|c| c.expect("every sample finished"))
+                .collect();
+            if let Some(reply) = job.reply {
+                let _ = reply.send(Ok(results));
+            }
+        }
+    }
+}

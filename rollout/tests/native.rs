@@ -1,0 +1,325 @@
+//! The native engine against the transformers fixture and the learner.
+
+use learner::checkpoint::Checkpoint;
+use learner::snapshot::WeightSnapshot;
+use learner::{Batch, Model};
+use rollout::native::{NativeConfig, NativeEngine, SwapPolicy};
+use rollout::{EngineError, FinishReason, GenerateRequest, SamplingParams};
+use serde_json::Value;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+fn data() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/data/tiny-qwen2")
+}
+
+fn model() -> Model {
+    Checkpoint::load(&data().join("checkpoint")).unwrap().model
+}
+
+fn reference() -> Value {
+    serde_json::from_str(&std::fs::read_to_string(data().join("reference.json")).unwrap()).unwrap()
+}
+
+fn ids(v: &Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
+
+/// Batch composition changes GEMM blocking, so log-probs agree to rounding, not bit for bit.
+fn assert_close(a: &[f32], b: &[f32]) {
+    assert_eq!(a.len(), b.len());
+    for (x, y) in a.iter().zip(b) {
+        assert!((x - y).abs() < 1e-5, "{x} vs {y}");
+    }
+}
+
+fn req(prompt: &[u32], f: impl FnOnce(&mut SamplingParams)) -> GenerateRequest {
+    let mut params = SamplingParams::default();
+    f(&mut params);
+    GenerateRequest {
+        prompt: prompt.to_vec(),
+        params,
+    }
+}
+
+#[test]
+fn greedy_continuations_equal_transformers() {
+    let r = reference();
+    let engine = NativeEngine::new(model(), NativeConfig::default());
+    let reqs: Vec<GenerateRequest> = r["input_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| {
+            req(&ids(p), |s| {
+                s.temperature = 0.0;
+                s.max_tokens = 16;
+            })
+        })
+        .collect();
+    let out = engine.generate_blocking(reqs).unwrap();
+    for (k, c) in out.iter().enumerate() {
+        assert_eq!(c.request, k);
+        assert_eq!(
+            c.token_ids,
+            ids(&r["greedy"][k]),
+            "greedy continuation of input {k}"
+        );
+        assert_eq!(c.finish_reason, FinishReason::Length);
+        assert_eq!(c.weight_versions.len(), 1);
+        assert_eq!(
+            (c.weight_versions[0].start, c.weight_versions[0].end),
+            (0, 16)
+        );
+    }
+}
+
+#[test]
+fn engine_logprobs_equal_the_learners() {
+    let m = model();
+    let engine = NativeEngine::new(m.clone(), NativeConfig::default());
+    let prompt = ids(&reference()["input_ids"][2]);
+    let temp = 0.7;
+    let out = engine
+        .generate_blocking(vec![req(&prompt, |s| {
+            s.temperature = temp;
+            s.n = 4;
+            s.max_tokens = 24;
+            s.seed = Some(3);
+            s.ignore_eos = true;
+        })])
+        .unwrap();
+    for c in &out {
+        let full: Vec<u32> = prompt.iter().chain(&c.token_ids).copied().collect();
+        let scores = m.score(&Batch::padded(&[&full]), temp).unwrap();
+        for (j, lp) in c.logprobs.iter().enumerate() {
+            let learner = scores.logp[prompt.len() - 1 + j];
+            assert!(
+                (lp - learner).abs() < 1e-4,
+                "sample {} token {j}: engine {lp} vs learner {learner}",
+                c.index
+            );
+        }
+    }
+}
+
+#[test]
+fn a_seed_gives_the_same_tokens_whatever_else_is_batched() {
+    let engine = NativeEngine::new(model(), NativeConfig::default());
+    let prompt = ids(&reference()["input_ids"][0]);
+    let mk = |seed| {
+        req(&prompt, |s| {
+            s.n = 3;
+            s.max_tokens = 20;
+            s.seed = Some(seed);
+            s.top_p = 0.9;
+            s.ignore_eos = true;
+        })
+    };
+    let alone = engine.generate_blocking(vec![mk(42)]).unwrap();
+    let other = ids(&reference()["input_ids"][2]);
+    let crowd = engine
+        .generate_blocking(vec![req(&other, |s| s.n = 5), mk(42), mk(7)])
+        .unwrap();
+    let again: Vec<_> = crowd.iter().filter(|c| c.request == 1).collect();
+    assert_eq!(again.len(), 3);
+    for (a, b) in alone.iter().zip(again) {
+        assert_eq!(a.token_ids, b.token_ids);
+        assert_close(&a.logprobs, &b.logprobs);
+    }
+    // different samples of one request differ (they draw from different streams)
+    assert_ne!(alone[0].token_ids, alone[1].token_ids);
+}
+
+#[test]
+fn n_samples_share_one_prefill() {
+    let engine = NativeEngine::new(model(), NativeConfig::default());
+    let prompt = ids(&reference()["input_ids"][2]);
+    let out = engine
+        .generate_blocking(vec![req(&prompt, |s| {
+            s.n = 8;
+            s.max_tokens = 5;
+            s.ignore_eos = true;
+        })])
+        .unwrap();
+    assert_eq!(out.len(), 8);
+    assert_eq!(engine.stats().prefill_tokens, prompt.len() as u64);
+}
+
+#[test]
+fn an_exhausted_kv_pool_queues_requests_instead_of_failing() {
+    let m = model();
+    let kv_per_block = 2 * 2 * 4 * 2 * 16 * 4; // layers · block · kv_heads · head_dim · f32, k and v
+    // room for one request (prompt 9 + 40 tokens = 13 blocks) at a time, not two
+    let small = NativeConfig {
+        kv_cache_bytes: 14 * kv_per_block,
+        block_size: 4,
+        ..Default::default()
+    };
+    let engine = NativeEngine::new(m.clone(), small);
+    assert_eq!(engine.kv_shape().num_blocks, 14);
+    let prompt = ids(&reference()["input_ids"][0]);
+    let reqs: Vec<_> = (0..3)
+        .map(|i| {
+            req(&prompt, |s| {
+                s.temperature = 0.0;
+                s.max_tokens = 40;
+                s.ignore_eos = true;
+                s.top_k = i;
+            })
+        })
+        .collect();
+    let queued = engine.generate_blocking(reqs.clone()).unwrap();
+    let roomy = NativeEngine::new(m, NativeConfig::default())
+        .generate_blocking(reqs)
+        .unwrap();
+    for (q, r) in queued.iter().zip(&roomy) {
+        assert_eq!(
+            (q.request, &q.token_ids, q.finish_reason),
+            (r.request, &r.token_ids, r.finish_reason)
+        );
+        assert_close(&q.logprobs, &r.logprobs);
+    }
+    // a request that can never fit is refused, not queued forever
+    let e = engine
+        .generate_blocking(vec![req(&prompt, |s| {
+            s.n = 4;
+            s.max_tokens = 40;
+        })])
+        .unwrap_err();
+    assert!(e.to_string().contains("KV-cache blocks"), "{e}");
+}
+
+#[test]
+fn invalid_requests_are_refused_with_clear_errors() {
+    let engine = NativeEngine::new(model(), NativeConfig::default());
+    let check = |r: GenerateRequest, want: &str| {
+        let e = engine
+            .generate_blocking(vec![req(&[1], |_| {}), r])
+            .unwrap_err();
+        assert!(
+            matches!(e, EngineError::InvalidRequest { request: 1, .. }),
+            "{e}"
+        );
+        assert!(e.to_string().contains(want), "{e} lacks {want:?}");
+    };
+    check(req(&[], |_| {}), "prompt is empty");
+    check(
+        req(&[1, 384], |_| {}),
+        "token id 384 is not below the vocabulary size 384",
+    );
+    check(
+        req(&[1], |s| s.max_tokens = 0),
+        "max_tokens must be at least 1",
+    );
+    check(
+        req(&vec![1; 300], |_| {}),
+        "exceeds the model's context of 256 tokens",
+    );
+    check(req(&[1], |s| s.top_p = 2.0), "top_p");
+}
+
+fn perturbed(m: &Model, scale: f32) -> learner::Params {
+    let mut p = m.params.clone();
+    for t in &mut p.tensors {
+        for (i, v) in t.data.iter_mut().enumerate() {
+            *v += scale * (((i * 7919) % 13) as f32 - 6.0) / 6.0;
+        }
+    }
+    p
+}
+
+#[test]
+fn weight_updates_bump_the_version_and_change_the_model() {
+    let m = model();
+    let engine = NativeEngine::new(m.clone(), NativeConfig::default());
+    let prompt = ids(&reference()["input_ids"][1]);
+    let greedy = |e: &NativeEngine| {
+        e.generate_blocking(vec![req(&prompt, |s| {
+            s.temperature = 0.0;
+            s.max_tokens = 8;
+            s.ignore_eos = true;
+        })])
+        .unwrap()
+        .remove(0)
+    };
+    let before = greedy(&engine);
+    let new = perturbed(&m, 0.3);
+    engine
+        .update_weights_blocking(WeightSnapshot {
+            version: 1,
+            params: Arc::new(new.clone()),
+        })
+        .unwrap();
+    assert_eq!(rollout::InferenceEngine::weight_version(&engine), 1);
+    let after = greedy(&engine);
+    assert_eq!(after.weight_versions[0].version, 1);
+    let fresh = NativeEngine::new(
+        Model::new(m.config.clone(), new.clone()).unwrap(),
+        NativeConfig::default(),
+    );
+    assert_eq!(after.token_ids, greedy(&fresh).token_ids);
+    assert_ne!(before.token_ids, after.token_ids);
+    // stale versions and mismatched weights are refused
+    let e = engine
+        .update_weights_blocking(WeightSnapshot {
+            version: 1,
+            params: Arc::new(new),
+        })
+        .unwrap_err();
+    assert!(e.to_string().contains("not newer"), "{e}");
+    let mut wrong = m.params.clone();
+    wrong.tensors.pop();
+    let e = engine
+        .update_weights_blocking(WeightSnapshot {
+            version: 2,
+            params: Arc::new(wrong),
+        })
+        .unwrap_err();
+    assert!(matches!(e, EngineError::BadWeights(_)), "{e}");
+}
+
+fn swap_mid_generation(policy: SwapPolicy) -> Vec<rollout::VersionSpan> {
+    let m = model();
+    let engine = Arc::new(NativeEngine::new(
+        m.clone(),
+        NativeConfig {
+            swap: policy,
+            ..Default::default()
+        },
+    ));
+    let prompt = ids(&reference()["input_ids"][0]);
+    let e2 = engine.clone();
+    let worker = std::thread::spawn(move || {
+        e2.generate_blocking(vec![req(&prompt, |s| {
+            s.max_tokens = 240;
+            s.ignore_eos = true;
+        })])
+    });
+    while engine.stats().decode_tokens == 0 {
+        std::thread::yield_now();
+    }
+    engine
+        .update_weights_blocking(WeightSnapshot {
+            version: 9,
+            params: Arc::new(perturbed(&m, 0.1)),
+        })
+        .unwrap();
+    worker.join().unwrap().unwrap().remove(0).weight_versions
+}
+
+#[test]
+fn swap_policy_decides_which_weights_finish_in_flight_requests() {
+    let cont = swap_mid_generation(SwapPolicy::ContinueOnNew);
+    assert_eq!(cont.len(), 2, "{cont:?}");
+    assert_eq!((cont[0].version, cont[0].start), (0, 0));
+    assert_eq!((cont[1].version, cont[1].end), (9, 240));
+    assert_eq!(cont[0].end, cont[1].start);
+    let old = swap_mid_generation(SwapPolicy::FinishOnOld);
+    assert_eq!(old.len(), 1, "{old:?}");
+    assert_eq!((old[0].version, old[0].end), (0, 240));
+}
