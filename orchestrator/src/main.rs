@@ -35,6 +35,36 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Sample continuations of a prompt from a checkpoint with the native engine.
+    Generate {
+        /// Checkpoint folder (Hugging Face layout).
+        #[arg(long)]
+        model: PathBuf,
+        /// The prompt text.
+        #[arg(long)]
+        prompt: String,
+        /// Samples.
+        #[arg(short, long, default_value_t = 1)]
+        n: usize,
+        /// Most new tokens per sample.
+        #[arg(long, default_value_t = 64)]
+        max_tokens: usize,
+        /// Sampling temperature; 0 is greedy.
+        #[arg(long, default_value_t = 1.0)]
+        temperature: f32,
+        /// Nucleus sampling threshold.
+        #[arg(long, default_value_t = 1.0)]
+        top_p: f32,
+        /// Keep only the k most likely tokens (0: off).
+        #[arg(long, default_value_t = 0)]
+        top_k: usize,
+        /// Seed (samples of one prompt use streams 0..n of it).
+        #[arg(long)]
+        seed: Option<u64>,
+        /// One JSON object per sample: token_ids, logprobs, finish_reason, text.
+        #[arg(long)]
+        json: bool,
+    },
     /// Benchmarks.
     Bench {
         #[command(subcommand)]
@@ -55,6 +85,16 @@ enum BenchCommand {
         /// Timed steps (after one warm-up).
         #[arg(long, default_value_t = 5)]
         steps: usize,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// The native engine: prefill and decode tokens/s (batch 1, 16, 64), MFU, the bandwidth
+    /// bound, and the cost of n = 8 samples against one.
+    Generate {
+        /// Benchmark this checkpoint instead of the reference model.
+        #[arg(long)]
+        model: Option<PathBuf>,
         /// Print JSON.
         #[arg(long)]
         json: bool,
@@ -151,6 +191,85 @@ fn tune_allocator() {
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
 fn tune_allocator() {}
 
+struct GenerateArgs {
+    model: PathBuf,
+    prompt: String,
+    params: rollout::SamplingParams,
+    json: bool,
+}
+
+fn generate(a: GenerateArgs) -> Result<()> {
+    let ckpt = Checkpoint::load(&a.model)?;
+    let tok = ckpt
+        .tokenizer()
+        .with_context(|| format!("{}: no tokenizer.json in the checkpoint", a.model.display()))??;
+    let prompt = tok.encode(&a.prompt)?;
+    let engine = rollout::native::NativeEngine::new(ckpt.model, Default::default());
+    let out = engine.generate_blocking(vec![rollout::GenerateRequest {
+        prompt,
+        params: a.params,
+    }])?;
+    for c in out {
+        let text = tok.decode(&c.token_ids)?;
+        if a.json {
+            let v = serde_json::json!({"index": c.index, "token_ids": c.token_ids, "logprobs": c.logprobs,
+                "finish_reason": c.finish_reason, "text": text});
+            println!("{v}");
+        } else {
+            println!("{text}");
+        }
+    }
+    Ok(())
+}
+
+fn bench_generate(model: Option<PathBuf>, json: bool) -> Result<()> {
+    let model = match model {
+        Some(dir) => Checkpoint::load(&dir)?.model,
+        None => learner::Model::init(bench::reference_config(), 0),
+    };
+    let r = rollout::bench::generate_bench(model, &[1, 16, 64]);
+    if json {
+        println!("{}", serde_json::to_string(&r)?);
+        return Ok(());
+    }
+    println!(
+        "native generation, {:.1}M params, {} threads",
+        r.params as f64 / 1e6,
+        r.threads
+    );
+    println!(
+        "  prefill                      {:.0} tokens/s",
+        r.prefill_tokens_per_second
+    );
+    for d in &r.decode {
+        println!(
+            "  decode batch {:<3}             {:.0} tokens/s ({:.1} GFLOP/s, MFU {:.1}%)",
+            d.batch,
+            d.tokens_per_second,
+            d.achieved_gflops,
+            100.0 * d.mfu
+        );
+    }
+    println!(
+        "  memory bandwidth (measured)  {:.1} GB/s",
+        r.memory_bandwidth_gbps
+    );
+    println!(
+        "  batch-1 bound                {:.0} tokens/s ({:.0} MB of weights per token)",
+        r.batch1_bandwidth_bound_tokens_per_second,
+        r.weight_bytes_per_token / 1e6
+    );
+    println!(
+        "  batch 1 / bound              {:.1}%",
+        100.0 * r.batch1_fraction_of_bandwidth_bound
+    );
+    println!(
+        "  n=8 time / n=1 time          {:.2} (prefill tokens for n=8: {})",
+        r.n8_over_n1_time, r.n8_prefill_tokens
+    );
+    Ok(())
+}
+
 fn main() -> Result<()> {
     tune_allocator();
     let cli = Cli::parse();
@@ -161,6 +280,33 @@ fn main() -> Result<()> {
     kernels::threads::init(cli.threads);
     match cli.command {
         Command::Score { model, text, json } => score(&model, &text, json),
+        Command::Generate {
+            model,
+            prompt,
+            n,
+            max_tokens,
+            temperature,
+            top_p,
+            top_k,
+            seed,
+            json,
+        } => {
+            let params = rollout::SamplingParams {
+                n,
+                max_tokens,
+                temperature,
+                top_p,
+                top_k,
+                seed,
+                ..Default::default()
+            };
+            generate(GenerateArgs {
+                model,
+                prompt,
+                params,
+                json,
+            })
+        }
         Command::Bench {
             what:
                 BenchCommand::Train {
@@ -170,5 +316,8 @@ fn main() -> Result<()> {
                     json,
                 },
         } => bench_train(batch, seq, steps, json),
+        Command::Bench {
+            what: BenchCommand::Generate { model, json },
+        } => bench_generate(model, json),
     }
 }

@@ -6,6 +6,7 @@
 //! Never: trains, computes rewards, or talks to other engines; the native engine never opens a
 //! socket.
 
+pub mod bench;
 pub mod kv;
 pub mod native;
 pub mod sampling;

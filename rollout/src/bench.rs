@@ -1,0 +1,147 @@
+//! `trellis bench generate`: prefill and decode throughput of the native engine, the cost of
+//! `n` samples against one, and batch-1 decode against the memory-bandwidth bound measured in
+//! the same run.
+
+use crate::native::{NativeConfig, NativeEngine};
+use crate::{GenerateRequest, SamplingParams};
+use learner::Model;
+use serde::Serialize;
+use std::time::Instant;
+
+/// Results.
+#[derive(Clone, Debug, Serialize)]
+pub struct GenerateBenchReport {
+    pub threads: usize,
+    pub params: usize,
+    pub prefill_tokens_per_second: f64,
+    /// (batch, decode tokens/s, MFU) for each batch size.
+    pub decode: Vec<DecodePoint>,
+    pub weight_bytes_per_token: f64,
+    pub memory_bandwidth_gbps: f64,
+    /// Tokens/s that batch 1 could reach if it only streamed the weights once per token.
+    pub batch1_bandwidth_bound_tokens_per_second: f64,
+    pub batch1_fraction_of_bandwidth_bound: f64,
+    /// Time of one request with n = 8 over the same request with n = 1 (16 new tokens,
+    /// 256-token prompt).
+    pub n8_over_n1_time: f64,
+    /// Prefill tokens the engine ran for the n = 8 request (equal to the prompt: one prefill).
+    pub n8_prefill_tokens: u64,
+    pub peak_fma_gflops: f64,
+}
+
+/// One decode measurement.
+#[derive(Clone, Debug, Serialize)]
+pub struct DecodePoint {
+    pub batch: usize,
+    pub tokens_per_second: f64,
+    pub achieved_gflops: f64,
+    pub mfu: f64,
+}
+
+/// Sustained copy bandwidth in GB/s (bytes read + written), best of a few 256 MiB copies.
+pub fn memory_bandwidth_gbps() -> f64 {
+    let n = 64 << 20;
+    let src = vec![1.0f32; n];
+    let mut dst = vec![0.0f32; n];
+    let mut best = f64::MAX;
+    for _ in 0..5 {
+        let t = Instant::now();
+        dst.copy_from_slice(&src);
+        std::hint::black_box(&mut dst);
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    2.0 * (n * 4) as f64 / best / 1e9
+}
+
+fn requests(
+    count: usize,
+    prompt: usize,
+    max_tokens: usize,
+    n: usize,
+    vocab: usize,
+) -> Vec<GenerateRequest> {
+    (0..count)
+        .map(|r| GenerateRequest {
+            prompt: (0..prompt)
+                .map(|t| ((r * 131 + t * 7919) % vocab) as u32)
+                .collect(),
+            params: SamplingParams {
+                n,
+                max_tokens,
+                ignore_eos: true,
+                seed: Some(r as u64),
+                ..Default::default()
+            },
+        })
+        .collect()
+}
+
+fn timed(engine: &NativeEngine, reqs: Vec<GenerateRequest>) -> f64 {
+    let t = Instant::now();
+    engine
+        .generate_blocking(reqs)
+        .expect("benchmark requests are valid");
+    t.elapsed().as_secs_f64()
+}
+
+/// Runs the benchmark on `model` (decode at each of `batches`).
+pub fn generate_bench(model: Model, batches: &[usize]) -> GenerateBenchReport {
+    let threads = kernels::threads::current();
+    let peak = kernels::peak::fma_peak_gflops(threads);
+    let bw = memory_bandwidth_gbps();
+    let c = model.config.clone();
+    let vocab = c.vocab_size;
+    let engine = NativeEngine::new(model, NativeConfig::default());
+    // warm-up
+    timed(&engine, requests(1, 16, 4, 1, vocab));
+    let prompt = 256.min(c.max_position_embeddings / 2);
+    let prefill = timed(&engine, requests(1, prompt, 1, 1, vocab));
+    let prefill_tps = prompt as f64 / prefill;
+    let (ctx, new) = (16usize, 64usize);
+    let matmul_params = c.num_params()
+        - if c.tie_word_embeddings {
+            0
+        } else {
+            c.vocab_size * c.hidden_size
+        };
+    let mut decode = Vec::new();
+    for &b in batches {
+        let only_prefill = timed(&engine, requests(b, ctx, 1, 1, vocab));
+        let total = timed(&engine, requests(b, ctx, new, 1, vocab));
+        let secs = (total - only_prefill).max(1e-9);
+        let tokens = (b * (new - 1)) as f64;
+        let avg_ctx = (ctx + new / 2) as f64;
+        let flops_per_token = 2.0 * matmul_params as f64
+            + 4.0 * (c.num_layers * c.num_heads * c.head_dim) as f64 * avg_ctx;
+        let gflops = tokens * flops_per_token / secs / 1e9;
+        decode.push(DecodePoint {
+            batch: b,
+            tokens_per_second: tokens / secs,
+            achieved_gflops: gflops,
+            mfu: gflops / peak,
+        });
+    }
+    let n1 = timed(&engine, requests(1, prompt, 16, 1, vocab));
+    let before = engine.stats().prefill_tokens;
+    let n8 = timed(&engine, requests(1, prompt, 16, 8, vocab));
+    let n8_prefill = engine.stats().prefill_tokens - before;
+    let weight_bytes = (c.num_params() * 4) as f64;
+    let bound = bw * 1e9 / weight_bytes;
+    let b1 = decode
+        .iter()
+        .find(|d| d.batch == 1)
+        .map_or(0.0, |d| d.tokens_per_second);
+    GenerateBenchReport {
+        threads,
+        params: c.num_params(),
+        prefill_tokens_per_second: prefill_tps,
+        decode,
+        weight_bytes_per_token: weight_bytes,
+        memory_bandwidth_gbps: bw,
+        batch1_bandwidth_bound_tokens_per_second: bound,
+        batch1_fraction_of_bandwidth_bound: b1 / bound,
+        n8_over_n1_time: n8 / n1,
+        n8_prefill_tokens: n8_prefill,
+        peak_fma_gflops: peak,
+    }
+}
