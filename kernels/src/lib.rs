@@ -19,7 +19,29 @@ pub mod norm;
 pub mod optim;
 pub mod peak;
 pub mod rope;
+pub mod skinny;
 pub mod threads;
 
 #[cfg(test)]
 pub(crate) mod testutil;
+
+/// `Σ a·b` in 16 independent lanes, so that it vectorises (a plain iterator sum is a serial
+/// dependency chain the compiler must keep in order).
+#[inline]
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let n = a.len().min(b.len());
+    let mut acc = [0.0f32; 16];
+    let (ac, bc) = (a[..n].chunks_exact(16), b[..n].chunks_exact(16));
+    let tail: f32 = ac
+        .remainder()
+        .iter()
+        .zip(bc.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    for (x, y) in ac.zip(bc) {
+        for l in 0..16 {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}

@@ -22,6 +22,9 @@ pub enum Par {
     Single,
 }
 
+/// Up to this many rows, `A·Bᵀ` goes through [`crate::skinny`].
+pub const SKINNY_ROWS: usize = 64;
+
 /// `C[m,n] = op(A)[m,k] · op(B)[k,n]`, or `C += …` when `accumulate`.
 ///
 /// `A` holds `m·k` values (`[m,k]` for `Op::N`, `[k,m]` for `Op::T`), `B` holds `k·n`.
@@ -55,6 +58,17 @@ pub fn matmul(
         c.len(),
         m * n
     );
+    // A few rows times a weight matrix (decode): stream the weights once instead of packing them.
+    if m <= SKINNY_ROWS
+        && op_a == Op::N
+        && op_b == Op::T
+        && !accumulate
+        && par == Par::Pool
+        && crate::skinny::available()
+    {
+        crate::skinny::matmul_nt(m, k, n, a, b, c);
+        return;
+    }
     let (a_rs, a_cs) = match op_a {
         Op::N => (k as isize, 1),
         Op::T => (1, m as isize),

@@ -229,9 +229,6 @@ pub struct Model {
 fn linear(x: &[f32], n: usize, w: &Tensor, b: Option<&Tensor>) -> Vec<f32> {
     let (out, inp) = (w.shape[0], w.shape[1]);
     let mut y = vec![0.0f32; n * out];
-    if let Some(b) = b {
-        y.chunks_mut(out).for_each(|r| r.copy_from_slice(&b.data));
-    }
     matmul(
         n,
         inp,
@@ -241,9 +238,14 @@ fn linear(x: &[f32], n: usize, w: &Tensor, b: Option<&Tensor>) -> Vec<f32> {
         &w.data,
         Op::T,
         &mut y,
-        b.is_some(),
+        false,
         Par::Pool,
     );
+    if let Some(b) = b {
+        for r in y.chunks_mut(out) {
+            r.iter_mut().zip(&b.data).for_each(|(v, b)| *v += b);
+        }
+    }
     y
 }
 

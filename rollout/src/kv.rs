@@ -198,7 +198,7 @@ impl learner::Attend for CachedStep<'_> {
                     let mut max = f32::NEG_INFINITY;
                     for &sl in &slots {
                         let kh = &pool.k[sl + g * d..sl + (g + 1) * d];
-                        let sc = qh.iter().zip(kh).map(|(a, b)| a * b).sum::<f32>() * scale;
+                        let sc = kernels::dot(qh, kh) * scale;
                         max = max.max(sc);
                         scores.push(sc);
                     }
