@@ -27,7 +27,7 @@ pub(crate) mod testutil;
 
 /// `Σ a·b` in 16 independent lanes, so that it vectorises (a plain iterator sum is a serial
 /// dependency chain the compiler must keep in order).
-#[inline]
+#[inline(always)]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     let n = a.len().min(b.len());
     let mut acc = [0.0f32; 16];

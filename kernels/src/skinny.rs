@@ -104,6 +104,83 @@ unsafe fn block_avx512(
     }
 }
 
+/// C tile for rows `j..j+NR` of B against all `m` rows of A, from `at` = Aᵀ packed `[k, 16·MV]`
+/// (zero-padded): an outer product per k with no horizontal reductions. Writes `ct`
+/// (`[NR, 16·MV]`, Cᵀ rows).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn tile_t<const MV: usize, const NR: usize>(
+    at: &[f32],
+    k: usize,
+    b: &[f32],
+    j: usize,
+    ct: &mut [f32],
+) {
+    use std::arch::x86_64::*;
+    let mp = 16 * MV;
+    let mut acc = [[_mm512_setzero_ps(); MV]; NR];
+    for p in 0..k {
+        let mut av = [_mm512_setzero_ps(); MV];
+        for v in 0..MV {
+            // SAFETY: `at` holds k rows of mp floats.
+            av[v] = unsafe { _mm512_loadu_ps(at.as_ptr().add(p * mp + 16 * v)) };
+        }
+        for jj in 0..NR {
+            // SAFETY: row j+jj of B exists (full tiles only) and p < k.
+            let bb = _mm512_set1_ps(unsafe { *b.get_unchecked((j + jj) * k + p) });
+            for v in 0..MV {
+                acc[jj][v] = _mm512_fmadd_ps(av[v], bb, acc[jj][v]);
+            }
+        }
+    }
+    for jj in 0..NR {
+        for v in 0..MV {
+            // SAFETY: ct holds NR rows of mp floats.
+            unsafe { _mm512_storeu_ps(ct.as_mut_ptr().add(jj * mp + 16 * v), acc[jj][v]) };
+        }
+    }
+}
+
+/// Columns `n0..n1` of C for 4 < m ≤ 64 through [`tile_t`].
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn block_t<const MV: usize>(
+    at: &[f32],
+    m: usize,
+    k: usize,
+    b: &[f32],
+    n0: usize,
+    n1: usize,
+    c: *mut f32,
+    n: usize,
+) {
+    const NR: usize = 6;
+    let mp = 16 * MV;
+    let mut ct = [0.0f32; 6 * 64];
+    let mut j = n0;
+    while j < n1 {
+        let rows = (n1 - j).min(NR);
+        // SAFETY: feature present; full tiles read NR rows of B, edges one row at a time.
+        unsafe {
+            if rows == NR {
+                tile_t::<MV, NR>(at, k, b, j, &mut ct);
+            } else {
+                for r in 0..rows {
+                    tile_t::<MV, 1>(at, k, b, j + r, &mut ct[r * mp..]);
+                }
+            }
+        }
+        for r in 0..rows {
+            for i in 0..m {
+                // SAFETY: (i, j+r) is inside C; this task alone writes columns n0..n1.
+                unsafe { *c.add(i * n + j + r) = ct[r * mp + i] };
+            }
+        }
+        j += NR;
+    }
+}
+
 fn block_scalar(
     a: &[f32],
     m: usize,
@@ -147,6 +224,32 @@ pub fn matmul_nt(m: usize, k: usize, n: usize, a: &[f32], b: &[f32], c: &mut [f3
     );
     let simd = available();
     let cp = SendPtr(c.as_mut_ptr());
+    #[cfg(target_arch = "x86_64")]
+    if simd && m > 4 && m <= 64 {
+        // Aᵀ, zero-padded to whole vectors: [k, 16·mv]
+        let mv = m.div_ceil(16);
+        let mp = 16 * mv;
+        let mut at = vec![0.0f32; k * mp];
+        for i in 0..m {
+            for p in 0..k {
+                at[p * mp + i] = a[i * k + p];
+            }
+        }
+        (0..n.div_ceil(N_BLOCK)).into_par_iter().for_each(|blk| {
+            let cp = &cp;
+            let (n0, n1) = (blk * N_BLOCK, ((blk + 1) * N_BLOCK).min(n));
+            // SAFETY: the feature is present; bounds as asserted above.
+            unsafe {
+                match mv {
+                    1 => block_t::<1>(&at, m, k, b, n0, n1, cp.0, n),
+                    2 => block_t::<2>(&at, m, k, b, n0, n1, cp.0, n),
+                    3 => block_t::<3>(&at, m, k, b, n0, n1, cp.0, n),
+                    _ => block_t::<4>(&at, m, k, b, n0, n1, cp.0, n),
+                }
+            }
+        });
+        return;
+    }
     (0..n.div_ceil(N_BLOCK)).into_par_iter().for_each(|blk| {
         let cp = &cp;
         let (n0, n1) = (blk * N_BLOCK, ((blk + 1) * N_BLOCK).min(n));
@@ -170,7 +273,14 @@ mod tests {
 
     #[test]
     fn matches_the_gemm_path_for_ragged_shapes() {
-        for (m, k, n) in [(1, 37, 70), (3, 64, 129), (7, 160, 64), (64, 17, 5)] {
+        for (m, k, n) in [
+            (1, 37, 70),
+            (3, 64, 129),
+            (7, 160, 64),
+            (64, 17, 5),
+            (16, 33, 13),
+            (40, 512, 97),
+        ] {
             let a = randn(m * k, 1);
             let b = randn(n * k, 2);
             let mut want = vec![0.0; m * n];

@@ -185,38 +185,96 @@ impl learner::Attend for CachedStep<'_> {
         }
         let pool = &*self.pool;
         let scale = 1.0 / (d as f32).sqrt();
+        let avx512 = simd_available();
         out.par_chunks_mut(nh * d)
             .zip(q.par_chunks(nh * d))
             .zip(owners.par_iter())
             .for_each_init(Vec::new, |scores: &mut Vec<f32>, ((o, qr), &(si, pos))| {
                 let seq = self.seqs[si];
                 let slots: Vec<usize> = (0..=pos).map(|p| pool.slot(layer, seq, p)).collect();
-                for h in 0..nh {
-                    let g = h / group;
-                    let qh = &qr[h * d..(h + 1) * d];
-                    scores.clear();
-                    let mut max = f32::NEG_INFINITY;
-                    for &sl in &slots {
-                        let kh = &pool.k[sl + g * d..sl + (g + 1) * d];
-                        let sc = kernels::dot(qh, kh) * scale;
-                        max = max.max(sc);
-                        scores.push(sc);
+                let args = OneQuery {
+                    pool,
+                    slots: &slots,
+                    q: qr,
+                    out: o,
+                    heads: nh,
+                    group,
+                    head_dim: d,
+                    scale,
+                };
+                if avx512 {
+                    #[cfg(target_arch = "x86_64")]
+                    // SAFETY: the CPU has the features (checked by `simd_available`).
+                    unsafe {
+                        attend_one_avx512(args, scores);
                     }
-                    let mut sum = 0.0;
-                    for sc in scores.iter_mut() {
-                        *sc = (*sc - max).exp();
-                        sum += *sc;
-                    }
-                    let oh = &mut o[h * d..(h + 1) * d];
-                    oh.fill(0.0);
-                    for (&p, &sl) in scores.iter().zip(&slots) {
-                        let vh = &pool.v[sl + g * d..sl + (g + 1) * d];
-                        let wgt = p / sum;
-                        oh.iter_mut().zip(vh).for_each(|(a, b)| *a += wgt * b);
-                    }
+                } else {
+                    attend_one(args, scores);
                 }
             });
         Vec::new()
+    }
+}
+
+/// One query token's attention over its cached positions, every head.
+struct OneQuery<'a> {
+    pool: &'a BlockPool,
+    slots: &'a [usize],
+    q: &'a [f32],
+    out: &'a mut [f32],
+    heads: usize,
+    group: usize,
+    head_dim: usize,
+    scale: f32,
+}
+
+#[inline(always)]
+fn attend_one(a: OneQuery<'_>, scores: &mut Vec<f32>) {
+    let d = a.head_dim;
+    for h in 0..a.heads {
+        let g = h / a.group;
+        let qh = &a.q[h * d..(h + 1) * d];
+        scores.clear();
+        let mut max = f32::NEG_INFINITY;
+        for &sl in a.slots {
+            let kh = &a.pool.k[sl + g * d..sl + (g + 1) * d];
+            let sc = kernels::dot(qh, kh) * a.scale;
+            max = max.max(sc);
+            scores.push(sc);
+        }
+        let mut sum = 0.0;
+        for sc in scores.iter_mut() {
+            *sc = (*sc - max).exp();
+            sum += *sc;
+        }
+        let oh = &mut a.out[h * d..(h + 1) * d];
+        oh.fill(0.0);
+        let inv = 1.0 / sum;
+        for (&p, &sl) in scores.iter().zip(a.slots) {
+            let vh = &a.pool.v[sl + g * d..sl + (g + 1) * d];
+            let wgt = p * inv;
+            oh.iter_mut().zip(vh).for_each(|(x, y)| *x += wgt * y);
+        }
+    }
+}
+
+/// [`attend_one`] compiled for AVX-512, so its loops vectorise 16 wide.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
+unsafe fn attend_one_avx512(a: OneQuery<'_>, scores: &mut Vec<f32>) {
+    attend_one(a, scores);
+}
+
+fn simd_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512vl")
+            && is_x86_feature_detected!("fma")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
     }
 }
 
