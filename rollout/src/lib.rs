@@ -9,7 +9,9 @@
 pub mod bench;
 pub mod kv;
 pub mod native;
+pub mod reward;
 pub mod sampling;
+pub mod task;
 
 use learner::snapshot::WeightSnapshot;
 pub use sampling::SamplingParams;

@@ -323,3 +323,16 @@ fn swap_policy_decides_which_weights_finish_in_flight_requests() {
     assert_eq!(old.len(), 1, "{old:?}");
     assert_eq!((old[0].version, old[0].end), (0, 240));
 }
+
+#[test]
+fn the_builtin_arith_tokenizer_round_trips() {
+    let json = rollout::task::arith_tokenizer_json();
+    let tok =
+        learner::tokenizer::Tokenizer::from_json(&json, std::path::Path::new("builtin:arith"))
+            .unwrap();
+    let ids = tok.encode("37+45=82").unwrap();
+    assert_eq!(ids, vec![5, 9, 12, 6, 7, 15, 10, 4]);
+    let mut with_eos = ids.clone();
+    with_eos.push(rollout::task::ARITH_EOS);
+    assert_eq!(tok.decode(&with_eos).unwrap(), "37+45=82");
+}
