@@ -23,6 +23,33 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Run a recipe (workflow YAML) in this process on the native engines.
+    Train {
+        /// The recipe or workflow file.
+        recipe: PathBuf,
+        /// Override a field: `-o stages.rl.trainer.steps=50` (value in YAML syntax).
+        #[arg(short = 'o', long = "override")]
+        overrides: Vec<String>,
+        /// Run directory (default: runs/<name>).
+        #[arg(long)]
+        run_dir: Option<PathBuf>,
+        /// No progress lines.
+        #[arg(long)]
+        quiet: bool,
+    },
+    /// Continue the run in RUN_DIR from its last checkpoint.
+    Resume {
+        /// The run directory.
+        run_dir: PathBuf,
+        /// No progress lines.
+        #[arg(long)]
+        quiet: bool,
+    },
+    /// Workflow files.
+    Config {
+        #[command(subcommand)]
+        what: ConfigCommand,
+    },
     /// Per-token log-probs and total NLL of a text under a checkpoint.
     Score {
         /// Checkpoint folder (Hugging Face layout).
@@ -69,6 +96,18 @@ enum Command {
     Bench {
         #[command(subcommand)]
         what: BenchCommand,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum ConfigCommand {
+    /// Print the resolved workflow (defaults filled in, overrides applied).
+    Show {
+        /// The recipe or workflow file.
+        file: PathBuf,
+        /// Overrides, as for `train`.
+        #[arg(short = 'o', long = "override")]
+        overrides: Vec<String>,
     },
 }
 
@@ -270,7 +309,36 @@ fn bench_generate(model: Option<PathBuf>, json: bool) -> Result<()> {
     Ok(())
 }
 
-fn main() -> Result<()> {
+fn print_summary(dir: &std::path::Path, s: &orchestrator::train::Summary) {
+    for (stage, acc) in &s.eval_accuracy {
+        println!("{stage}: eval accuracy {acc:.3}");
+    }
+    println!(
+        "run directory: {} ({} steps run)",
+        dir.display(),
+        s.steps_run
+    );
+}
+
+fn main() -> std::process::ExitCode {
+    match run() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            // The chain, skipping causes that their parent's message already quotes.
+            let mut msg = e.to_string();
+            for cause in e.chain().skip(1) {
+                let c = cause.to_string();
+                if !msg.contains(&c) {
+                    msg = format!("{msg}: {c}");
+                }
+            }
+            eprintln!("error: {msg}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> Result<()> {
     tune_allocator();
     let cli = Cli::parse();
     tracing_subscriber::fmt()
@@ -279,6 +347,30 @@ fn main() -> Result<()> {
         .init();
     kernels::threads::init(cli.threads);
     match cli.command {
+        Command::Train {
+            recipe,
+            overrides,
+            run_dir,
+            quiet,
+        } => {
+            let wf = orchestrator::workflow::load(&recipe, &overrides)?;
+            let dir = run_dir.unwrap_or_else(|| PathBuf::from("runs").join(&wf.name));
+            let summary = orchestrator::train::start(&wf, &dir, quiet)?;
+            print_summary(&dir, &summary);
+            Ok(())
+        }
+        Command::Resume { run_dir, quiet } => {
+            let summary = orchestrator::train::resume(&run_dir, quiet)?;
+            print_summary(&run_dir, &summary);
+            Ok(())
+        }
+        Command::Config {
+            what: ConfigCommand::Show { file, overrides },
+        } => {
+            let wf = orchestrator::workflow::load(&file, &overrides)?;
+            println!("{}", serde_json::to_string_pretty(&wf)?);
+            Ok(())
+        }
         Command::Score { model, text, json } => score(&model, &text, json),
         Command::Generate {
             model,

@@ -5,32 +5,42 @@
 
 use std::path::PathBuf;
 use std::process::Command;
+use std::sync::OnceLock;
 
-/// Path to the `trellis` binary built from this workspace, building it if it is missing.
+/// Path to the `trellis` binary built from this workspace's current sources.
 ///
-/// `cargo test --workspace` builds it already (the orchestrator package has integration
-/// tests); running this crate's tests alone builds it here with the same profile.
+/// Under cargo, the first call in a test process runs `cargo build -p orchestrator --bin
+/// trellis` with the test's profile (a no-op when it is fresh), so `cargo test -p tests` never
+/// runs a stale binary.
 pub fn trellis_bin() -> PathBuf {
-    let exe = std::env::current_exe().expect("test executable path");
-    // target/<profile>/deps/<test> → target/<profile>/trellis
-    let profile_dir = exe
-        .parent()
-        .and_then(|deps| deps.parent())
-        .expect("test executable lives in target/<profile>/deps");
-    let bin = profile_dir.join(format!("trellis{}", std::env::consts::EXE_SUFFIX));
-    if !bin.exists() {
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let mut cmd = Command::new(cargo);
-        cmd.args(["build", "-p", "orchestrator", "--bin", "trellis"]);
-        if profile_dir.file_name().is_some_and(|n| n == "release") {
-            cmd.arg("--release");
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    BIN.get_or_init(|| {
+        let exe = std::env::current_exe().expect("test executable path");
+        // target/<profile>/deps/<test> → target/<profile>/trellis
+        let profile_dir = exe
+            .parent()
+            .and_then(|deps| deps.parent())
+            .expect("test executable lives in target/<profile>/deps");
+        let bin = profile_dir.join(format!("trellis{}", std::env::consts::EXE_SUFFIX));
+        if let Ok(cargo) = std::env::var("CARGO") {
+            let mut cmd = Command::new(cargo);
+            cmd.args(["build", "--quiet", "-p", "orchestrator", "--bin", "trellis"]);
+            if profile_dir.file_name().is_some_and(|n| n == "release") {
+                cmd.arg("--release");
+            }
+            let status = cmd
+                .status()
+                .expect("run cargo build for the trellis binary");
+            assert!(status.success(), "building the trellis binary failed");
         }
-        let status = cmd
-            .status()
-            .expect("run cargo build for the trellis binary");
-        assert!(status.success(), "building the trellis binary failed");
-    }
-    bin
+        assert!(
+            bin.exists(),
+            "{} is missing: run `cargo build -p orchestrator`",
+            bin.display()
+        );
+        bin
+    })
+    .clone()
 }
 
 /// A `Command` for the `trellis` binary.

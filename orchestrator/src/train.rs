@@ -1,0 +1,729 @@
+//! The recipe runner: runs a workflow's stages in one process on the native engines (SFT, RL in
+//! `sync` mode, eval), writes `metrics.jsonl`, checkpoints at `save_freq`, and resumes from the
+//! last checkpoint.
+//!
+//! Run directory: `workflow.json` (the resolved workflow), `metrics.jsonl` (one object per step
+//! with `stage`, `step` and VeRL-named metrics), `checkpoints/<stage>/step_<N>/` (model in HF
+//! layout, `optimizer/`), and `state.json` (the last checkpoint and the stages finished), written
+//! atomically after each checkpoint.
+
+use crate::workflow::{Stage, StageKind, Workflow};
+use learner::checkpoint::Checkpoint;
+use learner::optim::{LrSchedule, Optimizer};
+use learner::rl::advantage::{AdvEstimator, AdvInput, compute};
+use learner::rl::agg::{AggNorm, LossAgg};
+use learner::rl::loss::{ActorInput, PolicyLoss, PolicyLossConfig, actor_loss};
+use learner::rl::{Metrics, Shape};
+use learner::snapshot::WeightSnapshot;
+use learner::tokenizer::Tokenizer;
+use learner::{Batch, Model, ModelConfig};
+use rollout::native::{NativeConfig, NativeEngine};
+use rollout::task::{ArithTask, Problem};
+use rollout::{GenerateRequest, SamplingParams};
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, HashSet};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// What stops a run.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    /// Model, checkpoint or tokenizer.
+    #[error(transparent)]
+    Learner(#[from] learner::Error),
+    /// The inference engine.
+    #[error(transparent)]
+    Engine(#[from] rollout::EngineError),
+    /// An RL formula's inputs or settings.
+    #[error(transparent)]
+    Rl(#[from] learner::rl::RlError),
+    /// Files of the run directory.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// Anything else, explained.
+    #[error("{0}")]
+    Other(String),
+}
+
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> RunError + '_ {
+    move |source| RunError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// Progress of a run, saved as `state.json` with each checkpoint.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct RunState {
+    /// Stages finished, in order.
+    pub completed: Vec<String>,
+    /// The stage of the last checkpoint and its step (steps count from 1).
+    pub stage: Option<String>,
+    /// Last checkpointed step of `stage`.
+    pub step: u64,
+    /// Checkpoint folder, relative to the run directory.
+    pub checkpoint: Option<String>,
+    /// Weight version at the checkpoint.
+    pub weight_version: u64,
+}
+
+/// What a finished run reports.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct Summary {
+    /// Eval accuracy after each stage that evaluated, by stage id.
+    pub eval_accuracy: BTreeMap<String, f64>,
+    /// Steps run in this invocation (not counting those resumed over).
+    pub steps_run: u64,
+}
+
+struct Run<'a> {
+    wf: &'a Workflow,
+    dir: PathBuf,
+    model: Model,
+    tokenizer: Tokenizer,
+    assets: Vec<(String, Vec<u8>)>,
+    eos: u32,
+    engine: NativeEngine,
+    version: u64,
+    metrics: std::fs::File,
+    state: RunState,
+    quiet: bool,
+    summary: Summary,
+}
+
+fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), RunError> {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, bytes).map_err(io(&tmp))?;
+    std::fs::rename(&tmp, path).map_err(io(path))
+}
+
+/// Starts a run of `wf` in `dir` (which must not hold another run).
+pub fn start(wf: &Workflow, dir: &Path, quiet: bool) -> Result<Summary, RunError> {
+    if dir.join("state.json").exists() {
+        return Err(RunError::Other(format!(
+            "{} already holds a run: continue it with `trellis resume {}`, or pick another --run-dir",
+            dir.display(),
+            dir.display()
+        )));
+    }
+    std::fs::create_dir_all(dir).map_err(io(dir))?;
+    let text = serde_json::to_string_pretty(wf).map_err(|e| RunError::Other(e.to_string()))?;
+    write_atomic(&dir.join("workflow.json"), text.as_bytes())?;
+    write_atomic(
+        &dir.join("state.json"),
+        b"{\"completed\":[],\"stage\":null,\"step\":0,\"checkpoint\":null,\"weight_version\":0}",
+    )?;
+    let _ = std::fs::remove_file(dir.join("metrics.jsonl"));
+    execute(wf, dir, RunState::default(), quiet)
+}
+
+/// Continues the run in `dir` from its last checkpoint.
+pub fn resume(dir: &Path, quiet: bool) -> Result<Summary, RunError> {
+    let wf_path = dir.join("workflow.json");
+    let text = std::fs::read_to_string(&wf_path).map_err(io(&wf_path))?;
+    let wf: Workflow = serde_json::from_str(&text)
+        .map_err(|e| RunError::Other(format!("{}: {e}", wf_path.display())))?;
+    let st_path = dir.join("state.json");
+    let text = std::fs::read_to_string(&st_path).map_err(io(&st_path))?;
+    let state: RunState = serde_json::from_str(&text)
+        .map_err(|e| RunError::Other(format!("{}: {e}", st_path.display())))?;
+    execute(&wf, dir, state, quiet)
+}
+
+fn tokenizer_for(wf: &Workflow) -> Result<(Tokenizer, String), RunError> {
+    let json = match (&wf.model.tokenizer, &wf.model.path) {
+        (Some(t), _) if t == "builtin:arith" => rollout::task::arith_tokenizer_json(),
+        (Some(t), _) => std::fs::read_to_string(t).map_err(io(Path::new(t)))?,
+        (None, Some(p)) => {
+            let f = p.join("tokenizer.json");
+            std::fs::read_to_string(&f).map_err(io(&f))?
+        }
+        (None, None) => {
+            return Err(RunError::Other(
+                "model.tokenizer is required with model.init".into(),
+            ));
+        }
+    };
+    let tok = Tokenizer::from_json(
+        &json,
+        Path::new(wf.model.tokenizer.as_deref().unwrap_or("tokenizer.json")),
+    )?;
+    Ok((tok, json))
+}
+
+fn initial_model(wf: &Workflow, tok: &Tokenizer) -> Result<Checkpoint, RunError> {
+    if let Some(p) = &wf.model.path {
+        return Ok(Checkpoint::load(p)?);
+    }
+    let mut init = wf.model.init.clone().unwrap_or_default();
+    let obj = init
+        .as_object_mut()
+        .ok_or_else(|| RunError::Other("model.init must be a map of config fields".into()))?;
+    obj.entry("vocab_size").or_insert(tok.vocab_size().into());
+    obj.entry("max_position_embeddings").or_insert(256.into());
+    obj.entry("tie_word_embeddings").or_insert(true.into());
+    let heads = obj.get("num_attention_heads").cloned().unwrap_or(1.into());
+    obj.entry("num_key_value_heads").or_insert(heads);
+    if let Some(eos) = tok.token_id("<eos>") {
+        obj.entry("eos_token_id").or_insert(eos.into());
+    }
+    if !obj.contains_key("intermediate_size")
+        && let Some(h) = obj.get("hidden_size").and_then(|v| v.as_u64())
+    {
+        obj.insert(
+            "intermediate_size".into(),
+            (h * 8 / 3).next_multiple_of(16).into(),
+        );
+    }
+    let config = ModelConfig::from_json(init, Path::new("model.init"))?;
+    Ok(Checkpoint {
+        model: Model::init(config, wf.seed),
+        assets: Vec::new(),
+    })
+}
+
+fn execute(wf: &Workflow, dir: &Path, state: RunState, quiet: bool) -> Result<Summary, RunError> {
+    let (tokenizer, tokenizer_json) = tokenizer_for(wf)?;
+    let Checkpoint {
+        mut model,
+        mut assets,
+    } = initial_model(wf, &tokenizer)?;
+    let mut version = 0;
+    if let Some(ck) = &state.checkpoint {
+        let c = Checkpoint::load(&dir.join(ck))?;
+        model = c.model;
+        assets = c.assets;
+        version = state.weight_version;
+    }
+    if !assets.iter().any(|(n, _)| n == "tokenizer.json") {
+        assets.push(("tokenizer.json".into(), tokenizer_json.into_bytes()));
+    }
+    let eos = model
+        .config
+        .eos_token_id
+        .or_else(|| tokenizer.token_id("<eos>"))
+        .ok_or_else(|| {
+            RunError::Other(
+                "the model config has no eos_token_id and the tokenizer no <eos>".into(),
+            )
+        })?;
+    let engine = NativeEngine::new(
+        model.clone(),
+        NativeConfig {
+            kv_cache_bytes: 256 << 20,
+            initial_version: version,
+            ..Default::default()
+        },
+    );
+    let metrics_path = dir.join("metrics.jsonl");
+    if state.stage.is_some() {
+        truncate_metrics(&metrics_path, &state)?;
+    }
+    let metrics = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&metrics_path)
+        .map_err(io(&metrics_path))?;
+    let mut run = Run {
+        wf,
+        dir: dir.to_path_buf(),
+        model,
+        tokenizer,
+        assets,
+        eos,
+        engine,
+        version,
+        metrics,
+        state,
+        quiet,
+        summary: Summary::default(),
+    };
+    let order = crate::workflow::order(wf).map_err(RunError::Other)?;
+    let mut last_data = None;
+    for i in order {
+        let stage = &wf.stages[i];
+        let data = stage.data.clone().or(last_data.clone());
+        last_data = data.clone();
+        if run.state.completed.contains(&stage.id) {
+            continue;
+        }
+        let data = data.ok_or_else(|| {
+            RunError::Other(format!("stage `{}` has no data to evaluate on", stage.id))
+        })?;
+        run.stage(stage, &data)?;
+    }
+    Ok(run.summary)
+}
+
+/// Drops metric lines written after the checkpoint being resumed from (they will be redone).
+fn truncate_metrics(path: &Path, state: &RunState) -> Result<(), RunError> {
+    let Ok(text) = std::fs::read_to_string(path) else {
+        return Ok(());
+    };
+    let keep: Vec<&str> = text
+        .lines()
+        .filter(|l| {
+            let Ok(v) = serde_json::from_str::<serde_json::Value>(l) else {
+                return false;
+            };
+            let stage = v.get("stage").and_then(|s| s.as_str()).unwrap_or("");
+            let step = v.get("step").and_then(|s| s.as_u64()).unwrap_or(0);
+            state.completed.iter().any(|c| c == stage)
+                || (Some(stage) == state.stage.as_deref() && step <= state.step)
+        })
+        .collect();
+    let mut out = keep.join("\n");
+    if !out.is_empty() {
+        out.push('\n');
+    }
+    write_atomic(path, out.as_bytes())
+}
+
+/// Token ids of a problem's prompt, and of its answer followed by end-of-sequence.
+fn encode(tok: &Tokenizer, p: &Problem, eos: u32) -> Result<(Vec<u32>, Vec<u32>), RunError> {
+    let prompt = tok.encode(&p.prompt)?;
+    let mut answer = tok.encode(&p.answer)?;
+    answer.push(eos);
+    Ok((prompt, answer))
+}
+
+impl Run<'_> {
+    fn log(&mut self, stage: &str, step: u64, m: &Metrics) -> Result<(), RunError> {
+        let mut obj = serde_json::Map::new();
+        obj.insert("stage".into(), stage.into());
+        obj.insert("step".into(), step.into());
+        for (k, v) in m {
+            if v.is_finite() {
+                obj.insert(k.clone(), (*v).into());
+            }
+        }
+        let path = self.dir.join("metrics.jsonl");
+        writeln!(self.metrics, "{}", serde_json::Value::Object(obj)).map_err(io(&path))?;
+        self.metrics.flush().map_err(io(&path))
+    }
+
+    fn progress(&self, line: String) {
+        if !self.quiet {
+            eprintln!("{line}");
+        }
+    }
+
+    fn checkpoint(
+        &mut self,
+        stage: &str,
+        step: u64,
+        opt: Option<&Optimizer>,
+    ) -> Result<(), RunError> {
+        let rel = format!("checkpoints/{stage}/step_{step:06}");
+        let ck = Checkpoint {
+            model: self.model.clone(),
+            assets: self.assets.clone(),
+        };
+        ck.save(&self.dir.join(&rel), opt)?;
+        let prev = self.state.checkpoint.replace(rel.clone());
+        self.state.stage = Some(stage.to_string());
+        self.state.step = step;
+        self.state.weight_version = self.version;
+        let text =
+            serde_json::to_vec_pretty(&self.state).map_err(|e| RunError::Other(e.to_string()))?;
+        write_atomic(&self.dir.join("state.json"), &text)?;
+        // The previous checkpoint is no longer needed once the state points past it.
+        if let Some(p) = prev
+            && p != rel
+        {
+            let _ = std::fs::remove_dir_all(self.dir.join(p));
+        }
+        Ok(())
+    }
+
+    fn sync_weights(&mut self) -> Result<f64, RunError> {
+        let t = Instant::now();
+        self.version += 1;
+        let snap = WeightSnapshot {
+            version: self.version,
+            params: Arc::new(self.model.params.clone()),
+        };
+        self.engine.update_weights_blocking(snap)?;
+        Ok(t.elapsed().as_secs_f64())
+    }
+
+    fn stage(&mut self, stage: &Stage, data: &crate::workflow::Data) -> Result<(), RunError> {
+        let eval_set = data.arith.eval_set(self.wf.seed, data.eval_size);
+        let exclude: HashSet<Problem> = eval_set.iter().cloned().collect();
+        let resume_step = if self.state.stage.as_deref() == Some(&stage.id) {
+            self.state.step
+        } else {
+            0
+        };
+        let total = stage.trainer.steps;
+        let mut opt = match stage.kind {
+            StageKind::Eval => None,
+            StageKind::Sft => Some(Optimizer::new(
+                &self.model.params,
+                Default::default(),
+                LrSchedule {
+                    warmup_steps: stage.sft.lr_warmup_steps,
+                    ..LrSchedule::constant(stage.sft.lr)
+                },
+                Some(1.0),
+            )),
+            StageKind::Rl => Some(Optimizer::new(
+                &self.model.params,
+                Default::default(),
+                LrSchedule {
+                    warmup_steps: stage.algorithm.lr_warmup_steps,
+                    ..LrSchedule::constant(stage.algorithm.lr)
+                },
+                Some(stage.algorithm.grad_clip),
+            )),
+        };
+        if resume_step > 0
+            && let (Some(o), Some(ck)) = (opt.as_mut(), &self.state.checkpoint)
+        {
+            o.load(&self.dir.join(ck).join("optimizer"))?;
+        }
+        if stage.kind == StageKind::Eval {
+            let (acc, reward) = self.evaluate(&eval_set, stage.reward)?;
+            let m: Metrics = [
+                ("eval/accuracy".to_string(), acc),
+                ("eval/reward_mean".to_string(), reward),
+            ]
+            .into();
+            self.log(&stage.id, 0, &m)?;
+            self.summary.eval_accuracy.insert(stage.id.clone(), acc);
+            self.progress(format!("[{}] eval accuracy {:.3}", stage.id, acc));
+        } else {
+            let started = Instant::now();
+            let mut grads = self.model.params.zeros_like();
+            for step in resume_step + 1..=total {
+                let mut m = match stage.kind {
+                    StageKind::Sft => self.sft_step(
+                        stage,
+                        data,
+                        step,
+                        opt.as_mut().expect("sft optimiser"),
+                        &mut grads,
+                        &exclude,
+                    )?,
+                    _ => self.rl_step(
+                        stage,
+                        data,
+                        step,
+                        opt.as_mut().expect("rl optimiser"),
+                        &mut grads,
+                        &exclude,
+                    )?,
+                };
+                let freq = stage.trainer.eval_freq;
+                if (freq > 0 && step % freq == 0) || step == total {
+                    let (acc, reward) = self.evaluate(&eval_set, stage.reward)?;
+                    m.insert("eval/accuracy".into(), acc);
+                    m.insert("eval/reward_mean".into(), reward);
+                    self.summary.eval_accuracy.insert(stage.id.clone(), acc);
+                }
+                self.log(&stage.id, step, &m)?;
+                self.summary.steps_run += 1;
+                let done = step - resume_step;
+                let eta = started.elapsed().as_secs_f64() / done as f64 * (total - step) as f64;
+                let show = |k: &str| m.get(k).map(|v| format!(" {k} {v:.3}")).unwrap_or_default();
+                self.progress(format!(
+                    "[{}] step {step}/{total}{}{}{}{} eta {eta:.0}s",
+                    stage.id,
+                    show("sft/loss"),
+                    show("critic/score/mean"),
+                    show("eval/accuracy"),
+                    show("perf/throughput"),
+                ));
+                let save = stage.trainer.save_freq;
+                if save > 0 && step % save == 0 && step < total {
+                    self.checkpoint(&stage.id, step, opt.as_ref())?;
+                }
+            }
+        }
+        self.state.completed.push(stage.id.clone());
+        self.checkpoint(&stage.id, total, None)?;
+        Ok(())
+    }
+
+    fn sft_step(
+        &mut self,
+        stage: &Stage,
+        data: &crate::workflow::Data,
+        step: u64,
+        opt: &mut Optimizer,
+        grads: &mut learner::Params,
+        exclude: &HashSet<Problem>,
+    ) -> Result<Metrics, RunError> {
+        let t = Instant::now();
+        let bs = stage.sft.batch_size;
+        let problems = data
+            .arith
+            .train_batch(self.wf.seed, (step - 1) * bs as u64, bs, exclude);
+        let mut seqs = Vec::with_capacity(bs);
+        let mut answer_lens = Vec::with_capacity(bs);
+        for p in &problems {
+            let (mut prompt, answer) = encode(&self.tokenizer, p, self.eos)?;
+            answer_lens.push((prompt.len(), answer.len()));
+            prompt.extend(answer);
+            seqs.push(prompt);
+        }
+        let refs: Vec<&[u32]> = seqs.iter().map(|s| s.as_slice()).collect();
+        let batch = Batch::padded(&refs);
+        let count: usize = answer_lens.iter().map(|a| a.1).sum();
+        let mut d_logp = vec![0.0; batch.len()];
+        for (r, &(plen, alen)) in answer_lens.iter().enumerate() {
+            d_logp[r * batch.seq + plen - 1..r * batch.seq + plen - 1 + alen]
+                .fill(-1.0 / count as f32);
+        }
+        let (scores, tape) = self.model.forward(&batch, 1.0)?;
+        let loss: f64 = d_logp
+            .iter()
+            .zip(&scores.logp)
+            .map(|(g, l)| (g * l) as f64)
+            .sum();
+        self.model
+            .backward(tape, &d_logp, &vec![0.0; batch.len()], grads);
+        let report = opt.step(&mut self.model.params, grads);
+        grads.fill_zero();
+        let sync = self.sync_weights()?;
+        let secs = t.elapsed().as_secs_f64();
+        Ok([
+            ("sft/loss".to_string(), loss),
+            ("actor/grad_norm".into(), report.grad_norm),
+            ("actor/lr".into(), report.lr as f64),
+            ("timing_s/step".into(), secs),
+            ("timing_s/sync".into(), sync),
+            ("perf/throughput".into(), batch.len() as f64 / secs),
+        ]
+        .into())
+    }
+
+    fn rl_step(
+        &mut self,
+        stage: &Stage,
+        data: &crate::workflow::Data,
+        step: u64,
+        opt: &mut Optimizer,
+        grads: &mut learner::Params,
+        exclude: &HashSet<Problem>,
+    ) -> Result<Metrics, RunError> {
+        let a = &stage.algorithm;
+        let t0 = Instant::now();
+        let problems = data.arith.train_batch(
+            self.wf.seed ^ 0xA11CE,
+            (step - 1) * a.train_batch_size as u64,
+            a.train_batch_size,
+            exclude,
+        );
+        let mut reqs = Vec::with_capacity(problems.len());
+        for (i, p) in problems.iter().enumerate() {
+            let (prompt, _) = encode(&self.tokenizer, p, self.eos)?;
+            let params = SamplingParams {
+                n: a.rollout_n,
+                temperature: a.temperature,
+                top_p: a.top_p,
+                max_tokens: a.max_response_length,
+                seed: Some(self.wf.seed.wrapping_mul(1_000_003) ^ (step << 20) ^ i as u64),
+                ..Default::default()
+            };
+            reqs.push(GenerateRequest { prompt, params });
+        }
+        let completions = self.engine.generate_blocking(reqs.clone())?;
+        let t_gen = t0.elapsed().as_secs_f64();
+        // Rewards and the [rows, cols] response layout.
+        let rows = completions.len();
+        let cols = completions
+            .iter()
+            .map(|c| c.token_ids.len())
+            .max()
+            .unwrap_or(1)
+            .max(1);
+        let shape = Shape { rows, cols };
+        let mut mask = vec![0.0f32; rows * cols];
+        let mut token_rewards = vec![0.0f32; rows * cols];
+        let mut group = Vec::with_capacity(rows);
+        let mut scores = Vec::with_capacity(rows);
+        let mut seqs = Vec::with_capacity(rows);
+        for (r, c) in completions.iter().enumerate() {
+            let text = self.tokenizer.decode(&c.token_ids)?;
+            let s = stage.reward.score(&text, &problems[c.request].answer);
+            let len = c.token_ids.len();
+            mask[r * cols..r * cols + len].fill(1.0);
+            token_rewards[r * cols + len - 1] = s;
+            group.push(c.request as u64);
+            scores.push(s as f64);
+            let mut seq = reqs[c.request].prompt.clone();
+            seq.extend(&c.token_ids);
+            seqs.push((reqs[c.request].prompt.len(), seq));
+        }
+        let est = match a.adv_estimator.parse::<AdvEstimator>()? {
+            AdvEstimator::Grpo { .. } => AdvEstimator::Grpo {
+                norm_by_std: a.norm_adv_by_std_in_grpo,
+            },
+            e => e,
+        };
+        let adv = compute(
+            est,
+            AdvInput {
+                shape,
+                token_rewards: &token_rewards,
+                mask: &mask,
+                group: &group,
+                values: None,
+                baseline_scores: None,
+            },
+        )?;
+        let cfg = PolicyLossConfig {
+            loss: a.policy_loss.parse::<PolicyLoss>()?,
+            clip_low: a.clip_ratio_low.unwrap_or(a.clip_ratio),
+            clip_high: a.clip_ratio_high.unwrap_or(a.clip_ratio),
+            entropy_coeff: a.entropy_coeff,
+            ..Default::default()
+        };
+        let agg: LossAgg = a.loss_agg_mode.parse()?;
+        // Mini-batches of whole prompt groups, as VeRL counts them.
+        let per_mb = a.ppo_mini_batch_size * a.rollout_n;
+        let n_mb = rows / per_mb;
+        let mut old_logp: Option<Vec<f32>> = None;
+        let mut losses: Vec<Metrics> = Vec::new();
+        let mut report = None;
+        let t1 = Instant::now();
+        let gather = |r0: usize, r1: usize, v: &[f32], b: &Batch, src: &[(usize, Vec<u32>)]| {
+            let mut out = vec![0.0f32; (r1 - r0) * cols];
+            for r in r0..r1 {
+                let (plen, seq) = &src[r];
+                for j in 0..seq.len() - plen {
+                    out[(r - r0) * cols + j] = v[(r - r0) * b.seq + plen - 1 + j];
+                }
+            }
+            out
+        };
+        if n_mb > 1 || a.ppo_epochs > 1 {
+            // Log-probs under the weights that generated, before any update.
+            let mut all = vec![0.0f32; rows * cols];
+            for m in 0..n_mb {
+                let (r0, r1) = (m * per_mb, (m + 1) * per_mb);
+                let refs: Vec<&[u32]> = seqs[r0..r1].iter().map(|s| s.1.as_slice()).collect();
+                let b = Batch::padded(&refs);
+                let sc = self.model.score(&b, a.temperature.max(1e-6))?;
+                all[r0 * cols..r1 * cols].copy_from_slice(&gather(r0, r1, &sc.logp, &b, &seqs));
+            }
+            old_logp = Some(all);
+        }
+        for _epoch in 0..a.ppo_epochs {
+            for m in 0..n_mb {
+                let (r0, r1) = (m * per_mb, (m + 1) * per_mb);
+                let refs: Vec<&[u32]> = seqs[r0..r1].iter().map(|s| s.1.as_slice()).collect();
+                let b = Batch::padded(&refs);
+                let (sc, tape) = self.model.forward(&b, a.temperature.max(1e-6))?;
+                let logp = gather(r0, r1, &sc.logp, &b, &seqs);
+                let ent = gather(r0, r1, &sc.entropy, &b, &seqs);
+                let sub = Shape {
+                    rows: r1 - r0,
+                    cols,
+                };
+                let mk = &mask[r0 * cols..r1 * cols];
+                let old = old_logp
+                    .as_ref()
+                    .map_or(logp.clone(), |o| o[r0 * cols..r1 * cols].to_vec());
+                let norm = AggNorm::new(agg, sub, mk)?;
+                let out = actor_loss(
+                    &cfg,
+                    &norm,
+                    ActorInput {
+                        shape: sub,
+                        logp: &logp,
+                        old_logp: &old,
+                        advantages: &adv.advantages[r0 * cols..r1 * cols],
+                        mask: mk,
+                        entropy: Some(&ent),
+                        ref_logp: None,
+                        is_weights: None,
+                    },
+                )?;
+                // Scatter the per-token gradients back to batch positions.
+                let (mut d_logp, mut d_ent) = (vec![0.0f32; b.len()], vec![0.0f32; b.len()]);
+                for r in r0..r1 {
+                    let (plen, seq) = &seqs[r];
+                    for j in 0..seq.len() - plen {
+                        let (src, dst) = ((r - r0) * cols + j, (r - r0) * b.seq + plen - 1 + j);
+                        d_logp[dst] = out.grad[src];
+                        d_ent[dst] = out.grad_entropy[src];
+                    }
+                }
+                self.model.backward(tape, &d_logp, &d_ent, grads);
+                report = Some(opt.step(&mut self.model.params, grads));
+                grads.fill_zero();
+                losses.push(out.metrics);
+            }
+        }
+        let t_update = t1.elapsed().as_secs_f64();
+        let t_sync = self.sync_weights()?;
+        let mut m = Metrics::new();
+        for l in &losses {
+            for (k, v) in l {
+                *m.entry(k.clone()).or_insert(0.0) += v / losses.len() as f64;
+            }
+        }
+        let resp_tokens: f64 = mask.iter().map(|&v| v as f64).sum();
+        let total = t0.elapsed().as_secs_f64();
+        m.insert(
+            "critic/score/mean".into(),
+            scores.iter().sum::<f64>() / rows as f64,
+        );
+        m.insert("response_length/mean".into(), resp_tokens / rows as f64);
+        m.insert("timing_s/gen".into(), t_gen);
+        m.insert("timing_s/update_actor".into(), t_update);
+        m.insert("timing_s/sync_weights".into(), t_sync);
+        m.insert("timing_s/step".into(), total);
+        m.insert("perf/throughput".into(), resp_tokens / total);
+        if let Some(r) = report {
+            m.insert("actor/grad_norm".into(), r.grad_norm);
+            m.insert("actor/lr".into(), r.lr as f64);
+        }
+        m.insert("weight_version".into(), self.version as f64);
+        Ok(m)
+    }
+
+    /// Greedy accuracy and mean reward on the eval set.
+    fn evaluate(
+        &mut self,
+        set: &[Problem],
+        reward: rollout::reward::Reward,
+    ) -> Result<(f64, f64), RunError> {
+        let max_answer = set.iter().map(|p| p.answer.len()).max().unwrap_or(1) + 2;
+        let mut reqs = Vec::with_capacity(set.len());
+        for p in set {
+            let (prompt, _) = encode(&self.tokenizer, p, self.eos)?;
+            let params = SamplingParams {
+                temperature: 0.0,
+                max_tokens: max_answer,
+                ..Default::default()
+            };
+            reqs.push(GenerateRequest { prompt, params });
+        }
+        let out = self.engine.generate_blocking(reqs)?;
+        let mut correct = 0.0;
+        let mut total = 0.0;
+        for c in &out {
+            let text = self.tokenizer.decode(&c.token_ids)?;
+            let s = reward.score(&text, &set[c.request].answer) as f64;
+            total += s;
+            if text.trim() == set[c.request].answer && c.token_ids.last() == Some(&self.eos) {
+                correct += 1.0;
+            }
+        }
+        let n = set.len().max(1) as f64;
+        Ok((correct / n, total / n))
+    }
+}
+
+/// Parameters of the task, re-exported for the CLI's `config show`.
+pub type Task = ArithTask;

@@ -1,0 +1,474 @@
+//! The workflow file: schema, loading with `file:line:column` errors, `-o dotted.key=value`
+//! overrides, and validation before anything runs. The schema is documented in
+//! `docs/workflow.md`.
+
+use rollout::reward::Reward;
+use rollout::task::ArithTask;
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+
+/// A workflow: a model, pools, and stages run in dependency order.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Workflow {
+    /// Job name (names the default run directory).
+    pub name: String,
+    /// Seed of every random choice (init, data, sampling).
+    #[serde(default)]
+    pub seed: u64,
+    /// The policy model.
+    pub model: ModelSpec,
+    /// Where rollout and learner actors run.
+    #[serde(default)]
+    pub pools: Pools,
+    /// Stages, chained with `after`.
+    pub stages: Vec<Stage>,
+}
+
+/// The model: a checkpoint folder, or a config to initialise randomly.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelSpec {
+    /// Hugging Face checkpoint folder.
+    #[serde(default)]
+    pub path: Option<PathBuf>,
+    /// Hugging Face config fields (`arch` or `model_type`, `hidden_size`, ...) for random init.
+    #[serde(default)]
+    pub init: Option<serde_json::Value>,
+    /// `builtin:arith`, or a `tokenizer.json` path (default: the checkpoint's).
+    #[serde(default)]
+    pub tokenizer: Option<String>,
+}
+
+/// Rollout and learner pools.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct Pools {
+    /// Inference engines.
+    #[serde(default)]
+    pub rollout: Pool,
+    /// Training engines.
+    #[serde(default)]
+    pub learner: Pool,
+}
+
+/// One pool.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Pool {
+    /// `cpu`, `gpu` or `tpu`.
+    #[serde(default = "default_device")]
+    pub device: String,
+    /// Devices (or engine processes) in the pool.
+    #[serde(default = "one")]
+    pub count: usize,
+    /// `native`, `pjrt`, `vllm`, `sglang`.
+    #[serde(default = "default_engine")]
+    pub engine: String,
+}
+
+impl Default for Pool {
+    fn default() -> Self {
+        Self {
+            device: default_device(),
+            count: 1,
+            engine: default_engine(),
+        }
+    }
+}
+
+fn default_device() -> String {
+    "cpu".into()
+}
+fn default_engine() -> String {
+    "native".into()
+}
+fn one() -> usize {
+    1
+}
+
+/// What a stage does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StageKind {
+    /// Supervised fine-tuning on the task's answers.
+    Sft,
+    /// Reinforcement learning with rewards.
+    Rl,
+    /// Evaluation only.
+    Eval,
+}
+
+/// Data of a stage.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Data {
+    /// The task (`arith`).
+    pub task: String,
+    /// Task settings (flattened: `digits`, `ops`, `reverse_answer`).
+    #[serde(flatten)]
+    pub arith: ArithTask,
+    /// Held-out problems for evaluation.
+    #[serde(default = "default_eval_size")]
+    pub eval_size: usize,
+}
+
+fn default_eval_size() -> usize {
+    200
+}
+
+/// RL algorithm settings, with VeRL's names. Batch sizes are counted in prompts.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Algorithm {
+    /// `grpo`, `rloo`, `reinforce_plus_plus`, `reinforce_plus_plus_baseline`, `opo`.
+    pub adv_estimator: String,
+    /// GRPO: divide by the group's std.
+    pub norm_adv_by_std_in_grpo: bool,
+    /// Samples per prompt.
+    pub rollout_n: usize,
+    /// Prompts per RL step.
+    pub train_batch_size: usize,
+    /// Prompts per optimiser update.
+    pub ppo_mini_batch_size: usize,
+    /// Passes over each batch.
+    pub ppo_epochs: usize,
+    /// `vanilla`, `gspo`, `cispo`, `gpg`.
+    pub policy_loss: String,
+    /// PPO clip ε.
+    pub clip_ratio: f64,
+    /// ε_low (defaults to clip_ratio).
+    pub clip_ratio_low: Option<f64>,
+    /// ε_high (defaults to clip_ratio).
+    pub clip_ratio_high: Option<f64>,
+    /// Loss aggregation.
+    pub loss_agg_mode: String,
+    /// Entropy bonus.
+    pub entropy_coeff: f64,
+    /// Learning rate.
+    pub lr: f32,
+    /// Warmup steps.
+    pub lr_warmup_steps: u64,
+    /// Global gradient-norm clip.
+    pub grad_clip: f64,
+    /// Sampling temperature.
+    pub temperature: f32,
+    /// Nucleus sampling.
+    pub top_p: f32,
+    /// Most response tokens.
+    pub max_response_length: usize,
+}
+
+impl Default for Algorithm {
+    fn default() -> Self {
+        Self {
+            adv_estimator: "grpo".into(),
+            norm_adv_by_std_in_grpo: true,
+            rollout_n: 8,
+            train_batch_size: 64,
+            ppo_mini_batch_size: 64,
+            ppo_epochs: 1,
+            policy_loss: "vanilla".into(),
+            clip_ratio: 0.2,
+            clip_ratio_low: None,
+            clip_ratio_high: None,
+            loss_agg_mode: "token-mean".into(),
+            entropy_coeff: 0.0,
+            lr: 1e-4,
+            lr_warmup_steps: 0,
+            grad_clip: 1.0,
+            temperature: 1.0,
+            top_p: 1.0,
+            max_response_length: 16,
+        }
+    }
+}
+
+/// Step counts and cadences.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Trainer {
+    /// Steps of the stage.
+    pub steps: u64,
+    /// Evaluate every this many steps (0: only at the end).
+    pub eval_freq: u64,
+    /// Checkpoint every this many steps (0: only at the end).
+    pub save_freq: u64,
+    /// `sync` (only mode so far).
+    pub mode: String,
+}
+
+impl Default for Trainer {
+    fn default() -> Self {
+        Self {
+            steps: 100,
+            eval_freq: 0,
+            save_freq: 0,
+            mode: "sync".into(),
+        }
+    }
+}
+
+/// SFT settings.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Sft {
+    /// Problems per step.
+    pub batch_size: usize,
+    /// Learning rate.
+    pub lr: f32,
+    /// Warmup steps.
+    pub lr_warmup_steps: u64,
+}
+
+impl Default for Sft {
+    fn default() -> Self {
+        Self {
+            batch_size: 64,
+            lr: 1e-3,
+            lr_warmup_steps: 10,
+        }
+    }
+}
+
+/// One stage.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Stage {
+    /// Unique id.
+    pub id: String,
+    /// What it does.
+    pub kind: StageKind,
+    /// Stages that must finish first.
+    #[serde(default)]
+    pub after: Vec<String>,
+    /// Its data (eval stages default to the previous stage's).
+    #[serde(default)]
+    pub data: Option<Data>,
+    /// SFT settings.
+    #[serde(default)]
+    pub sft: Sft,
+    /// RL settings.
+    #[serde(default)]
+    pub algorithm: Algorithm,
+    /// RL reward.
+    #[serde(default = "default_reward")]
+    pub reward: Reward,
+    /// Steps and cadences.
+    #[serde(default)]
+    pub trainer: Trainer,
+}
+
+fn default_reward() -> Reward {
+    Reward::ExactMatch
+}
+
+/// A workflow error, naming where.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct WorkflowError(pub String);
+
+fn err(msg: impl Into<String>) -> WorkflowError {
+    WorkflowError(msg.into())
+}
+
+/// Reads `path`, applies `overrides` (`dotted.key=value`, value in YAML syntax) and validates.
+pub fn load(path: &Path, overrides: &[String]) -> Result<Workflow, WorkflowError> {
+    let text =
+        std::fs::read_to_string(path).map_err(|e| err(format!("{}: {e}", path.display())))?;
+    parse(&text, &path.display().to_string(), overrides)
+}
+
+/// As [`load`], from text (`origin` names it in errors).
+pub fn parse(text: &str, origin: &str, overrides: &[String]) -> Result<Workflow, WorkflowError> {
+    let located = |e: serde_saphyr::Error| match e.location() {
+        Some(l) => err(format!("{origin}:{}:{}: {e}", l.line(), l.column())),
+        None => err(format!("{origin}: {e}")),
+    };
+    let mut wf: Workflow = serde_saphyr::from_str(text).map_err(located)?;
+    if !overrides.is_empty() {
+        let mut tree = serde_json::to_value(&wf).map_err(|e| err(e.to_string()))?;
+        for o in overrides {
+            let (key, value) = o
+                .split_once('=')
+                .ok_or_else(|| err(format!("override `{o}`: expected dotted.key=value")))?;
+            let value: serde_json::Value =
+                serde_saphyr::from_str(value).map_err(|e| err(format!("override `{o}`: {e}")))?;
+            set_path(&mut tree, key, value).map_err(|m| err(format!("override `{o}`: {m}")))?;
+        }
+        wf = serde_json::from_value(tree)
+            .map_err(|e| err(format!("{origin} (after overrides): {e}")))?;
+    }
+    validate(&wf, origin)?;
+    Ok(wf)
+}
+
+/// Sets `key` (dots separate fields; a number selects a list item; a stage may also be named by
+/// its id, as in `stages.rl.trainer.steps`).
+fn set_path(
+    tree: &mut serde_json::Value,
+    key: &str,
+    value: serde_json::Value,
+) -> Result<(), String> {
+    let mut node = tree;
+    let parts: Vec<&str> = key.split('.').collect();
+    for (i, part) in parts.iter().enumerate() {
+        let last = i + 1 == parts.len();
+        node = match node {
+            serde_json::Value::Array(items) => {
+                let idx = match part.parse::<usize>() {
+                    Ok(n) => n,
+                    Err(_) => items
+                        .iter()
+                        .position(|s| s.get("id").and_then(|v| v.as_str()) == Some(part))
+                        .ok_or_else(|| format!("no item `{part}` in `{}`", parts[..i].join(".")))?,
+                };
+                let len = items.len();
+                items
+                    .get_mut(idx)
+                    .ok_or_else(|| format!("index {idx} out of range ({len} items)"))?
+            }
+            serde_json::Value::Object(map) => {
+                if last {
+                    map.insert(part.to_string(), value);
+                    return Ok(());
+                }
+                map.entry(part.to_string())
+                    .or_insert_with(|| serde_json::json!({}))
+            }
+            _ => return Err(format!("`{}` is not a map or list", parts[..i].join("."))),
+        };
+        if last {
+            *node = value;
+            return Ok(());
+        }
+    }
+    Ok(())
+}
+
+/// Checks everything that can be checked before running: stage graph, names, units.
+pub fn validate(wf: &Workflow, origin: &str) -> Result<(), WorkflowError> {
+    let bad = |msg: String| Err(err(format!("{origin}: {msg}")));
+    if wf.stages.is_empty() {
+        return bad("`stages` is empty: nothing to run".into());
+    }
+    match (&wf.model.path, &wf.model.init) {
+        (None, None) => {
+            return bad("`model` needs `path` (a checkpoint folder) or `init` (a config)".into());
+        }
+        (Some(_), Some(_)) => return bad("`model` has both `path` and `init`: choose one".into()),
+        _ => {}
+    }
+    for (role, p) in [
+        ("rollout", &wf.pools.rollout),
+        ("learner", &wf.pools.learner),
+    ] {
+        if !["cpu", "gpu", "tpu"].contains(&p.device.as_str()) {
+            return bad(format!(
+                "pools.{role}.device `{}`: expected cpu, gpu or tpu",
+                p.device
+            ));
+        }
+        if p.engine != "native" || p.device != "cpu" {
+            return bad(format!(
+                "pools.{role}: engine `{}` on `{}` cannot be placed: this build runs the native engine on cpu only",
+                p.engine, p.device
+            ));
+        }
+    }
+    let mut seen: Vec<&str> = Vec::new();
+    for (i, s) in wf.stages.iter().enumerate() {
+        if seen.contains(&s.id.as_str()) {
+            return bad(format!("stages[{i}]: duplicate stage id `{}`", s.id));
+        }
+        for a in &s.after {
+            if !wf.stages.iter().any(|t| &t.id == a) {
+                return bad(format!(
+                    "stages[{i}] (`{}`): `after` names unknown stage `{a}`",
+                    s.id
+                ));
+            }
+        }
+        seen.push(&s.id);
+        if let Some(d) = &s.data {
+            if d.task != "arith" {
+                return bad(format!(
+                    "stages[{i}].data.task `{}`: the built-in tasks are: arith",
+                    d.task
+                ));
+            }
+            d.arith
+                .validate()
+                .or_else(|m| bad(format!("stages[{i}].data: {m}")))?;
+        }
+        if s.kind != StageKind::Eval && s.data.is_none() {
+            return bad(format!(
+                "stages[{i}] (`{}`): a {:?} stage needs `data`",
+                s.id, s.kind
+            ));
+        }
+        let a = &s.algorithm;
+        if s.kind == StageKind::Rl {
+            if a.rollout_n == 0
+                || a.train_batch_size == 0
+                || a.ppo_epochs == 0
+                || a.max_response_length == 0
+            {
+                return bad(format!(
+                    "stages[{i}].algorithm: rollout_n, train_batch_size, ppo_epochs and max_response_length must be positive"
+                ));
+            }
+            if a.ppo_mini_batch_size == 0 || a.train_batch_size % a.ppo_mini_batch_size != 0 {
+                return bad(format!(
+                    "stages[{i}].algorithm: ppo_mini_batch_size ({}) must divide train_batch_size ({}); both are counted in prompts",
+                    a.ppo_mini_batch_size, a.train_batch_size
+                ));
+            }
+            a.adv_estimator
+                .parse::<learner::rl::advantage::AdvEstimator>()
+                .map_err(|e| err(format!("{origin}: stages[{i}].algorithm: {e}")))?;
+            a.policy_loss
+                .parse::<learner::rl::loss::PolicyLoss>()
+                .map_err(|e| err(format!("{origin}: stages[{i}].algorithm: {e}")))?;
+            a.loss_agg_mode
+                .parse::<learner::rl::agg::LossAgg>()
+                .map_err(|e| err(format!("{origin}: stages[{i}].algorithm: {e}")))?;
+        }
+        if s.trainer.mode != "sync" {
+            return bad(format!(
+                "stages[{i}].trainer.mode `{}`: only `sync` is implemented",
+                s.trainer.mode
+            ));
+        }
+    }
+    order(wf).map_err(|m| err(format!("{origin}: {m}")))?;
+    Ok(())
+}
+
+/// Stage indices in an order that respects `after` (stable: file order among ready stages).
+pub fn order(wf: &Workflow) -> Result<Vec<usize>, String> {
+    let mut done: Vec<usize> = Vec::new();
+    while done.len() < wf.stages.len() {
+        let ready = (0..wf.stages.len()).find(|&i| {
+            !done.contains(&i)
+                && wf.stages[i]
+                    .after
+                    .iter()
+                    .all(|a| done.iter().any(|&d| &wf.stages[d].id == a))
+        });
+        match ready {
+            Some(i) => done.push(i),
+            None => {
+                let stuck: Vec<&str> = (0..wf.stages.len())
+                    .filter(|i| !done.contains(i))
+                    .map(|i| wf.stages[i].id.as_str())
+                    .collect();
+                return Err(format!(
+                    "the stages' `after` form a cycle among: {}",
+                    stuck.join(", ")
+                ));
+            }
+        }
+    }
+    Ok(done)
+}

@@ -1,0 +1,250 @@
+//! `trellis train`, `trellis resume` and `trellis config show` as a user runs them.
+
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+use trellis_tests::trellis;
+
+fn recipe() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data/tiny-arith.yaml")
+}
+
+fn run_dir(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("trellis-train-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+fn metrics(dir: &Path) -> Vec<Value> {
+    std::fs::read_to_string(dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+fn steps_of(m: &[Value], stage: &str) -> Vec<u64> {
+    m.iter()
+        .filter(|v| v["stage"] == stage)
+        .map(|v| v["step"].as_u64().unwrap())
+        .collect()
+}
+
+#[test]
+fn a_recipe_runs_end_to_end_and_records_everything() {
+    let dir = run_dir("e2e");
+    let out = trellis()
+        .arg("train")
+        .arg(recipe())
+        .arg("--quiet")
+        .arg("--run-dir")
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let m = metrics(&dir);
+    assert_eq!(steps_of(&m, "warmup"), (1..=30).collect::<Vec<_>>());
+    assert_eq!(steps_of(&m, "rl"), (1..=12).collect::<Vec<_>>());
+    assert_eq!(steps_of(&m, "final-eval"), vec![0]);
+    // SFT learns: the loss falls.
+    let loss = |s: u64| {
+        m.iter()
+            .find(|v| v["stage"] == "warmup" && v["step"] == s)
+            .unwrap()["sft/loss"]
+            .as_f64()
+            .unwrap()
+    };
+    assert!(
+        loss(30) < 0.8 * loss(1),
+        "sft/loss {} → {}",
+        loss(1),
+        loss(30)
+    );
+    // RL steps carry VeRL's metric names and move the weight version.
+    let rl = m
+        .iter()
+        .find(|v| v["stage"] == "rl" && v["step"] == 6)
+        .unwrap();
+    for k in [
+        "critic/score/mean",
+        "actor/pg_loss",
+        "actor/pg_clipfrac",
+        "actor/ppo_kl",
+        "actor/entropy",
+        "response_length/mean",
+        "timing_s/gen",
+        "eval/accuracy",
+    ] {
+        assert!(rl.get(k).is_some(), "rl step 6 lacks {k}: {rl}");
+    }
+    // The final model is a loadable Hugging Face checkpoint.
+    let state: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("state.json")).unwrap()).unwrap();
+    assert_eq!(
+        state["completed"],
+        serde_json::json!(["warmup", "rl", "final-eval"])
+    );
+    let ck = dir.join(state["checkpoint"].as_str().unwrap());
+    let scored = trellis()
+        .args(["score", "--json", "--text", "3+4=7", "--model"])
+        .arg(&ck)
+        .output()
+        .unwrap();
+    assert!(
+        scored.status.success(),
+        "{}",
+        String::from_utf8_lossy(&scored.stderr)
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn kill_nine_then_resume_loses_nothing() {
+    let dir = run_dir("kill");
+    let mut child = trellis()
+        .arg("train")
+        .arg(recipe())
+        .args(["--quiet", "--run-dir"])
+        .arg(&dir)
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    // Wait for a checkpoint inside the RL stage, then kill -9.
+    let start = Instant::now();
+    loop {
+        let st = std::fs::read_to_string(dir.join("state.json")).unwrap_or_default();
+        if st.contains("\"stage\": \"rl\"") && st.contains("\"step\": 4") {
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(120),
+            "no RL checkpoint appeared"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let out = trellis()
+        .arg("resume")
+        .arg(&dir)
+        .arg("--quiet")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let m = metrics(&dir);
+    assert_eq!(
+        steps_of(&m, "warmup"),
+        (1..=30).collect::<Vec<_>>(),
+        "SFT steps recorded once each"
+    );
+    assert_eq!(
+        steps_of(&m, "rl"),
+        (1..=12).collect::<Vec<_>>(),
+        "RL steps continue, none lost or doubled"
+    );
+    assert_eq!(steps_of(&m, "final-eval"), vec![0]);
+    // Resuming a finished run does nothing more.
+    let again = trellis()
+        .arg("resume")
+        .arg(&dir)
+        .arg("--quiet")
+        .output()
+        .unwrap();
+    assert!(again.status.success());
+    assert_eq!(metrics(&dir).len(), m.len());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn overrides_apply_and_config_show_prints_the_resolved_workflow() {
+    let out = trellis()
+        .arg("config")
+        .arg("show")
+        .arg(recipe())
+        .args([
+            "-o",
+            "stages.rl.trainer.steps=3",
+            "-o",
+            "stages.0.sft.lr=0.01",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["stages"][1]["trainer"]["steps"], 3);
+    assert_eq!(v["stages"][0]["sft"]["lr"], 0.01);
+    assert_eq!(
+        v["stages"][1]["algorithm"]["clip_ratio"], 0.2,
+        "defaults are filled in"
+    );
+}
+
+#[test]
+fn bad_workflows_are_refused_before_anything_runs() {
+    let base = std::fs::read_to_string(recipe()).unwrap();
+    let cases: Vec<(String, &str)> = vec![
+        (base.replace("stages:\n", "stages: [\n"), "tiny.yaml:"),
+        (
+            base.replace("seed: 3", "seed: 3\nsede: 4"),
+            "unknown field `sede`",
+        ),
+        (base.replace("rollout_n: 4", "rollout_n: four"), "rollout_n"),
+        (base.replace("after: [warmup]", "after: [rl]"), "cycle"),
+        (
+            base.replace("after: [rl]", "after: [nope]"),
+            "unknown stage `nope`",
+        ),
+        (
+            base.replace(
+                "stages:\n",
+                "pools: {learner: {device: tpu, engine: pjrt}}\nstages:\n",
+            ),
+            "cannot be placed",
+        ),
+        (
+            base.replace("ppo_mini_batch_size: 4", "ppo_mini_batch_size: 3"),
+            "counted in prompts",
+        ),
+        (
+            base.replace("lr: 1.0e-4,", "lr: 1.0e-4, adv_estimator: ppo,"),
+            "unknown adv_estimator `ppo`",
+        ),
+    ];
+    let dir = run_dir("bad");
+    std::fs::create_dir_all(&dir).unwrap();
+    for (text, want) in cases {
+        let f = dir.join("tiny.yaml");
+        std::fs::write(&f, &text).unwrap();
+        let out = trellis()
+            .arg("train")
+            .arg(&f)
+            .arg("--run-dir")
+            .arg(dir.join("run"))
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success(),
+            "accepted a workflow that should fail with {want:?}"
+        );
+        assert!(err.contains(want), "error for {want:?} was: {err}");
+        assert!(
+            !dir.join("run").exists(),
+            "nothing may run before validation passes"
+        );
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
