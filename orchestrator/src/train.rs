@@ -286,6 +286,12 @@ fn truncate_metrics(path: &Path, state: &RunState) -> Result<(), RunError> {
     write_atomic(path, out.as_bytes())
 }
 
+/// The (prompt length, prompt + response) rows as one padded batch.
+fn padded_rows(rows: &[(usize, Vec<u32>)]) -> Batch {
+    let refs: Vec<&[u32]> = rows.iter().map(|s| s.1.as_slice()).collect();
+    Batch::padded(&refs)
+}
+
 /// Token ids of a problem's prompt, and of its answer followed by end-of-sequence.
 fn encode(tok: &Tokenizer, p: &Problem, eos: u32) -> Result<(Vec<u32>, Vec<u32>), RunError> {
     let prompt = tok.encode(&p.prompt)?;
@@ -610,8 +616,7 @@ impl Run<'_> {
             let mut all = vec![0.0f32; rows * cols];
             for m in 0..n_mb {
                 let (r0, r1) = (m * per_mb, (m + 1) * per_mb);
-                let refs: Vec<&[u32]> = seqs[r0..r1].iter().map(|s| s.1.as_slice()).collect();
-                let b = Batch::padded(&refs);
+                let b = padded_rows(&seqs[r0..r1]);
                 let sc = self.model.score(&b, a.temperature.max(1e-6))?;
                 all[r0 * cols..r1 * cols].copy_from_slice(&gather(r0, r1, &sc.logp, &b, &seqs));
             }
@@ -620,8 +625,7 @@ impl Run<'_> {
         for _epoch in 0..a.ppo_epochs {
             for m in 0..n_mb {
                 let (r0, r1) = (m * per_mb, (m + 1) * per_mb);
-                let refs: Vec<&[u32]> = seqs[r0..r1].iter().map(|s| s.1.as_slice()).collect();
-                let b = Batch::padded(&refs);
+                let b = padded_rows(&seqs[r0..r1]);
                 let (sc, tape) = self.model.forward(&b, a.temperature.max(1e-6))?;
                 let logp = gather(r0, r1, &sc.logp, &b, &seqs);
                 let ent = gather(r0, r1, &sc.entropy, &b, &seqs);
