@@ -1,4 +1,4 @@
-//! Compiles every `.proto` under `trellis/` with protox (pure Rust: no system `protoc`, no
+//! Compiles every `.proto` under `trellis/` and `tensorboard/` with protox (pure Rust: no system `protoc`, no
 //! network) and generates prost messages (and tonic stubs, once services exist) into OUT_DIR.
 
 use std::path::{Path, PathBuf};
@@ -16,10 +16,11 @@ fn collect(dir: &Path, out: &mut Vec<PathBuf>) -> std::io::Result<()> {
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let root = Path::new("trellis");
-    println!("cargo:rerun-if-changed={}", root.display());
     let mut files = Vec::new();
-    collect(root, &mut files)?;
+    for root in ["trellis", "tensorboard"] {
+        println!("cargo:rerun-if-changed={root}");
+        collect(Path::new(root), &mut files)?;
+    }
     files.sort();
     let fds = protox::compile(&files, ["."])?;
     tonic_prost_build::configure()

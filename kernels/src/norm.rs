@@ -39,15 +39,22 @@ pub fn rmsnorm_backward(
     assert_eq!(x.len(), dy.len(), "rmsnorm_backward: dy shape");
     assert_eq!(x.len(), dx.len(), "rmsnorm_backward: dx shape");
     assert_eq!(dw.len(), dim, "rmsnorm_backward: dw shape");
-    // dx rows in parallel; dw reduced per thread chunk then summed.
-    let partial = dx
-        .par_chunks_mut(dim)
-        .zip(x.par_chunks(dim))
-        .zip(dy.par_chunks(dim))
-        .zip(inv_rms.par_iter())
-        .fold(
-            || vec![0.0f32; dim],
-            |mut acc, (((dxr, xr), dyr), &r)| {
+    // dx rows in parallel; dw as partial sums over fixed blocks of rows, added in block order,
+    // so the result does not depend on how rayon schedules the work (runs are reproducible).
+    const ROWS: usize = 64;
+    let partials: Vec<Vec<f32>> = dx
+        .par_chunks_mut(dim * ROWS)
+        .zip(x.par_chunks(dim * ROWS))
+        .zip(dy.par_chunks(dim * ROWS))
+        .zip(inv_rms.par_chunks(ROWS))
+        .map(|(((dxb, xb), dyb), rb)| {
+            let mut acc = vec![0.0f32; dim];
+            for (((dxr, xr), dyr), &r) in dxb
+                .chunks_mut(dim)
+                .zip(xb.chunks(dim))
+                .zip(dyb.chunks(dim))
+                .zip(rb)
+            {
                 let mut dot = 0.0f32;
                 for i in 0..dim {
                     let xhat = xr[i] * r;
@@ -58,17 +65,13 @@ pub fn rmsnorm_backward(
                 for i in 0..dim {
                     dxr[i] = r * (dyr[i] * w[i] - xr[i] * r * mean);
                 }
-                acc
-            },
-        )
-        .reduce(
-            || vec![0.0f32; dim],
-            |mut a, b| {
-                a.iter_mut().zip(&b).for_each(|(x, y)| *x += y);
-                a
-            },
-        );
-    dw.iter_mut().zip(&partial).for_each(|(a, b)| *a += b);
+            }
+            acc
+        })
+        .collect();
+    for partial in &partials {
+        dw.iter_mut().zip(partial).for_each(|(a, b)| *a += b);
+    }
 }
 
 #[cfg(test)]

@@ -59,11 +59,14 @@ impl AdamW {
     }
 }
 
-/// Sum of squares of `x`, accumulated in f64.
+/// Sum of squares of `x`, accumulated in f64 over fixed chunks added in order (reproducible
+/// whatever the thread schedule).
 pub fn sum_sq(x: &[f32]) -> f64 {
-    x.par_chunks(CHUNK)
+    let parts: Vec<f64> = x
+        .par_chunks(CHUNK)
         .map(|c| c.iter().map(|&v| (v as f64) * (v as f64)).sum::<f64>())
-        .sum()
+        .collect();
+    parts.iter().sum()
 }
 
 /// The global L2 norm over several gradient tensors.

@@ -7,5 +7,6 @@
 //! Never: touches tensor contents (tensors move through the actors' data plane, not through job
 //! control), or opens engine-specific sockets (engines and their adapters own those).
 
+pub mod tensorboard;
 pub mod train;
 pub mod workflow;

@@ -93,6 +93,7 @@ struct Run<'a> {
     engine: NativeEngine,
     version: u64,
     metrics: std::fs::File,
+    events: crate::tensorboard::EventWriter,
     state: RunState,
     quiet: bool,
     summary: Summary,
@@ -231,6 +232,8 @@ fn execute(wf: &Workflow, dir: &Path, state: RunState, quiet: bool) -> Result<Su
         .append(true)
         .open(&metrics_path)
         .map_err(io(&metrics_path))?;
+    let tb = dir.join("tensorboard");
+    let events = crate::tensorboard::EventWriter::create(&tb).map_err(io(&tb))?;
     let mut run = Run {
         wf,
         dir: dir.to_path_buf(),
@@ -241,6 +244,7 @@ fn execute(wf: &Workflow, dir: &Path, state: RunState, quiet: bool) -> Result<Su
         engine,
         version,
         metrics,
+        events,
         state,
         quiet,
         summary: Summary::default(),
@@ -312,7 +316,13 @@ impl Run<'_> {
         }
         let path = self.dir.join("metrics.jsonl");
         writeln!(self.metrics, "{}", serde_json::Value::Object(obj)).map_err(io(&path))?;
-        self.metrics.flush().map_err(io(&path))
+        self.metrics.flush().map_err(io(&path))?;
+        let scalars = m
+            .iter()
+            .filter(|(_, v)| v.is_finite())
+            .map(|(k, v)| (format!("{stage}/{k}"), *v));
+        let tb = self.events.path().to_path_buf();
+        self.events.scalars(step, scalars).map_err(io(&tb))
     }
 
     fn progress(&self, line: String) {

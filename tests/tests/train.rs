@@ -82,6 +82,20 @@ fn a_recipe_runs_end_to_end_and_records_everything() {
     ] {
         assert!(rl.get(k).is_some(), "rl step 6 lacks {k}: {rl}");
     }
+    // TensorBoard event files are written beside metrics.jsonl.
+    let tb: Vec<_> = std::fs::read_dir(dir.join("tensorboard"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    assert_eq!(tb.len(), 1);
+    assert!(
+        tb[0]
+            .file_name()
+            .unwrap()
+            .to_string_lossy()
+            .starts_with("events.out.tfevents.")
+    );
+    assert!(std::fs::metadata(&tb[0]).unwrap().len() > 1000);
     // The final model is a loadable Hugging Face checkpoint.
     let state: Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("state.json")).unwrap()).unwrap();
@@ -247,4 +261,39 @@ fn bad_workflows_are_refused_before_anything_runs() {
         );
     }
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn runs_are_reproducible() {
+    // Same recipe, same seed → the same losses, rewards and accuracies, step for step.
+    let strip = |dir: &Path| -> Vec<Value> {
+        metrics(dir)
+            .into_iter()
+            .map(|mut v| {
+                v.as_object_mut()
+                    .unwrap()
+                    .retain(|k, _| !k.starts_with("timing_s/") && !k.starts_with("perf/"));
+                v
+            })
+            .collect()
+    };
+    let mut runs = Vec::new();
+    for tag in ["repro-a", "repro-b"] {
+        let dir = run_dir(tag);
+        let out = trellis()
+            .arg("train")
+            .arg(recipe())
+            .args(["--quiet", "-o", "stages.rl.trainer.steps=4", "--run-dir"])
+            .arg(&dir)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        runs.push(strip(&dir));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+    assert_eq!(runs[0], runs[1]);
 }
