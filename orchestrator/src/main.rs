@@ -37,6 +37,11 @@ enum Command {
         #[arg(long)]
         quiet: bool,
     },
+    /// Draw RUN_DIR/metrics.jsonl into RUN_DIR/plot.png (train does this at the end).
+    Plot {
+        /// The run directory.
+        run_dir: PathBuf,
+    },
     /// Continue the run in RUN_DIR from its last checkpoint.
     Resume {
         /// The run directory.
@@ -357,6 +362,12 @@ fn run() -> Result<()> {
             let dir = run_dir.unwrap_or_else(|| PathBuf::from("runs").join(&wf.name));
             let summary = orchestrator::train::start(&wf, &dir, quiet)?;
             print_summary(&dir, &summary);
+            Ok(())
+        }
+        Command::Plot { run_dir } => {
+            let out = run_dir.join("plot.png");
+            orchestrator::plot::plot(&run_dir, &out).map_err(anyhow::Error::msg)?;
+            println!("{}", out.display());
             Ok(())
         }
         Command::Resume { run_dir, quiet } => {

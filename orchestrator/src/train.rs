@@ -263,6 +263,7 @@ fn execute(wf: &Workflow, dir: &Path, state: RunState, quiet: bool) -> Result<Su
         })?;
         run.stage(stage, &data)?;
     }
+    crate::plot::plot(dir, &dir.join("plot.png")).map_err(RunError::Other)?;
     Ok(run.summary)
 }
 

@@ -96,6 +96,9 @@ fn a_recipe_runs_end_to_end_and_records_everything() {
             .starts_with("events.out.tfevents.")
     );
     assert!(std::fs::metadata(&tb[0]).unwrap().len() > 1000);
+    // ... and the curves as a PNG.
+    let png = std::fs::read(dir.join("plot.png")).unwrap();
+    assert_eq!(&png[..4], b"\x89PNG");
     // The final model is a loadable Hugging Face checkpoint.
     let state: Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("state.json")).unwrap()).unwrap();
