@@ -338,7 +338,7 @@ fn the_arith_recipe_shortened_lifts_held_out_accuracy() {
         m.iter()
             .filter(|v| v["stage"] == stage)
             .filter_map(|v| v.get("eval/accuracy").and_then(Value::as_f64))
-            .last()
+            .next_back()
             .unwrap()
     };
     let (warm, rl) = (acc("warmup"), acc("rl"));
