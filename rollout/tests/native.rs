@@ -284,7 +284,14 @@ fn weight_updates_bump_the_version_and_change_the_model() {
 }
 
 fn swap_mid_generation(policy: SwapPolicy) -> Vec<rollout::VersionSpan> {
-    let m = model();
+    // A model big enough that 1000 decode steps take far longer than sending one update.
+    let config = learner::ModelConfig::from_json(
+        serde_json::json!({"model_type": "qwen2", "vocab_size": 384, "hidden_size": 128, "intermediate_size": 256,
+            "num_hidden_layers": 4, "num_attention_heads": 4, "max_position_embeddings": 1100}),
+        std::path::Path::new("test"),
+    )
+    .unwrap();
+    let m = Model::init(config, 5);
     let engine = Arc::new(NativeEngine::new(
         m.clone(),
         NativeConfig {
@@ -296,7 +303,7 @@ fn swap_mid_generation(policy: SwapPolicy) -> Vec<rollout::VersionSpan> {
     let e2 = engine.clone();
     let worker = std::thread::spawn(move || {
         e2.generate_blocking(vec![req(&prompt, |s| {
-            s.max_tokens = 240;
+            s.max_tokens = 1000;
             s.ignore_eos = true;
         })])
     });
@@ -317,11 +324,11 @@ fn swap_policy_decides_which_weights_finish_in_flight_requests() {
     let cont = swap_mid_generation(SwapPolicy::ContinueOnNew);
     assert_eq!(cont.len(), 2, "{cont:?}");
     assert_eq!((cont[0].version, cont[0].start), (0, 0));
-    assert_eq!((cont[1].version, cont[1].end), (9, 240));
+    assert_eq!((cont[1].version, cont[1].end), (9, 1000));
     assert_eq!(cont[0].end, cont[1].start);
     let old = swap_mid_generation(SwapPolicy::FinishOnOld);
     assert_eq!(old.len(), 1, "{old:?}");
-    assert_eq!((old[0].version, old[0].end), (0, 240));
+    assert_eq!((old[0].version, old[0].end), (0, 1000));
 }
 
 #[test]
