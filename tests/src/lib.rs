@@ -43,6 +43,19 @@ pub fn trellis_bin() -> PathBuf {
     .clone()
 }
 
+/// Runs `cmd` to completion and returns its output, failing the test with its stderr if it
+/// did not succeed.
+pub fn run_ok(cmd: &mut Command) -> std::process::Output {
+    let out = cmd.output().expect("spawn the command");
+    assert!(
+        out.status.success(),
+        "{:?} failed:\n{}",
+        cmd,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
 /// A `Command` for the `trellis` binary.
 pub fn trellis() -> Command {
     Command::new(trellis_bin())

@@ -2,7 +2,7 @@
 
 use serde_json::Value;
 use std::path::PathBuf;
-use trellis_tests::trellis;
+use trellis_tests::{run_ok, trellis};
 
 fn fixture() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data/tiny-qwen2")
@@ -13,27 +13,22 @@ fn greedy_json_output_matches_transformers() {
     let reference: Value =
         serde_json::from_str(&std::fs::read_to_string(fixture().join("reference.json")).unwrap())
             .unwrap();
-    let out = trellis()
-        .args([
-            "generate",
-            "--json",
-            "--temperature",
-            "0",
-            "--max-tokens",
-            "16",
-            "-n",
-            "2",
-            "--prompt",
-        ])
-        .arg(reference["texts"][1].as_str().unwrap())
-        .arg("--model")
-        .arg(fixture().join("checkpoint"))
-        .output()
-        .expect("run trellis generate");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    let out = run_ok(
+        trellis()
+            .args([
+                "generate",
+                "--json",
+                "--temperature",
+                "0",
+                "--max-tokens",
+                "16",
+                "-n",
+                "2",
+                "--prompt",
+            ])
+            .arg(reference["texts"][1].as_str().unwrap())
+            .arg("--model")
+            .arg(fixture().join("checkpoint")),
     );
     let lines: Vec<Value> = String::from_utf8_lossy(&out.stdout)
         .lines()

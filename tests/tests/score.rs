@@ -2,7 +2,7 @@
 
 use serde_json::Value;
 use std::path::PathBuf;
-use trellis_tests::trellis;
+use trellis_tests::{run_ok, trellis};
 
 fn fixture() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data/tiny-qwen2")
@@ -14,15 +14,10 @@ fn score_json_matches_the_reference_logprobs() {
         serde_json::from_str(&std::fs::read_to_string(fixture().join("reference.json")).unwrap())
             .unwrap();
     let text = reference["texts"][0].as_str().unwrap();
-    let out = trellis()
-        .args(["score", "--json", "--text", text, "--model"])
-        .arg(fixture().join("checkpoint"))
-        .output()
-        .expect("run trellis score");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    let out = run_ok(
+        trellis()
+            .args(["score", "--json", "--text", text, "--model"])
+            .arg(fixture().join("checkpoint")),
     );
     let got: Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
     assert_eq!(got["token_ids"], reference["input_ids"][0]);

@@ -4,7 +4,7 @@ use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
-use trellis_tests::trellis;
+use trellis_tests::{run_ok, trellis};
 
 fn recipe() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data/tiny-arith.yaml")
@@ -34,18 +34,13 @@ fn steps_of(m: &[Value], stage: &str) -> Vec<u64> {
 #[test]
 fn a_recipe_runs_end_to_end_and_records_everything() {
     let dir = run_dir("e2e");
-    let out = trellis()
-        .arg("train")
-        .arg(recipe())
-        .arg("--quiet")
-        .arg("--run-dir")
-        .arg(&dir)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    run_ok(
+        trellis()
+            .arg("train")
+            .arg(recipe())
+            .arg("--quiet")
+            .arg("--run-dir")
+            .arg(&dir),
     );
     let m = metrics(&dir);
     assert_eq!(steps_of(&m, "warmup"), (1..=30).collect::<Vec<_>>());
@@ -107,15 +102,10 @@ fn a_recipe_runs_end_to_end_and_records_everything() {
         serde_json::json!(["warmup", "rl", "final-eval"])
     );
     let ck = dir.join(state["checkpoint"].as_str().unwrap());
-    let scored = trellis()
-        .args(["score", "--json", "--text", "3+4=7", "--model"])
-        .arg(&ck)
-        .output()
-        .unwrap();
-    assert!(
-        scored.status.success(),
-        "{}",
-        String::from_utf8_lossy(&scored.stderr)
+    run_ok(
+        trellis()
+            .args(["score", "--json", "--text", "3+4=7", "--model"])
+            .arg(&ck),
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
@@ -146,17 +136,7 @@ fn kill_nine_then_resume_loses_nothing() {
     }
     child.kill().unwrap();
     child.wait().unwrap();
-    let out = trellis()
-        .arg("resume")
-        .arg(&dir)
-        .arg("--quiet")
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    run_ok(trellis().arg("resume").arg(&dir).arg("--quiet"));
     let m = metrics(&dir);
     assert_eq!(
         steps_of(&m, "warmup"),
@@ -183,23 +163,12 @@ fn kill_nine_then_resume_loses_nothing() {
 
 #[test]
 fn overrides_apply_and_config_show_prints_the_resolved_workflow() {
-    let out = trellis()
-        .arg("config")
-        .arg("show")
-        .arg(recipe())
-        .args([
-            "-o",
-            "stages.rl.trainer.steps=3",
-            "-o",
-            "stages.0.sft.lr=0.01",
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let out = run_ok(trellis().arg("config").arg("show").arg(recipe()).args([
+        "-o",
+        "stages.rl.trainer.steps=3",
+        "-o",
+        "stages.0.sft.lr=0.01",
+    ]));
     let v: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["stages"][1]["trainer"]["steps"], 3);
     assert_eq!(v["stages"][0]["sft"]["lr"], 0.01);
@@ -283,17 +252,12 @@ fn runs_are_reproducible() {
     let mut runs = Vec::new();
     for tag in ["repro-a", "repro-b"] {
         let dir = run_dir(tag);
-        let out = trellis()
-            .arg("train")
-            .arg(recipe())
-            .args(["--quiet", "-o", "stages.rl.trainer.steps=4", "--run-dir"])
-            .arg(&dir)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
+        run_ok(
+            trellis()
+                .arg("train")
+                .arg(recipe())
+                .args(["--quiet", "-o", "stages.rl.trainer.steps=4", "--run-dir"])
+                .arg(&dir),
         );
         runs.push(strip(&dir));
         std::fs::remove_dir_all(&dir).unwrap();
@@ -308,30 +272,25 @@ fn the_arith_recipe_shortened_lifts_held_out_accuracy() {
     // SFT warm start. Runs are reproducible, so this is a fixed comparison, not a lucky draw.
     let recipe = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../recipes/grpo-arith.yaml");
     let dir = run_dir("arith");
-    let out = trellis()
-        .arg("train")
-        .arg(&recipe)
-        .args([
-            "--quiet",
-            "-o",
-            "stages.rl.trainer.steps=20",
-            "-o",
-            "stages.rl.trainer.eval_freq=0",
-        ])
-        .args([
-            "-o",
-            "stages.rl.trainer.save_freq=0",
-            "-o",
-            "stages.warmup.trainer.eval_freq=0",
-            "--run-dir",
-        ])
-        .arg(&dir)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    run_ok(
+        trellis()
+            .arg("train")
+            .arg(&recipe)
+            .args([
+                "--quiet",
+                "-o",
+                "stages.rl.trainer.steps=20",
+                "-o",
+                "stages.rl.trainer.eval_freq=0",
+            ])
+            .args([
+                "-o",
+                "stages.rl.trainer.save_freq=0",
+                "-o",
+                "stages.warmup.trainer.eval_freq=0",
+                "--run-dir",
+            ])
+            .arg(&dir),
     );
     let m = metrics(&dir);
     let acc = |stage: &str| {
