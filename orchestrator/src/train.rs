@@ -12,6 +12,7 @@ use learner::checkpoint::Checkpoint;
 use learner::optim::{LrSchedule, Optimizer};
 use learner::rl::advantage::{AdvEstimator, AdvInput, compute};
 use learner::rl::agg::{AggNorm, LossAgg};
+use learner::rl::dapo::{keep_informative_groups, overlong_penalty};
 use learner::rl::loss::{ActorInput, PolicyLoss, PolicyLossConfig, actor_loss};
 use learner::rl::{Metrics, Shape};
 use learner::snapshot::WeightSnapshot;
@@ -19,7 +20,7 @@ use learner::tokenizer::Tokenizer;
 use learner::{Batch, Model, ModelConfig};
 use rollout::native::{NativeConfig, NativeEngine};
 use rollout::task::{ArithTask, Problem};
-use rollout::{GenerateRequest, SamplingParams};
+use rollout::{Completion, GenerateRequest, SamplingParams};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashSet};
 use std::io::Write;
@@ -533,31 +534,88 @@ impl Run<'_> {
     ) -> Result<Metrics, RunError> {
         let a = &stage.algorithm;
         let t0 = Instant::now();
-        let problems = data.arith.train_batch(
-            self.wf.seed ^ 0xA11CE,
-            (step - 1) * a.train_batch_size as u64,
-            a.train_batch_size,
-            exclude,
-        );
-        let mut reqs = Vec::with_capacity(problems.len());
-        for (i, p) in problems.iter().enumerate() {
-            let (prompt, _) = encode(&self.tokenizer, p, self.eos)?;
-            let params = SamplingParams {
-                n: a.rollout_n,
-                temperature: a.temperature,
-                top_p: a.top_p,
-                max_tokens: a.max_response_length,
-                seed: Some(self.wf.seed.wrapping_mul(1_000_003) ^ (step << 20) ^ i as u64),
-                ..Default::default()
-            };
-            reqs.push(GenerateRequest { prompt, params });
+        let b = a.train_batch_size;
+        // Dynamic sampling (DAPO): keep drawing prompts until `b` groups carry signal (scores not
+        // all equal) or `max_num_gen_batches` rounds are spent. Without it: one round, all kept.
+        let rounds = if a.filter_groups {
+            a.max_num_gen_batches.max(1)
+        } else {
+            1
+        };
+        let mut kept: Vec<(Vec<u32>, Vec<Completion>, Vec<f32>)> = Vec::new();
+        let mut generated_groups = 0usize;
+        let mut rounds_run = 0usize;
+        for round in 0..rounds {
+            rounds_run += 1;
+            let start = ((step - 1) * rounds as u64 + round as u64) * b as u64;
+            let problems = data
+                .arith
+                .train_batch(self.wf.seed ^ 0xA11CE, start, b, exclude);
+            let mut reqs = Vec::with_capacity(problems.len());
+            for (i, p) in problems.iter().enumerate() {
+                let (prompt, _) = encode(&self.tokenizer, p, self.eos)?;
+                let seed = self.wf.seed.wrapping_mul(1_000_003)
+                    ^ (step << 20)
+                    ^ ((round as u64) << 40)
+                    ^ i as u64;
+                let params = SamplingParams {
+                    n: a.rollout_n,
+                    temperature: a.temperature,
+                    top_p: a.top_p,
+                    max_tokens: a.max_response_length,
+                    seed: Some(seed),
+                    ..Default::default()
+                };
+                reqs.push(GenerateRequest { prompt, params });
+            }
+            let mut per: Vec<(Vec<Completion>, Vec<f32>)> =
+                (0..b).map(|_| (Vec::new(), Vec::new())).collect();
+            for c in self.engine.generate_blocking(reqs.clone())? {
+                let text = self.tokenizer.decode(&c.token_ids)?;
+                let mut s = stage.reward.score(&text, &problems[c.request].answer);
+                if a.overlong_buffer_len > 0 {
+                    s += overlong_penalty(
+                        c.token_ids.len(),
+                        a.max_response_length,
+                        a.overlong_buffer_len,
+                        a.overlong_penalty_factor,
+                    ) as f32;
+                }
+                per[c.request].1.push(s);
+                per[c.request].0.push(c);
+            }
+            for (i, (cs, ss)) in per.into_iter().enumerate() {
+                generated_groups += 1;
+                let informative = keep_informative_groups(&vec![0; ss.len()], &ss)[0];
+                if !a.filter_groups || informative {
+                    kept.push((reqs[i].prompt.clone(), cs, ss));
+                }
+            }
+            if kept.len() >= b {
+                break;
+            }
         }
-        let completions = self.engine.generate_blocking(reqs.clone())?;
+        // Whole mini-batches only (batch sizes are counted in prompts).
+        kept.truncate(b);
+        kept.truncate(kept.len() / a.ppo_mini_batch_size * a.ppo_mini_batch_size);
         let t_gen = t0.elapsed().as_secs_f64();
+        let mut m = Metrics::new();
+        if a.filter_groups {
+            m.insert("dapo/kept_groups".into(), kept.len() as f64);
+            m.insert("dapo/generated_groups".into(), generated_groups as f64);
+            m.insert("dapo/gen_rounds".into(), rounds_run as f64);
+        }
+        if kept.is_empty() {
+            // No group carried signal: nothing to learn from this step.
+            m.insert("actor/skipped_update".into(), 1.0);
+            m.insert("timing_s/gen".into(), t_gen);
+            return Ok(m);
+        }
         // Rewards and the [rows, cols] response layout.
-        let rows = completions.len();
-        let cols = completions
+        let rows = kept.len() * a.rollout_n;
+        let cols = kept
             .iter()
+            .flat_map(|k| k.1.iter())
             .map(|c| c.token_ids.len())
             .max()
             .unwrap_or(1)
@@ -568,17 +626,18 @@ impl Run<'_> {
         let mut group = Vec::with_capacity(rows);
         let mut scores = Vec::with_capacity(rows);
         let mut seqs = Vec::with_capacity(rows);
-        for (r, c) in completions.iter().enumerate() {
-            let text = self.tokenizer.decode(&c.token_ids)?;
-            let s = stage.reward.score(&text, &problems[c.request].answer);
-            let len = c.token_ids.len();
-            mask[r * cols..r * cols + len].fill(1.0);
-            token_rewards[r * cols + len - 1] = s;
-            group.push(c.request as u64);
-            scores.push(s as f64);
-            let mut seq = reqs[c.request].prompt.clone();
-            seq.extend(&c.token_ids);
-            seqs.push((reqs[c.request].prompt.len(), seq));
+        for (g, (prompt, cs, ss)) in kept.iter().enumerate() {
+            for (c, &s) in cs.iter().zip(ss) {
+                let r = seqs.len();
+                let len = c.token_ids.len();
+                mask[r * cols..r * cols + len].fill(1.0);
+                token_rewards[r * cols + len - 1] = s;
+                group.push(g as u64);
+                scores.push(s as f64);
+                let mut seq = prompt.clone();
+                seq.extend(&c.token_ids);
+                seqs.push((prompt.len(), seq));
+            }
         }
         let est = match a.adv_estimator.parse::<AdvEstimator>()? {
             AdvEstimator::Grpo { .. } => AdvEstimator::Grpo {
@@ -681,7 +740,6 @@ impl Run<'_> {
         }
         let t_update = t1.elapsed().as_secs_f64();
         let t_sync = self.sync_weights()?;
-        let mut m = Metrics::new();
         for l in &losses {
             for (k, v) in l {
                 *m.entry(k.clone()).or_insert(0.0) += v / losses.len() as f64;

@@ -157,6 +157,15 @@ pub struct Algorithm {
     pub top_p: f32,
     /// Most response tokens.
     pub max_response_length: usize,
+    /// DAPO dynamic sampling: drop groups whose scores are all equal and draw more prompts.
+    pub filter_groups: bool,
+    /// Most generation rounds per step under `filter_groups`.
+    pub max_num_gen_batches: usize,
+    /// DAPO overlong shaping: the last this-many tokens before `max_response_length` are
+    /// penalised linearly (0: off).
+    pub overlong_buffer_len: usize,
+    /// Penalty at `max_response_length`.
+    pub overlong_penalty_factor: f64,
 }
 
 impl Default for Algorithm {
@@ -180,6 +189,10 @@ impl Default for Algorithm {
             temperature: 1.0,
             top_p: 1.0,
             max_response_length: 16,
+            filter_groups: false,
+            max_num_gen_batches: 4,
+            overlong_buffer_len: 0,
+            overlong_penalty_factor: 1.0,
         }
     }
 }

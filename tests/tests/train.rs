@@ -308,3 +308,42 @@ fn the_arith_recipe_shortened_lifts_held_out_accuracy() {
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn dapo_dynamic_sampling_and_overlong_shaping_run() {
+    let dir = run_dir("dapo");
+    run_ok(
+        trellis()
+            .arg("train")
+            .arg(recipe())
+            .args([
+                "--quiet",
+                "-o",
+                "stages.rl.algorithm.filter_groups=true",
+                "-o",
+                "stages.rl.algorithm.max_num_gen_batches=3",
+            ])
+            .args([
+                "-o",
+                "stages.rl.algorithm.overlong_buffer_len=2",
+                "-o",
+                "stages.rl.algorithm.clip_ratio_high=0.28",
+            ])
+            .arg("--run-dir")
+            .arg(&dir),
+    );
+    let m = metrics(&dir);
+    let rl: Vec<&Value> = m.iter().filter(|v| v["stage"] == "rl").collect();
+    assert_eq!(rl.len(), 12);
+    for v in rl {
+        let rounds = v["dapo/gen_rounds"].as_f64().unwrap();
+        assert!((1.0..=3.0).contains(&rounds), "{v}");
+        let kept = v["dapo/kept_groups"].as_f64().unwrap();
+        assert!(
+            kept <= 8.0 && kept % 4.0 == 0.0,
+            "whole mini-batches of groups: {v}"
+        );
+        assert!(v["dapo/generated_groups"].as_f64().unwrap() >= kept);
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
