@@ -223,44 +223,35 @@ pub fn matmul_nt(m: usize, k: usize, n: usize, a: &[f32], b: &[f32], c: &mut [f3
         "skinny matmul: shapes"
     );
     let simd = available();
-    let cp = SendPtr(c.as_mut_ptr());
-    #[cfg(target_arch = "x86_64")]
-    if simd && m > 4 && m <= 64 {
-        // Aᵀ, zero-padded to whole vectors: [k, 16·mv]
-        let mv = m.div_ceil(16);
-        let mp = 16 * mv;
+    // 5–64 rows: the outer-product path reads Aᵀ, zero-padded to whole vectors ([k, 16·mv]).
+    let packed = (simd && m > 4 && m <= 64).then(|| {
+        let mp = 16 * m.div_ceil(16);
         let mut at = vec![0.0f32; k * mp];
         for i in 0..m {
             for p in 0..k {
                 at[p * mp + i] = a[i * k + p];
             }
         }
-        (0..n.div_ceil(N_BLOCK)).into_par_iter().for_each(|blk| {
-            let cp = &cp;
-            let (n0, n1) = (blk * N_BLOCK, ((blk + 1) * N_BLOCK).min(n));
-            // SAFETY: the feature is present; bounds as asserted above.
-            unsafe {
-                match mv {
-                    1 => block_t::<1>(&at, m, k, b, n0, n1, cp.0, n),
-                    2 => block_t::<2>(&at, m, k, b, n0, n1, cp.0, n),
-                    3 => block_t::<3>(&at, m, k, b, n0, n1, cp.0, n),
-                    _ => block_t::<4>(&at, m, k, b, n0, n1, cp.0, n),
-                }
-            }
-        });
-        return;
-    }
+        at
+    });
+    let cp = SendPtr(c.as_mut_ptr());
     (0..n.div_ceil(N_BLOCK)).into_par_iter().for_each(|blk| {
         let cp = &cp;
         let (n0, n1) = (blk * N_BLOCK, ((blk + 1) * N_BLOCK).min(n));
-        if simd {
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: the feature is present; bounds as asserted above.
-            unsafe {
-                block_avx512(a, m, k, b, n0, n1, cp.0, n);
-            }
-        } else {
+        if !simd {
             block_scalar(a, m, k, b, n0, n1, cp.0, n);
+            return;
+        }
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the feature is present; bounds as asserted above.
+        unsafe {
+            match (&packed, m.div_ceil(16)) {
+                (None, _) => block_avx512(a, m, k, b, n0, n1, cp.0, n),
+                (Some(at), 1) => block_t::<1>(at, m, k, b, n0, n1, cp.0, n),
+                (Some(at), 2) => block_t::<2>(at, m, k, b, n0, n1, cp.0, n),
+                (Some(at), 3) => block_t::<3>(at, m, k, b, n0, n1, cp.0, n),
+                (Some(at), _) => block_t::<4>(at, m, k, b, n0, n1, cp.0, n),
+            }
         }
     });
 }

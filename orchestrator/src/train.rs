@@ -298,6 +298,19 @@ fn padded_rows(rows: &[(usize, Vec<u32>)]) -> Batch {
     Batch::padded(&refs)
 }
 
+/// For every response token of `rows` (each `(prompt length, prompt + response)`): its index in
+/// the `[rows, cols]` response layout and its index in the padded batch of those rows (`seq`
+/// tokens per row). Response token j of a row is predicted at batch position `plen − 1 + j`.
+fn response_slots(rows: &[(usize, Vec<u32>)], seq: usize, cols: usize) -> Vec<(usize, usize)> {
+    let mut slots = Vec::new();
+    for (r, (plen, tokens)) in rows.iter().enumerate() {
+        for j in 0..tokens.len() - plen {
+            slots.push((r * cols + j, r * seq + plen - 1 + j));
+        }
+    }
+    slots
+}
+
 /// Token ids of a problem's prompt, and of its answer followed by end-of-sequence.
 fn encode(tok: &Tokenizer, p: &Problem, eos: u32) -> Result<(Vec<u32>, Vec<u32>), RunError> {
     let prompt = tok.encode(&p.prompt)?;
@@ -671,13 +684,10 @@ impl Run<'_> {
         let mut losses: Vec<Metrics> = Vec::new();
         let mut report = None;
         let t1 = Instant::now();
-        let gather = |r0: usize, r1: usize, v: &[f32], b: &Batch, src: &[(usize, Vec<u32>)]| {
-            let mut out = vec![0.0f32; (r1 - r0) * cols];
-            for r in r0..r1 {
-                let (plen, seq) = &src[r];
-                for j in 0..seq.len() - plen {
-                    out[(r - r0) * cols + j] = v[(r - r0) * b.seq + plen - 1 + j];
-                }
+        let gather = |v: &[f32], slots: &[(usize, usize)], rows: usize| {
+            let mut out = vec![0.0f32; rows * cols];
+            for &(r, b) in slots {
+                out[r] = v[b];
             }
             out
         };
@@ -687,8 +697,9 @@ impl Run<'_> {
             for m in 0..n_mb {
                 let (r0, r1) = (m * per_mb, (m + 1) * per_mb);
                 let b = padded_rows(&seqs[r0..r1]);
+                let slots = response_slots(&seqs[r0..r1], b.seq, cols);
                 let sc = self.model.score(&b, a.temperature.max(1e-6))?;
-                all[r0 * cols..r1 * cols].copy_from_slice(&gather(r0, r1, &sc.logp, &b, &seqs));
+                all[r0 * cols..r1 * cols].copy_from_slice(&gather(&sc.logp, &slots, r1 - r0));
             }
             old_logp = Some(all);
         }
@@ -696,9 +707,10 @@ impl Run<'_> {
             for m in 0..n_mb {
                 let (r0, r1) = (m * per_mb, (m + 1) * per_mb);
                 let b = padded_rows(&seqs[r0..r1]);
+                let slots = response_slots(&seqs[r0..r1], b.seq, cols);
                 let (sc, tape) = self.model.forward(&b, a.temperature.max(1e-6))?;
-                let logp = gather(r0, r1, &sc.logp, &b, &seqs);
-                let ent = gather(r0, r1, &sc.entropy, &b, &seqs);
+                let logp = gather(&sc.logp, &slots, r1 - r0);
+                let ent = gather(&sc.entropy, &slots, r1 - r0);
                 let sub = Shape {
                     rows: r1 - r0,
                     cols,
@@ -724,13 +736,9 @@ impl Run<'_> {
                 )?;
                 // Scatter the per-token gradients back to batch positions.
                 let (mut d_logp, mut d_ent) = (vec![0.0f32; b.len()], vec![0.0f32; b.len()]);
-                for r in r0..r1 {
-                    let (plen, seq) = &seqs[r];
-                    for j in 0..seq.len() - plen {
-                        let (src, dst) = ((r - r0) * cols + j, (r - r0) * b.seq + plen - 1 + j);
-                        d_logp[dst] = out.grad[src];
-                        d_ent[dst] = out.grad_entropy[src];
-                    }
+                for &(r, bi) in &slots {
+                    d_logp[bi] = out.grad[r];
+                    d_ent[bi] = out.grad_entropy[r];
                 }
                 self.model.backward(tape, &d_logp, &d_ent, grads);
                 report = Some(opt.step(&mut self.model.params, grads));
