@@ -1,4 +1,32 @@
-//! The actor runtime: local and remote actors, node agents, pools and placement, health and
-//! restart, and bulk tensor transport for weight sync.
+//! The actor runtime: Trellis's replacement for Ray.
+//!
+//! Actors ([`Actor`]) run as tokio tasks in this process or inside node agents (`trellis agent`)
+//! on other machines; callers hold the same [`ActorRef`] either way. The [`Head`] registers
+//! agents, watches their heartbeats, places actors on them ([`placement`]) and restarts actors
+//! that died by their [`RestartPolicy`], running a hook (to re-push weights) before a restarted
+//! actor takes calls. Weight snapshots move in checksummed buckets: by `Arc` in-process, through
+//! shared memory to agents on the same host, by gRPC streaming across hosts ([`snapshot`]).
+//! Every head ↔ agent call carries the cluster token ([`Token`]).
 //!
 //! Never: interprets what an actor computes; it moves messages and bytes and watches liveness.
+
+mod actor;
+pub mod agent;
+mod auth;
+pub mod bench;
+pub mod builtin;
+mod error;
+pub mod head;
+pub mod placement;
+mod registry;
+mod remote;
+pub mod snapshot;
+
+pub use actor::{Actor, ActorRef, BoxFuture, RestartHook, RestartPolicy, SpawnOptions, spawn_local};
+pub use agent::{AgentError, AgentOptions};
+pub use auth::{Token, TokenError};
+pub use error::ActorError;
+pub use head::{AgentInfo, Head, HeadConfig};
+pub use placement::{Demand, Device, PoolSpec, Resources, Strategy};
+pub use registry::Registry;
+pub use remote::Wire;

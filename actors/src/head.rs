@@ -1,0 +1,487 @@
+//! The head: the registry of node agents, their liveness, and remote actors placed on them.
+//!
+//! Agents register over gRPC (`Head` service) and send heartbeats; the head connects back to
+//! each agent's `Agent` service. An agent is declared lost when its heartbeats stop for
+//! `heartbeat_timeout` or its call stream breaks, and every actor on it is reported dead to its
+//! supervisor, which restarts it on an agent that can take it.
+//!
+//! Owns: agent membership, resource accounting, death notices, remote spawning. Does not own:
+//! what actors compute, job state (the orchestrator's), or the job API (served beside this one).
+
+use crate::actor::{Actor, ActorRef, Incarnation, Link, SpawnOptions, Starter, supervise};
+use crate::auth::Token;
+use crate::error::ActorError;
+use crate::placement::{self, Assignment, Demand, Offer, PoolSpec, Resources};
+use crate::remote::{AgentConn, RemoteActor, Wire};
+use bytes::Bytes;
+use proto::v1::head_server::{Head as HeadRpc, HeadServer};
+use proto::v1::{HeartbeatReply, HeartbeatRequest, RegisterReply, RegisterRequest, SpawnRequest};
+use std::collections::{BTreeMap, HashMap};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+use tokio::sync::{oneshot, watch};
+use tonic::service::interceptor::InterceptedService;
+use tonic::{Request, Response, Status};
+
+/// Bumped when the head ↔ agent protocol changes incompatibly.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// Liveness and transport settings of a head.
+#[derive(Clone, Debug)]
+pub struct HeadConfig {
+    /// How often agents send heartbeats.
+    pub heartbeat_interval: Duration,
+    /// Silence after which an agent is declared lost.
+    pub heartbeat_timeout: Duration,
+    pub wire: Wire,
+}
+
+impl Default for HeadConfig {
+    fn default() -> Self {
+        HeadConfig {
+            heartbeat_interval: Duration::from_millis(500),
+            heartbeat_timeout: Duration::from_secs(3),
+            wire: Wire::default(),
+        }
+    }
+}
+
+/// A registered agent.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AgentInfo {
+    pub id: String,
+    pub name: String,
+    pub address: String,
+    pub resources: Resources,
+    pub labels: BTreeMap<String, String>,
+    pub kinds: Vec<String>,
+    pub host_id: String,
+}
+
+struct AgentEntry {
+    info: AgentInfo,
+    last_seen: Instant,
+    conn: Arc<AgentConn>,
+    free: Resources,
+    actors: HashMap<String, Demand>,
+}
+
+struct Inner {
+    config: HeadConfig,
+    token: Token,
+    host_id: String,
+    agents: Mutex<HashMap<String, AgentEntry>>,
+    membership: watch::Sender<u64>,
+    deaths: Mutex<HashMap<String, oneshot::Sender<String>>>,
+    next_agent: AtomicU64,
+    stop: watch::Sender<bool>,
+}
+
+/// The head's handle; cheap to clone.
+#[derive(Clone)]
+pub struct Head {
+    inner: Arc<Inner>,
+    address: SocketAddr,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// This host's identity: boot id and hostname. Agents with the same id as the head get weight
+/// snapshots through shared memory.
+pub fn host_id() -> String {
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
+    let mut name = [0u8; 256];
+    // SAFETY: the buffer is valid for its length; gethostname NUL-terminates within it or
+    // truncates, and we stop at the first NUL.
+    let ok = unsafe { libc::gethostname(name.as_mut_ptr().cast(), name.len()) } == 0;
+    let host = if ok {
+        let end = name.iter().position(|&b| b == 0).unwrap_or(name.len());
+        String::from_utf8_lossy(&name[..end]).into_owned()
+    } else {
+        String::new()
+    };
+    format!("{}/{host}", boot.trim())
+}
+
+impl Head {
+    /// Binds `listen` (port 0 picks one) and serves agents until [`Head::shutdown`].
+    pub async fn serve(listen: SocketAddr, token: Token, config: HeadConfig) -> std::io::Result<Head> {
+        let listener = tokio::net::TcpListener::bind(listen).await?;
+        let address = listener.local_addr()?;
+        let (stop, mut stopped) = watch::channel(false);
+        let inner = Arc::new(Inner {
+            config,
+            token,
+            host_id: host_id(),
+            agents: Mutex::new(HashMap::new()),
+            membership: watch::channel(0).0,
+            deaths: Mutex::new(HashMap::new()),
+            next_agent: AtomicU64::new(1),
+            stop,
+        });
+        let service = InterceptedService::new(
+            HeadServer::new(Service(Arc::downgrade(&inner))),
+            inner.token.guard(),
+        );
+        let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+        let mut signal = stopped.clone();
+        tokio::spawn(async move {
+            let shutdown = async move {
+                let _ = signal.wait_for(|s| *s).await;
+            };
+            if let Err(e) = tonic::transport::Server::builder()
+                .add_service(service)
+                .serve_with_incoming_shutdown(incoming, shutdown)
+                .await
+            {
+                tracing::error!("head server ended: {e}");
+            }
+        });
+        let weak = Arc::downgrade(&inner);
+        tokio::spawn(async move {
+            loop {
+                let Some(inner) = weak.upgrade() else { return };
+                let period = inner.config.heartbeat_interval / 2;
+                inner.expire();
+                drop(inner);
+                tokio::select! {
+                    _ = tokio::time::sleep(period) => {}
+                    _ = stopped.wait_for(|s| *s) => return,
+                }
+            }
+        });
+        tracing::info!(%address, "head listening for agents");
+        Ok(Head { inner, address })
+    }
+
+    /// Where agents reach this head.
+    pub fn address(&self) -> SocketAddr {
+        self.address
+    }
+
+    /// The live agents, by name.
+    pub fn agents(&self) -> Vec<AgentInfo> {
+        let mut v: Vec<AgentInfo> = lock(&self.inner.agents).values().map(|e| e.info.clone()).collect();
+        v.sort_by(|a, b| a.name.cmp(&b.name));
+        v
+    }
+
+    /// Waits until at least `n` agents are live.
+    pub async fn wait_for_agents(&self, n: usize, timeout: Duration) -> Result<Vec<AgentInfo>, ActorError> {
+        let mut changes = self.inner.membership.subscribe();
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let agents = self.agents();
+            if agents.len() >= n {
+                return Ok(agents);
+            }
+            if tokio::time::timeout_at(deadline, changes.changed()).await.is_err() {
+                return Err(ActorError::Agent {
+                    agent: "*".into(),
+                    message: format!(
+                        "{} of {n} agents registered within {:.0?}: {}",
+                        agents.len(),
+                        timeout,
+                        agents.iter().map(|a| a.name.as_str()).collect::<Vec<_>>().join(", ")
+                    ),
+                });
+            }
+        }
+    }
+
+    fn offers(&self) -> Vec<Offer> {
+        let mut v: Vec<Offer> = lock(&self.inner.agents)
+            .values()
+            .map(|e| Offer {
+                id: e.info.id.clone(),
+                name: e.info.name.clone(),
+                free: e.free,
+                labels: e.info.labels.clone(),
+                kinds: e.info.kinds.clone(),
+            })
+            .collect();
+        v.sort_by(|a, b| a.name.cmp(&b.name));
+        v
+    }
+
+    /// Places `pools` on the live agents without starting anything.
+    pub fn place(&self, pools: &[PoolSpec]) -> Result<Vec<Assignment>, ActorError> {
+        Ok(placement::place(pools, &self.offers())?)
+    }
+
+    /// Spawns one supervised actor on any agent that can take `demand`; restarts go wherever
+    /// `demand` fits then.
+    pub async fn spawn<A: Actor>(
+        &self,
+        name: &str,
+        config: A::Config,
+        demand: Demand,
+        options: SpawnOptions<A>,
+    ) -> Result<ActorRef<A>, ActorError> {
+        self.spawn_at(name, config, demand, None, options).await
+    }
+
+    /// Places a pool and spawns its actors (`name-0`, `name-1`, …), actor `i` configured by
+    /// `config(i)`.
+    pub async fn spawn_pool<A: Actor>(
+        &self,
+        pool: &PoolSpec,
+        config: impl Fn(u32) -> A::Config,
+        options: SpawnOptions<A>,
+    ) -> Result<Vec<ActorRef<A>>, ActorError> {
+        let mut pool = pool.clone();
+        pool.kind = A::KIND.to_string();
+        let assignments = self.place(std::slice::from_ref(&pool))?;
+        let mut refs = Vec::with_capacity(assignments.len());
+        for a in assignments {
+            let demand = Demand {
+                kind: pool.kind.clone(),
+                devices: BTreeMap::from([(pool.device, pool.per_actor)]),
+                labels: pool.labels.clone(),
+            };
+            let name = format!("{}-{}", pool.name, a.index);
+            refs.push(
+                self.spawn_at(&name, config(a.index), demand, Some(a.agent), options.clone())
+                    .await?,
+            );
+        }
+        Ok(refs)
+    }
+
+    /// Spawns on agent `agent` (an id from [`Head::place`]) or, with `None`, wherever `demand`
+    /// fits.
+    pub async fn spawn_at<A: Actor>(
+        &self,
+        name: &str,
+        config: A::Config,
+        mut demand: Demand,
+        agent: Option<String>,
+        options: SpawnOptions<A>,
+    ) -> Result<ActorRef<A>, ActorError> {
+        demand.kind = A::KIND.to_string();
+        let config: Bytes = serde_json::to_vec(&config)
+            .map_err(|e| ActorError::Start {
+                actor: name.to_string(),
+                kind: A::KIND.to_string(),
+                message: format!("config does not encode: {e}"),
+            })?
+            .into();
+        let head = self.clone();
+        let actor_name = name.to_string();
+        let mailbox = options.mailbox as u32;
+        let starter: Starter<A> = Arc::new(move |n| {
+            let (head, demand, config, name) = (head.clone(), demand.clone(), config.clone(), actor_name.clone());
+            let first = if n == 0 { agent.clone() } else { None };
+            Box::pin(async move {
+                let agent = match first {
+                    Some(a) => a,
+                    None => placement::pick(&format!("actor `{name}`"), &demand, &head.offers())?,
+                };
+                let (remote, death) = head
+                    .start_remote(&agent, format!("{name}#{n}"), config, mailbox, demand)
+                    .await?;
+                Ok(Incarnation {
+                    link: Link::Remote(remote),
+                    death,
+                })
+            })
+        });
+        supervise(name, starter, options).await
+    }
+
+    async fn start_remote(
+        &self,
+        agent: &str,
+        actor_id: String,
+        config: Bytes,
+        mailbox: u32,
+        demand: Demand,
+    ) -> Result<(RemoteActor, oneshot::Receiver<String>), ActorError> {
+        let conn = {
+            let mut agents = lock(&self.inner.agents);
+            let entry = agents.get_mut(agent).ok_or_else(|| ActorError::Agent {
+                agent: agent.to_string(),
+                message: "is no longer registered".into(),
+            })?;
+            for (&d, &n) in &demand.devices {
+                entry.free.take(d, n);
+            }
+            entry.actors.insert(actor_id.clone(), demand.clone());
+            entry.conn.clone()
+        };
+        let (tx, death) = oneshot::channel();
+        lock(&self.inner.deaths).insert(actor_id.clone(), tx);
+        let request = SpawnRequest {
+            actor_id: actor_id.clone(),
+            kind: demand.kind.clone(),
+            config,
+            mailbox,
+        };
+        match conn.spawn(request).await {
+            Ok(()) => {
+                tracing::info!(actor = %actor_id, agent = %conn.name, "spawned");
+                Ok((RemoteActor { conn, actor_id }, death))
+            }
+            Err(e) => {
+                self.inner.release(agent, &actor_id);
+                lock(&self.inner.deaths).remove(&actor_id);
+                Err(e)
+            }
+        }
+    }
+
+    /// Stops serving; with `agents`, also tells every agent to stop its actors and exit.
+    pub async fn shutdown(&self, agents: bool) {
+        if agents {
+            let conns: Vec<Arc<AgentConn>> =
+                lock(&self.inner.agents).values().map(|e| e.conn.clone()).collect();
+            for c in conns {
+                if let Err(e) = c.shutdown().await {
+                    tracing::warn!("{e}");
+                }
+            }
+        }
+        self.inner.stop.send_replace(true);
+    }
+}
+
+impl Inner {
+    fn release(&self, agent: &str, actor_id: &str) {
+        if let Some(entry) = lock(&self.agents).get_mut(agent)
+            && let Some(demand) = entry.actors.remove(actor_id)
+        {
+            for (&d, &n) in &demand.devices {
+                entry.free.give(d, n);
+            }
+        }
+    }
+
+    fn notify_death(&self, actor_id: &str, reason: String) {
+        if let Some(tx) = lock(&self.deaths).remove(actor_id) {
+            let _ = tx.send(reason);
+        }
+    }
+
+    fn declare_lost(&self, agent: &str, reason: &str) {
+        let Some(entry) = lock(&self.agents).remove(agent) else {
+            return;
+        };
+        tracing::warn!(agent = %entry.info.name, reason, "agent lost");
+        for actor in entry.actors.keys() {
+            self.notify_death(actor, format!("its agent `{}` was lost: {reason}", entry.info.name));
+        }
+        self.membership.send_modify(|n| *n += 1);
+    }
+
+    fn expire(&self) {
+        let timeout = self.config.heartbeat_timeout;
+        let late: Vec<(String, Duration)> = lock(&self.agents)
+            .values()
+            .filter(|e| e.last_seen.elapsed() > timeout)
+            .map(|e| (e.info.id.clone(), e.last_seen.elapsed()))
+            .collect();
+        for (id, silent) in late {
+            self.declare_lost(&id, &format!("no heartbeat for {:.1} s", silent.as_secs_f64()));
+        }
+    }
+}
+
+struct Service(Weak<Inner>);
+
+impl Service {
+    fn inner(&self) -> Result<Arc<Inner>, Status> {
+        self.0.upgrade().ok_or_else(|| Status::unavailable("the head is shutting down"))
+    }
+}
+
+#[tonic::async_trait]
+impl HeadRpc for Service {
+    async fn register(&self, request: Request<RegisterRequest>) -> Result<Response<RegisterReply>, Status> {
+        let inner = self.inner()?;
+        let r = request.into_inner();
+        if r.protocol_version != PROTOCOL_VERSION {
+            return Err(Status::failed_precondition(format!(
+                "agent speaks protocol {}, this head speaks {PROTOCOL_VERSION}: run the same trellis version on both",
+                r.protocol_version
+            )));
+        }
+        if r.name.is_empty() || r.address.is_empty() {
+            return Err(Status::invalid_argument("an agent must give its name and address"));
+        }
+        let n = inner.next_agent.fetch_add(1, Ordering::Relaxed);
+        let id = format!("{}#{n}", r.name);
+        let same_host = r.host_id == inner.host_id;
+        let weak = Arc::downgrade(&inner);
+        let lost_id = id.clone();
+        let conn = AgentConn::connect(&r.name, &r.address, &inner.token, same_host, inner.config.wire.clone(), move |reason| {
+            if let Some(inner) = weak.upgrade() {
+                inner.declare_lost(&lost_id, &reason);
+            }
+        })
+        .await
+        .map_err(|e| Status::unavailable(format!("the head cannot reach agent `{}` back: {e}", r.name)))?;
+        let previous: Vec<String> = lock(&inner.agents)
+            .values()
+            .filter(|e| e.info.name == r.name)
+            .map(|e| e.info.id.clone())
+            .collect();
+        for old in previous {
+            inner.declare_lost(&old, "a new agent registered under its name");
+        }
+        let resources = r.resources.unwrap_or_default();
+        let resources = Resources {
+            cpu: resources.cpu,
+            gpu: resources.gpu,
+            tpu: resources.tpu,
+            memory_bytes: resources.memory_bytes,
+        };
+        let info = AgentInfo {
+            id: id.clone(),
+            name: r.name,
+            address: r.address,
+            resources,
+            labels: r.labels.into_iter().collect(),
+            kinds: r.kinds,
+            host_id: r.host_id,
+        };
+        tracing::info!(agent = %info.name, address = %info.address, same_host, "agent registered");
+        lock(&inner.agents).insert(
+            id.clone(),
+            AgentEntry {
+                info,
+                last_seen: Instant::now(),
+                conn,
+                free: resources,
+                actors: HashMap::new(),
+            },
+        );
+        inner.membership.send_modify(|n| *n += 1);
+        Ok(Response::new(RegisterReply {
+            agent_id: id,
+            heartbeat_interval_ms: inner.config.heartbeat_interval.as_millis() as u64,
+        }))
+    }
+
+    async fn heartbeat(&self, request: Request<HeartbeatRequest>) -> Result<Response<HeartbeatReply>, Status> {
+        let inner = self.inner()?;
+        let r = request.into_inner();
+        let known = match lock(&inner.agents).get_mut(&r.agent_id) {
+            Some(entry) => {
+                entry.last_seen = Instant::now();
+                true
+            }
+            None => false,
+        };
+        if known {
+            for dead in r.died {
+                inner.release(&r.agent_id, &dead.actor_id);
+                inner.notify_death(&dead.actor_id, dead.reason);
+            }
+        }
+        Ok(Response::new(HeartbeatReply { known }))
+    }
+}

@@ -1,0 +1,376 @@
+//! The head's side of one agent: a gRPC connection carrying every call to the agent's actors over
+//! one bidirectional stream (calls matched to replies by id, so thousands can be in flight), and
+//! weight snapshots streamed in buckets or handed over through shared memory.
+//!
+//! Owns: the connection and its failure. Does not own: deciding that an agent is dead (the head
+//! does, from heartbeats and from this connection's end) or restarting anything.
+
+use crate::actor::Actor;
+use crate::auth::{Bearer, Token};
+use crate::error::ActorError;
+use crate::snapshot;
+use bytes::Bytes;
+use learner::snapshot::WeightSnapshot;
+use proto::v1::agent_client::AgentClient;
+use proto::v1::failure::Code;
+use proto::v1::{
+    CallFrame, Failure, ShmSnapshot, SnapshotBucket, SnapshotChunk, SnapshotHeader, SpawnRequest,
+    StopRequest, reply_frame, snapshot_chunk,
+};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::{mpsc, oneshot};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::service::interceptor::InterceptedService;
+use tonic::transport::{Channel, Endpoint};
+
+type Client = AgentClient<InterceptedService<Channel, Bearer>>;
+type Pending = Mutex<HashMap<u64, oneshot::Sender<Result<Bytes, Failure>>>>;
+
+/// Limits and tuning of head ↔ agent connections.
+#[derive(Clone, Debug)]
+pub struct Wire {
+    /// Snapshot bucket size for gRPC streaming and shared memory.
+    pub bucket_bytes: usize,
+    /// Largest message either side accepts (a bucket plus framing must fit).
+    pub max_message_bytes: usize,
+}
+
+impl Default for Wire {
+    fn default() -> Self {
+        Wire {
+            bucket_bytes: snapshot::DEFAULT_BUCKET_BYTES,
+            max_message_bytes: snapshot::DEFAULT_BUCKET_BYTES + (1 << 20),
+        }
+    }
+}
+
+/// An HTTP/2 endpoint tuned for bulk transfers (large windows) and low latency (no Nagle).
+pub(crate) fn endpoint(address: &str) -> Result<Endpoint, String> {
+    Ok(Endpoint::from_shared(address.to_string())
+        .map_err(|e| format!("`{address}` is not a URL such as http://10.0.0.2:7171: {e}"))?
+        .connect_timeout(Duration::from_secs(5))
+        .tcp_nodelay(true)
+        .initial_stream_window_size(Some(32 << 20))
+        .initial_connection_window_size(Some(64 << 20)))
+}
+
+/// A live connection to one agent.
+pub(crate) struct AgentConn {
+    pub name: String,
+    client: Client,
+    frames: mpsc::Sender<CallFrame>,
+    pending: Arc<Pending>,
+    closed: Arc<AtomicBool>,
+    next_id: AtomicU64,
+    same_host: bool,
+    wire: Wire,
+}
+
+impl AgentConn {
+    /// Connects to the agent at `address` and opens the call stream; `on_lost` runs once when
+    /// the stream ends (the agent died or the link broke), after every pending call has failed.
+    pub(crate) async fn connect(
+        name: &str,
+        address: &str,
+        token: &Token,
+        same_host: bool,
+        wire: Wire,
+        on_lost: impl FnOnce(String) + Send + 'static,
+    ) -> Result<Arc<AgentConn>, String> {
+        let channel = endpoint(address)?
+            .connect()
+            .await
+            .map_err(|e| format!("cannot connect to {address}: {e}"))?;
+        let client = AgentClient::with_interceptor(channel, token.bearer())
+            .max_decoding_message_size(wire.max_message_bytes)
+            .max_encoding_message_size(wire.max_message_bytes);
+        let (frames, rx) = mpsc::channel(4096);
+        let mut replies = client
+            .clone()
+            .call(ReceiverStream::new(rx))
+            .await
+            .map_err(|s| format!("agent at {address} refused the call stream: {}", s.message()))?
+            .into_inner();
+        let pending: Arc<Pending> = Arc::default();
+        let closed = Arc::new(AtomicBool::new(false));
+        let (reader_pending, reader_closed) = (pending.clone(), closed.clone());
+        tokio::spawn(async move {
+            let reason = loop {
+                match replies.message().await {
+                    Ok(Some(frame)) => {
+                        let result = match frame.result {
+                            Some(reply_frame::Result::Payload(p)) => Ok(p),
+                            Some(reply_frame::Result::Failure(f)) => Err(f),
+                            None => Err(Failure {
+                                code: Code::BadMessage as i32,
+                                message: "empty reply".into(),
+                            }),
+                        };
+                        let waiter = lock(&reader_pending).remove(&frame.id);
+                        if let Some(waiter) = waiter {
+                            let _ = waiter.send(result);
+                        }
+                    }
+                    Ok(None) => break "the agent closed the call stream".to_string(),
+                    Err(status) => break format!("the call stream broke: {}", status.message()),
+                }
+            };
+            reader_closed.store(true, Ordering::SeqCst);
+            let waiters: Vec<_> = lock(&reader_pending).drain().collect();
+            for (_, w) in waiters {
+                let _ = w.send(Err(Failure {
+                    code: Code::Died as i32,
+                    message: reason.clone(),
+                }));
+            }
+            on_lost(reason);
+        });
+        Ok(Arc::new(AgentConn {
+            name: name.to_string(),
+            client,
+            frames,
+            pending,
+            closed,
+            next_id: AtomicU64::new(1),
+            same_host,
+            wire,
+        }))
+    }
+
+    fn agent_error(&self, message: String) -> ActorError {
+        ActorError::Agent {
+            agent: self.name.clone(),
+            message,
+        }
+    }
+
+    pub(crate) async fn spawn(&self, request: SpawnRequest) -> Result<(), ActorError> {
+        let kind = request.kind.clone();
+        let actor = request.actor_id.clone();
+        self.client.clone().spawn(request).await.map_err(|s| {
+            if s.code() == tonic::Code::InvalidArgument {
+                ActorError::Start {
+                    actor,
+                    kind,
+                    message: format!("on agent `{}`: {}", self.name, s.message()),
+                }
+            } else {
+                self.agent_error(format!("spawn failed: {}", s.message()))
+            }
+        })?;
+        Ok(())
+    }
+
+    pub(crate) async fn stop(&self, actor_id: &str) {
+        let request = StopRequest {
+            actor_id: actor_id.to_string(),
+        };
+        if let Err(s) = self.client.clone().stop(request).await {
+            tracing::debug!(agent = %self.name, actor = actor_id, "stop: {}", s.message());
+        }
+    }
+
+    pub(crate) async fn shutdown(&self) -> Result<(), ActorError> {
+        self.client
+            .clone()
+            .shutdown(proto::v1::ShutdownRequest {})
+            .await
+            .map_err(|s| self.agent_error(format!("shutdown failed: {}", s.message())))?;
+        Ok(())
+    }
+
+    /// One call: the request's JSON out, the response's JSON back.
+    async fn call(&self, actor_id: &str, payload: Vec<u8>) -> Result<Bytes, Failure> {
+        let lost = |message: &str| Failure {
+            code: Code::Died as i32,
+            message: message.to_string(),
+        };
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = oneshot::channel();
+        lock(&self.pending).insert(id, tx);
+        if self.closed.load(Ordering::SeqCst) {
+            lock(&self.pending).remove(&id);
+            return Err(lost("the connection to its agent is closed"));
+        }
+        let frame = CallFrame {
+            id,
+            actor_id: actor_id.to_string(),
+            payload: payload.into(),
+        };
+        if self.frames.send(frame).await.is_err() {
+            lock(&self.pending).remove(&id);
+            return Err(lost("the connection to its agent is closed"));
+        }
+        rx.await
+            .unwrap_or_else(|_| Err(lost("the connection to its agent is closed")))
+    }
+
+    async fn push_grpc(&self, actor_id: &str, s: &WeightSnapshot) -> Result<(u32, u32), ActorError> {
+        let manifest = snapshot::manifest(s, self.wire.bucket_bytes);
+        let (tx, rx) = mpsc::channel::<SnapshotChunk>(2);
+        let header = SnapshotChunk {
+            part: Some(snapshot_chunk::Part::Header(SnapshotHeader {
+                actor_id: actor_id.to_string(),
+                manifest: Some(manifest.clone()),
+            })),
+        };
+        let producer_snapshot = s.clone();
+        // Buckets are cut on a blocking thread, two ahead of the network.
+        let producer = tokio::task::spawn_blocking(move || {
+            let mut crcs = Vec::with_capacity(manifest.bucket_sizes.len());
+            if tx.blocking_send(header).is_err() {
+                return crcs;
+            }
+            for i in 0..manifest.bucket_sizes.len() {
+                let data = snapshot::bucket(&producer_snapshot, &manifest, i);
+                let crc = proto::crc32c(&data);
+                crcs.push(crc);
+                let chunk = SnapshotChunk {
+                    part: Some(snapshot_chunk::Part::Bucket(SnapshotBucket {
+                        version: manifest.version,
+                        index: i as u32,
+                        data: data.into(),
+                        crc32c: crc,
+                    })),
+                };
+                if tx.blocking_send(chunk).is_err() {
+                    break;
+                }
+            }
+            crcs
+        });
+        let ack = self
+            .client
+            .clone()
+            .push_snapshot(ReceiverStream::new(rx))
+            .await
+            .map_err(|st| ActorError::Snapshot {
+                actor: actor_id.to_string(),
+                message: format!("agent `{}` refused it: {}", self.name, st.message()),
+            })?
+            .into_inner();
+        let crcs = producer.await.map_err(|e| ActorError::Snapshot {
+            actor: actor_id.to_string(),
+            message: format!("cutting buckets failed: {e}"),
+        })?;
+        check_version(actor_id, &ack, s.version)?;
+        Ok((snapshot::digest(&crcs), ack.digest))
+    }
+
+    async fn push_shm(&self, actor_id: &str, s: &WeightSnapshot) -> Result<(u32, u32), ActorError> {
+        let manifest = snapshot::manifest(s, self.wire.bucket_bytes);
+        let (snap, m) = (s.clone(), manifest.clone());
+        let file = tokio::task::spawn_blocking(move || snapshot::write_shm(&snap, &m))
+            .await
+            .map_err(|e| ActorError::Snapshot {
+                actor: actor_id.to_string(),
+                message: format!("writing shared memory failed: {e}"),
+            })?
+            .map_err(|e| ActorError::Snapshot {
+                actor: actor_id.to_string(),
+                message: format!("cannot write under {}: {e}", snapshot::SHM_DIR),
+            })?;
+        let request = ShmSnapshot {
+            actor_id: actor_id.to_string(),
+            manifest: Some(manifest),
+            path: file.path.to_string_lossy().into_owned(),
+            crc32c: file.crcs.clone(),
+        };
+        let ack = self
+            .client
+            .clone()
+            .push_snapshot_shm(request)
+            .await
+            .map_err(|st| ActorError::Snapshot {
+                actor: actor_id.to_string(),
+                message: format!("agent `{}` refused it: {}", self.name, st.message()),
+            })?
+            .into_inner();
+        check_version(actor_id, &ack, s.version)?;
+        Ok((snapshot::digest(&file.crcs), ack.digest))
+    }
+}
+
+fn check_version(actor_id: &str, ack: &proto::v1::SnapshotAck, sent: u64) -> Result<(), ActorError> {
+    if ack.version == sent {
+        return Ok(());
+    }
+    Err(ActorError::Snapshot {
+        actor: actor_id.to_string(),
+        message: format!("acknowledged version {} for version {sent}", ack.version),
+    })
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// An actor living in an agent, as its handle reaches it.
+#[derive(Clone)]
+pub(crate) struct RemoteActor {
+    pub conn: Arc<AgentConn>,
+    pub actor_id: String,
+}
+
+impl RemoteActor {
+    pub(crate) fn agent_name(&self) -> &str {
+        &self.conn.name
+    }
+
+    pub(crate) async fn stop(&self) {
+        self.conn.stop(&self.actor_id).await;
+    }
+
+    pub(crate) async fn call<A: Actor>(
+        &self,
+        name: &str,
+        request: &A::Request,
+    ) -> Result<A::Response, ActorError> {
+        let bad = |message: String| ActorError::BadMessage {
+            actor: name.to_string(),
+            message,
+        };
+        let payload = serde_json::to_vec(request).map_err(|e| bad(e.to_string()))?;
+        match self.conn.call(&self.actor_id, payload).await {
+            Ok(bytes) => serde_json::from_slice(&bytes)
+                .map_err(|e| bad(format!("reply does not decode: {e}"))),
+            Err(f) => Err(match f.code() {
+                Code::Failed => ActorError::Failed {
+                    actor: name.to_string(),
+                    message: f.message,
+                },
+                Code::BadMessage => bad(f.message),
+                Code::Died | Code::NotFound | Code::Unspecified => ActorError::Died {
+                    actor: name.to_string(),
+                    reason: format!("on agent `{}`: {}", self.conn.name, f.message),
+                },
+            }),
+        }
+    }
+
+    /// Pushes a snapshot (shared memory on the same host, gRPC otherwise) and checks the
+    /// receiver's digest against what was sent.
+    pub(crate) async fn load_weights(
+        &self,
+        name: &str,
+        snapshot: &WeightSnapshot,
+    ) -> Result<(), ActorError> {
+        let (sent, acked) = if self.conn.same_host {
+            self.conn.push_shm(&self.actor_id, snapshot).await?
+        } else {
+            self.conn.push_grpc(&self.actor_id, snapshot).await?
+        };
+        if sent != acked {
+            return Err(ActorError::Snapshot {
+                actor: name.to_string(),
+                message: format!(
+                    "the receiver's digest {acked:#010x} differs from the sender's {sent:#010x}"
+                ),
+            });
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,510 @@
+//! Weight snapshots on the wire: a manifest, then the tensors' bytes as one stream cut into large
+//! buckets (a tensor may span buckets), each checked by length and CRC-32C; and the same stream
+//! written once into a shared-memory file for receivers on the same host.
+//!
+//! Owns: bucketing, verification, reassembly into [`WeightSnapshot`]s. Does not own: which
+//! transport is used (the caller picks by where the receiver lives) or what the weights mean.
+
+use crate::error::ActorError;
+use learner::params::{Params, Tensor};
+use learner::snapshot::WeightSnapshot;
+use memmap2::{Mmap, MmapMut};
+use proto::v1::{Dtype, SnapshotAck, SnapshotManifest, TensorMeta};
+use rayon::prelude::*;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+#[cfg(not(target_endian = "little"))]
+compile_error!("snapshot buckets are little-endian f32: big-endian hosts are not supported");
+
+/// Default bucket size: large enough that per-message costs vanish, small enough to pipeline.
+pub const DEFAULT_BUCKET_BYTES: usize = 16 << 20;
+
+/// Where shared-memory snapshots are written.
+pub const SHM_DIR: &str = "/dev/shm";
+const SHM_PREFIX: &str = "trellis-snapshot-";
+
+/// Lays `snapshot`'s tensors out back to back and cuts the stream into buckets of `bucket_bytes`.
+pub fn manifest(snapshot: &WeightSnapshot, bucket_bytes: usize) -> SnapshotManifest {
+    let bucket_bytes = bucket_bytes.max(1) as u64;
+    let mut offset = 0u64;
+    let tensors = snapshot
+        .params
+        .tensors
+        .iter()
+        .map(|t| {
+            let nbytes = (t.data.len() * 4) as u64;
+            let meta = TensorMeta {
+                name: t.name.clone(),
+                dtype: Dtype::F32 as i32,
+                shape: t.shape.iter().map(|&d| d as u64).collect(),
+                bucket: (offset / bucket_bytes) as u32,
+                offset,
+                nbytes,
+            };
+            offset += nbytes;
+            meta
+        })
+        .collect();
+    let total = offset;
+    let bucket_sizes = (0..total.div_ceil(bucket_bytes))
+        .map(|i| bucket_bytes.min(total - i * bucket_bytes))
+        .collect();
+    SnapshotManifest {
+        version: snapshot.version,
+        tensors,
+        bucket_sizes,
+    }
+}
+
+fn f32_bytes(data: &[f32]) -> &[u8] {
+    // SAFETY: f32 has no padding and any byte pattern of it is readable as u8; the length is
+    // the same allocation's size in bytes.
+    unsafe { std::slice::from_raw_parts(data.as_ptr().cast::<u8>(), std::mem::size_of_val(data)) }
+}
+
+fn f32_bytes_mut(data: &mut [f32]) -> &mut [u8] {
+    // SAFETY: as above; every byte pattern is a valid f32, so writes through u8 are sound.
+    unsafe {
+        std::slice::from_raw_parts_mut(data.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(data))
+    }
+}
+
+/// Tensor start offsets in stream order, plus the total at the end.
+fn starts(tensors: &[TensorMeta]) -> Vec<u64> {
+    let mut v: Vec<u64> = tensors.iter().map(|t| t.offset).collect();
+    v.push(tensors.last().map_or(0, |t| t.offset + t.nbytes));
+    v
+}
+
+/// Copies stream bytes `[start, start + dst.len())` of `params` into `dst`.
+fn gather(params: &Params, starts: &[u64], start: u64, dst: &mut [u8]) {
+    let mut i = starts.partition_point(|&s| s <= start).saturating_sub(1);
+    let mut pos = 0usize;
+    while pos < dst.len() && i < params.tensors.len() {
+        let src = f32_bytes(&params.tensors[i].data);
+        let from = (start + pos as u64 - starts[i]) as usize;
+        let n = (src.len() - from).min(dst.len() - pos);
+        dst[pos..pos + n].copy_from_slice(&src[from..from + n]);
+        pos += n;
+        i += 1;
+    }
+}
+
+/// The bytes of bucket `index`.
+pub fn bucket(snapshot: &WeightSnapshot, manifest: &SnapshotManifest, index: usize) -> Vec<u8> {
+    let bucket_bytes = manifest.bucket_sizes.first().copied().unwrap_or(0);
+    let mut out = vec![0u8; manifest.bucket_sizes[index] as usize];
+    gather(
+        &snapshot.params,
+        &starts(&manifest.tensors),
+        index as u64 * bucket_bytes,
+        &mut out,
+    );
+    out
+}
+
+/// The digest a receiver acknowledges: CRC-32C over every bucket's CRC-32C, little-endian.
+pub fn digest(crcs: &[u32]) -> u32 {
+    let bytes: Vec<u8> = crcs.iter().flat_map(|c| c.to_le_bytes()).collect();
+    proto::crc32c(&bytes)
+}
+
+/// CRC-32C of every tensor's bytes in order: what an actor holding the snapshot can report so
+/// that a sender checks the weights arrived unchanged, whatever the bucketing.
+pub fn content_crc(params: &Params) -> u32 {
+    params
+        .tensors
+        .iter()
+        .fold(0, |crc, t| proto::crc32c_append(crc, f32_bytes(&t.data)))
+}
+
+/// Rebuilds a snapshot from its manifest and buckets, verifying every step.
+pub struct Assembler {
+    actor: String,
+    version: u64,
+    starts: Vec<u64>,
+    tensors: Vec<Tensor>,
+    sizes: Vec<u64>,
+    next: usize,
+    position: u64,
+    crcs: Vec<u32>,
+}
+
+impl Assembler {
+    /// Checks the manifest (f32 tensors laid back to back, sizes that add up, no bucket over
+    /// `max_bucket` bytes) and allocates the tensors.
+    pub fn new(
+        actor: &str,
+        manifest: &SnapshotManifest,
+        max_bucket: u64,
+    ) -> Result<Self, ActorError> {
+        let bad = |message: String| ActorError::Snapshot {
+            actor: actor.to_string(),
+            message,
+        };
+        if manifest.tensors.is_empty() {
+            return Err(bad("the manifest lists no tensors".into()));
+        }
+        let mut offset = 0u64;
+        let mut tensors = Vec::with_capacity(manifest.tensors.len());
+        for t in &manifest.tensors {
+            if t.dtype() != Dtype::F32 {
+                return Err(bad(format!(
+                    "tensor `{}` is {:?}; snapshots carry f32",
+                    t.name,
+                    t.dtype()
+                )));
+            }
+            let numel = t.shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
+            if numel.and_then(|n| n.checked_mul(4)) != Some(t.nbytes) {
+                return Err(bad(format!(
+                    "tensor `{}` has shape {:?} but {} bytes",
+                    t.name, t.shape, t.nbytes
+                )));
+            }
+            if t.offset != offset {
+                return Err(bad(format!(
+                    "tensor `{}` starts at byte {} but the previous one ends at {offset}",
+                    t.name, t.offset
+                )));
+            }
+            offset += t.nbytes;
+            tensors.push(Tensor {
+                name: t.name.clone(),
+                shape: t.shape.iter().map(|&d| d as usize).collect(),
+                data: vec![0.0; (t.nbytes / 4) as usize],
+            });
+        }
+        let total: u64 = manifest.bucket_sizes.iter().sum();
+        if total != offset {
+            return Err(bad(format!(
+                "buckets hold {total} bytes but the tensors need {offset}"
+            )));
+        }
+        if let Some(big) = manifest.bucket_sizes.iter().find(|&&b| b > max_bucket) {
+            return Err(bad(format!(
+                "a bucket of {big} bytes exceeds the limit of {max_bucket}"
+            )));
+        }
+        Ok(Assembler {
+            actor: actor.to_string(),
+            version: manifest.version,
+            starts: starts(&manifest.tensors),
+            tensors,
+            sizes: manifest.bucket_sizes.clone(),
+            next: 0,
+            position: 0,
+            crcs: Vec::with_capacity(manifest.bucket_sizes.len()),
+        })
+    }
+
+    fn error(&self, message: String) -> ActorError {
+        ActorError::Snapshot {
+            actor: self.actor.clone(),
+            message,
+        }
+    }
+
+    /// Takes the next bucket; refuses one out of order, of the wrong length or checksum.
+    pub fn push(&mut self, index: u32, data: &[u8], crc: u32) -> Result<(), ActorError> {
+        self.check(index, data.len() as u64)?;
+        let actual = proto::crc32c(data);
+        if actual != crc {
+            return Err(self.error(format!(
+                "bucket {index} arrived corrupted: CRC-32C {actual:#010x}, sender said {crc:#010x}"
+            )));
+        }
+        self.accept(data, crc);
+        Ok(())
+    }
+
+    fn check(&self, index: u32, len: u64) -> Result<(), ActorError> {
+        if index as usize != self.next {
+            return Err(self.error(format!(
+                "bucket {index} arrived where bucket {} was expected",
+                self.next
+            )));
+        }
+        let Some(&size) = self.sizes.get(self.next) else {
+            return Err(self.error(format!(
+                "bucket {index} is beyond the manifest's {} buckets",
+                self.sizes.len()
+            )));
+        };
+        if len != size {
+            return Err(self.error(format!(
+                "bucket {index} has {len} bytes; the manifest says {size}"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Copies a verified bucket into the tensors.
+    fn accept(&mut self, data: &[u8], crc: u32) {
+        let mut i = self
+            .starts
+            .partition_point(|&s| s <= self.position)
+            .saturating_sub(1);
+        let mut pos = 0usize;
+        while pos < data.len() && i < self.tensors.len() {
+            let dst = f32_bytes_mut(&mut self.tensors[i].data);
+            let from = (self.position + pos as u64 - self.starts[i]) as usize;
+            let n = (dst.len() - from).min(data.len() - pos);
+            dst[from..from + n].copy_from_slice(&data[pos..pos + n]);
+            pos += n;
+            i += 1;
+        }
+        self.position += data.len() as u64;
+        self.crcs.push(crc);
+        self.next += 1;
+    }
+
+    /// The snapshot and its acknowledgement, once every bucket arrived.
+    pub fn finish(self) -> Result<(WeightSnapshot, SnapshotAck), ActorError> {
+        if self.next != self.sizes.len() {
+            return Err(self.error(format!(
+                "the stream ended after {} of {} buckets",
+                self.next,
+                self.sizes.len()
+            )));
+        }
+        let ack = SnapshotAck {
+            version: self.version,
+            bytes: self.position,
+            digest: digest(&self.crcs),
+        };
+        let snapshot = WeightSnapshot {
+            version: self.version,
+            params: Arc::new(Params {
+                tensors: self.tensors,
+            }),
+        };
+        Ok((snapshot, ack))
+    }
+}
+
+/// A snapshot written into shared memory; the file is removed when this is dropped.
+pub struct ShmFile {
+    pub path: PathBuf,
+    pub crcs: Vec<u32>,
+}
+
+impl Drop for ShmFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// Writes `snapshot` into a new file under [`SHM_DIR`] (mode 0600), buckets filled and
+/// checksummed in parallel.
+pub fn write_shm(
+    snapshot: &WeightSnapshot,
+    manifest: &SnapshotManifest,
+) -> std::io::Result<ShmFile> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    let path = Path::new(SHM_DIR).join(format!(
+        "{SHM_PREFIX}{}-{}-{nanos}",
+        std::process::id(),
+        manifest.version
+    ));
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&path)?;
+    let mut shm = ShmFile {
+        path,
+        crcs: Vec::new(),
+    };
+    let total: u64 = manifest.bucket_sizes.iter().sum();
+    file.set_len(total)?;
+    // SAFETY: the file was just created by us with O_EXCL and mode 0600; nobody else maps it
+    // until we hand its path over after this function returns.
+    let mut map = unsafe { MmapMut::map_mut(&file)? };
+    let bucket_bytes = manifest.bucket_sizes.first().copied().unwrap_or(1) as usize;
+    let starts = starts(&manifest.tensors);
+    shm.crcs = map
+        .par_chunks_mut(bucket_bytes)
+        .enumerate()
+        .map(|(i, chunk)| {
+            gather(&snapshot.params, &starts, (i * bucket_bytes) as u64, chunk);
+            proto::crc32c(chunk)
+        })
+        .collect();
+    Ok(shm)
+}
+
+/// Reads a snapshot that a sender on this host wrote with [`write_shm`], verifying every bucket.
+/// Only files directly under [`SHM_DIR`] with Trellis's prefix are opened.
+pub fn read_shm(
+    actor: &str,
+    manifest: &SnapshotManifest,
+    path: &str,
+    crcs: &[u32],
+) -> Result<(WeightSnapshot, SnapshotAck), ActorError> {
+    let bad = |message: String| ActorError::Snapshot {
+        actor: actor.to_string(),
+        message,
+    };
+    let path = Path::new(path);
+    let named_ok = path.parent() == Some(Path::new(SHM_DIR))
+        && path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .is_some_and(|n| n.starts_with(SHM_PREFIX));
+    if !named_ok {
+        return Err(bad(format!(
+            "refusing to read {}: not a Trellis snapshot under {SHM_DIR}",
+            path.display()
+        )));
+    }
+    let mut assembler = Assembler::new(actor, manifest, u64::MAX)?;
+    if crcs.len() != manifest.bucket_sizes.len() {
+        return Err(bad(format!(
+            "{} checksums for {} buckets",
+            crcs.len(),
+            manifest.bucket_sizes.len()
+        )));
+    }
+    let file = std::fs::File::open(path)
+        .map_err(|e| bad(format!("cannot open {}: {e}", path.display())))?;
+    // SAFETY: the sender does not write the file after handing its path over, and removes it
+    // only after our acknowledgement.
+    let map = unsafe { Mmap::map(&file) }
+        .map_err(|e| bad(format!("cannot map {}: {e}", path.display())))?;
+    let total: u64 = manifest.bucket_sizes.iter().sum();
+    if map.len() as u64 != total {
+        return Err(bad(format!(
+            "{} holds {} bytes; the manifest says {total}",
+            path.display(),
+            map.len()
+        )));
+    }
+    let bucket_bytes = manifest.bucket_sizes.first().copied().unwrap_or(1) as usize;
+    let actual: Vec<u32> = map.par_chunks(bucket_bytes).map(proto::crc32c).collect();
+    if let Some(i) = (0..crcs.len()).find(|&i| actual[i] != crcs[i]) {
+        return Err(bad(format!(
+            "bucket {i} in {} is corrupted: CRC-32C {:#010x}, sender said {:#010x}",
+            path.display(),
+            actual[i],
+            crcs[i]
+        )));
+    }
+    for (i, chunk) in map.chunks(bucket_bytes).enumerate() {
+        assembler.check(i as u32, chunk.len() as u64)?;
+        assembler.accept(chunk, crcs[i]);
+    }
+    assembler.finish()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn snapshot() -> WeightSnapshot {
+        let tensor = |name: &str, shape: Vec<usize>, seed: f32| Tensor {
+            name: name.into(),
+            data: (0..shape.iter().product::<usize>())
+                .map(|i| seed + i as f32 * 0.5)
+                .collect(),
+            shape,
+        };
+        WeightSnapshot {
+            version: 9,
+            params: Arc::new(Params {
+                tensors: vec![
+                    tensor("a", vec![3, 5], 1.0),
+                    tensor("b", vec![7], -2.0),
+                    tensor("c", vec![2, 2, 2], 0.25),
+                ],
+            }),
+        }
+    }
+
+    fn send(s: &WeightSnapshot, bucket_bytes: usize) -> (WeightSnapshot, SnapshotAck, u32) {
+        let m = manifest(s, bucket_bytes);
+        let mut asm = Assembler::new("t", &m, 1 << 20).expect("manifest is valid");
+        let mut crcs = Vec::new();
+        for i in 0..m.bucket_sizes.len() {
+            let b = bucket(s, &m, i);
+            let crc = proto::crc32c(&b);
+            crcs.push(crc);
+            asm.push(i as u32, &b, crc).expect("bucket is accepted");
+        }
+        let (back, ack) = asm.finish().expect("complete");
+        (back, ack, digest(&crcs))
+    }
+
+    #[test]
+    fn round_trips_for_any_bucket_size_including_tensors_spanning_buckets() {
+        let s = snapshot();
+        for bucket_bytes in [1, 3, 4, 13, 60, 64, 1 << 20] {
+            let (back, ack, expect) = send(&s, bucket_bytes);
+            assert_eq!(*back.params, *s.params, "bucket_bytes = {bucket_bytes}");
+            assert_eq!(back.version, 9);
+            assert_eq!(ack.digest, expect);
+            assert_eq!(ack.bytes, (15 + 7 + 8) * 4);
+            assert_eq!(content_crc(&back.params), content_crc(&s.params));
+        }
+    }
+
+    #[test]
+    fn corrupted_reordered_short_and_missing_buckets_are_refused() {
+        let s = snapshot();
+        let m = manifest(&s, 32);
+        let b0 = bucket(&s, &m, 0);
+        let mut asm = Assembler::new("rollout-0", &m, 1 << 20).expect("valid");
+        let mut flipped = b0.clone();
+        flipped[5] ^= 1;
+        let e = asm.push(0, &flipped, proto::crc32c(&b0)).unwrap_err();
+        assert!(e.to_string().contains("bucket 0 arrived corrupted"), "{e}");
+        let e = asm.push(1, &b0, proto::crc32c(&b0)).unwrap_err();
+        assert!(e.to_string().contains("where bucket 0 was expected"), "{e}");
+        let e = asm.push(0, &b0[..10], proto::crc32c(&b0[..10])).unwrap_err();
+        assert!(e.to_string().contains("has 10 bytes; the manifest says 32"), "{e}");
+        asm.push(0, &b0, proto::crc32c(&b0)).expect("good bucket");
+        let e = asm.finish().unwrap_err();
+        assert!(e.to_string().contains("after 1 of 4 buckets"), "{e}");
+        assert!(e.to_string().contains("rollout-0"), "{e}");
+    }
+
+    #[test]
+    fn inconsistent_manifests_are_refused() {
+        let s = snapshot();
+        let mut m = manifest(&s, 32);
+        m.tensors[1].shape = vec![8];
+        let e = Assembler::new("t", &m, 1 << 20).err().expect("refused");
+        assert!(e.to_string().contains("tensor `b` has shape [8] but 28 bytes"), "{e}");
+        let mut m = manifest(&s, 32);
+        m.bucket_sizes.pop();
+        let e = Assembler::new("t", &m, 1 << 20).err().expect("refused");
+        assert!(e.to_string().contains("buckets hold"), "{e}");
+        let m = manifest(&s, 64);
+        let e = Assembler::new("t", &m, 16).err().expect("refused");
+        assert!(e.to_string().contains("exceeds the limit of 16"), "{e}");
+    }
+
+    #[test]
+    fn shared_memory_round_trip_and_corruption() {
+        let s = snapshot();
+        let m = manifest(&s, 24);
+        let shm = write_shm(&s, &m).expect("/dev/shm is writable");
+        let path = shm.path.to_string_lossy().to_string();
+        let (back, ack) = read_shm("t", &m, &path, &shm.crcs).expect("reads back");
+        assert_eq!(*back.params, *s.params);
+        assert_eq!(ack.digest, digest(&shm.crcs));
+        let mut wrong = shm.crcs.clone();
+        wrong[2] ^= 1;
+        let e = read_shm("t", &m, &path, &wrong).unwrap_err();
+        assert!(e.to_string().contains("bucket 2"), "{e}");
+        let e = read_shm("t", &m, "/etc/passwd", &shm.crcs).unwrap_err();
+        assert!(e.to_string().contains("refusing to read /etc/passwd"), "{e}");
+        drop(shm);
+        assert!(!Path::new(&path).exists(), "the file is removed on drop");
+    }
+}
