@@ -529,17 +529,31 @@ mod tests {
             on_restart: Some(hook),
             ..SpawnOptions::default()
         };
-        let ping = spawn_local::<Ping>("ping", (), options).await.expect("starts");
+        let ping = spawn_local::<Ping>("ping", (), options)
+            .await
+            .expect("starts");
         assert_eq!(ping.location(), "local");
-        let r = ping.call(PingRequest::Echo("hi".into())).await.expect("answers");
+        let r = ping
+            .call(PingRequest::Echo("hi".into()))
+            .await
+            .expect("answers");
         assert_eq!(r, PingResponse::Echo("hi".into()));
-        let e = ping.call(PingRequest::Fail("nope".into())).await.unwrap_err();
+        let e = ping
+            .call(PingRequest::Fail("nope".into()))
+            .await
+            .unwrap_err();
         assert_eq!(e.to_string(), "actor `ping` failed: nope");
 
-        let e = ping.call(PingRequest::Panic("boom".into())).await.unwrap_err();
+        let e = ping
+            .call(PingRequest::Panic("boom".into()))
+            .await
+            .unwrap_err();
         assert!(matches!(e, ActorError::Died { .. }), "{e}");
         // The next call waits for the restart, and the hook ran first.
-        let r = ping.call(PingRequest::Echo("again".into())).await.expect("restarted");
+        let r = ping
+            .call(PingRequest::Echo("again".into()))
+            .await
+            .expect("restarted");
         assert_eq!(r, PingResponse::Echo("again".into()));
         assert_eq!(hooks.load(Ordering::SeqCst), 1);
 
@@ -553,7 +567,9 @@ mod tests {
 
     #[tokio::test]
     async fn weights_pass_in_process_without_a_copy_and_stop_is_final() {
-        let ping = spawn_local::<Ping>("p", (), SpawnOptions::default()).await.expect("starts");
+        let ping = spawn_local::<Ping>("p", (), SpawnOptions::default())
+            .await
+            .expect("starts");
         let params = Arc::new(learner::Params {
             tensors: vec![learner::Tensor {
                 name: "w".into(),
@@ -561,17 +577,34 @@ mod tests {
                 data: vec![1.0, 2.0],
             }],
         });
-        let snapshot = WeightSnapshot { version: 3, params: params.clone() };
+        let snapshot = WeightSnapshot {
+            version: 3,
+            params: params.clone(),
+        };
         ping.load_weights(snapshot).await.expect("taken");
         // The actor holds the same allocation: the sender's Arc count went up, no bytes copied.
         assert_eq!(Arc::strong_count(&params), 2);
         let r = ping.call(PingRequest::Weights).await.expect("answers");
-        assert!(matches!(r, PingResponse::Weights { version: Some(3), tensors: 1, bytes: 8, .. }), "{r:?}");
+        assert!(
+            matches!(
+                r,
+                PingResponse::Weights {
+                    version: Some(3),
+                    tensors: 1,
+                    bytes: 8,
+                    ..
+                }
+            ),
+            "{r:?}"
+        );
         ping.stop();
         let e = ping.call(PingRequest::Echo("x".into())).await;
         // Stop is asynchronous: the call either raced in before it or sees the actor stopped.
         if let Err(e) = e {
-            assert!(matches!(e, ActorError::Stopped { .. } | ActorError::Died { .. }), "{e}");
+            assert!(
+                matches!(e, ActorError::Stopped { .. } | ActorError::Died { .. }),
+                "{e}"
+            );
         }
         while ping.location() != "down" {
             tokio::time::sleep(Duration::from_millis(1)).await;

@@ -14,6 +14,7 @@ use crate::registry::{Hosted, Mailbox, Registry};
 use crate::remote::{Wire, endpoint};
 use crate::snapshot::{self, Assembler};
 use proto::v1::agent_server::{Agent as AgentRpc, AgentServer};
+use proto::v1::failure::Code;
 use proto::v1::head_client::HeadClient;
 use proto::v1::{
     CallFrame, DeadActor, Failure, HeartbeatRequest, RegisterRequest, ReplyFrame, ShmSnapshot,
@@ -66,7 +67,12 @@ pub enum AgentError {
 struct Actor {
     mailbox: Arc<dyn Mailbox>,
     abort: AbortHandle,
+    /// Why it ended, once it has: a call that finds it dead reports this reason.
+    ended: Ended,
 }
+
+/// Set to the reason once an actor ended.
+type Ended = watch::Receiver<Option<String>>;
 
 struct State {
     registry: Registry,
@@ -82,17 +88,20 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 impl State {
     fn host(self: &Arc<Self>, actor_id: String, hosted: Hosted) {
+        let (ended_tx, ended) = watch::channel(None);
         lock(&self.actors).insert(
             actor_id.clone(),
             Actor {
                 mailbox: hosted.mailbox,
                 abort: hosted.abort,
+                ended,
             },
         );
         let state = Arc::downgrade(self);
         let death = hosted.death;
         tokio::spawn(async move {
             let reason = death.await.unwrap_or_else(|_| "its watcher ended".into());
+            ended_tx.send_replace(Some(reason.clone()));
             if let Some(state) = state.upgrade() {
                 tracing::info!(actor = %actor_id, %reason, "actor ended");
                 lock(&state.actors).remove(&actor_id);
@@ -102,9 +111,13 @@ impl State {
     }
 
     fn mailbox(&self, actor_id: &str) -> Result<Arc<dyn Mailbox>, Status> {
+        self.actor(actor_id).map(|(m, _)| m)
+    }
+
+    fn actor(&self, actor_id: &str) -> Result<(Arc<dyn Mailbox>, Ended), Status> {
         lock(&self.actors)
             .get(actor_id)
-            .map(|a| a.mailbox.clone())
+            .map(|a| (a.mailbox.clone(), a.ended.clone()))
             .ok_or_else(|| Status::not_found(format!("no actor `{actor_id}` on this agent")))
     }
 
@@ -128,12 +141,20 @@ impl AgentRpc for Service {
     async fn spawn(&self, request: Request<SpawnRequest>) -> Result<Response<SpawnReply>, Status> {
         let r = request.into_inner();
         if lock(&self.0.actors).contains_key(&r.actor_id) {
-            return Err(Status::already_exists(format!("actor `{}` already runs here", r.actor_id)));
+            return Err(Status::already_exists(format!(
+                "actor `{}` already runs here",
+                r.actor_id
+            )));
         }
         let hosted = self
             .0
             .registry
-            .start(&r.kind, r.actor_id.clone(), r.config, r.mailbox.max(1) as usize)
+            .start(
+                &r.kind,
+                r.actor_id.clone(),
+                r.config,
+                r.mailbox.max(1) as usize,
+            )
             .await
             .map_err(|e| Status::invalid_argument(e.to_string()))?;
         self.0.host(r.actor_id, hosted);
@@ -142,25 +163,45 @@ impl AgentRpc for Service {
 
     type CallStream = ReplyStream;
 
-    async fn call(&self, request: Request<Streaming<CallFrame>>) -> Result<Response<ReplyStream>, Status> {
+    async fn call(
+        &self,
+        request: Request<Streaming<CallFrame>>,
+    ) -> Result<Response<ReplyStream>, Status> {
         let mut frames = request.into_inner();
         let (tx, rx) = mpsc::channel::<Result<ReplyFrame, Status>>(4096);
         let state = self.0.clone();
         tokio::spawn(async move {
             while let Ok(Some(frame)) = frames.message().await {
                 let tx = tx.clone();
-                let mailbox = state.mailbox(&frame.actor_id);
+                let actor = state.actor(&frame.actor_id);
                 tokio::spawn(async move {
-                    let result = match mailbox {
-                        Ok(m) => match m.call(frame.payload).await {
+                    let result = match actor {
+                        Ok((m, mut ended)) => match m.call(frame.payload).await {
                             Ok(payload) => reply_frame::Result::Payload(payload.into()),
+                            Err((Code::Died, message)) => {
+                                // Report why it died (the panic message), which its watcher
+                                // learns a moment after the call fails.
+                                let waited = tokio::time::timeout(
+                                    Duration::from_millis(200),
+                                    ended.wait_for(|r| r.is_some()),
+                                )
+                                .await;
+                                let reason = match waited {
+                                    Ok(Ok(r)) => r.clone().unwrap_or(message),
+                                    _ => message,
+                                };
+                                reply_frame::Result::Failure(Failure {
+                                    code: Code::Died as i32,
+                                    message: reason,
+                                })
+                            }
                             Err((code, message)) => reply_frame::Result::Failure(Failure {
                                 code: code as i32,
                                 message,
                             }),
                         },
                         Err(status) => reply_frame::Result::Failure(Failure {
-                            code: proto::v1::failure::Code::NotFound as i32,
+                            code: Code::NotFound as i32,
                             message: status.message().to_string(),
                         }),
                     };
@@ -184,18 +225,25 @@ impl AgentRpc for Service {
         Ok(Response::new(StopReply {}))
     }
 
-    async fn push_snapshot(&self, request: Request<Streaming<SnapshotChunk>>) -> Result<Response<SnapshotAck>, Status> {
+    async fn push_snapshot(
+        &self,
+        request: Request<Streaming<SnapshotChunk>>,
+    ) -> Result<Response<SnapshotAck>, Status> {
         let mut chunks = request.into_inner();
         let header = match chunks.message().await? {
             Some(SnapshotChunk {
                 part: Some(snapshot_chunk::Part::Header(h)),
             }) => h,
-            _ => return Err(Status::invalid_argument("a snapshot stream must start with its header")),
+            _ => {
+                return Err(Status::invalid_argument(
+                    "a snapshot stream must start with its header",
+                ));
+            }
         };
         let manifest = header.manifest.unwrap_or_default();
         let mailbox = self.0.mailbox(&header.actor_id)?;
-        let mut assembler =
-            Assembler::new(&header.actor_id, &manifest, self.0.max_bucket).map_err(snapshot_status)?;
+        let mut assembler = Assembler::new(&header.actor_id, &manifest, self.0.max_bucket)
+            .map_err(snapshot_status)?;
         while let Some(chunk) = chunks.message().await? {
             match chunk.part {
                 Some(snapshot_chunk::Part::Bucket(b)) => {
@@ -205,25 +253,38 @@ impl AgentRpc for Service {
                             b.index, b.version, manifest.version
                         )));
                     }
-                    assembler.push(b.index, &b.data, b.crc32c).map_err(snapshot_status)?;
+                    assembler
+                        .push(b.index, &b.data, b.crc32c)
+                        .map_err(snapshot_status)?;
                 }
-                _ => return Err(Status::invalid_argument("a second header in one snapshot stream")),
+                _ => {
+                    return Err(Status::invalid_argument(
+                        "a second header in one snapshot stream",
+                    ));
+                }
             }
         }
         let (snapshot, ack) = assembler.finish().map_err(snapshot_status)?;
-        mailbox
-            .load_weights(snapshot)
-            .await
-            .map_err(|e| Status::failed_precondition(format!("actor `{}`: {e}", header.actor_id)))?;
+        mailbox.load_weights(snapshot).await.map_err(|e| {
+            Status::failed_precondition(format!("actor `{}`: {e}", header.actor_id))
+        })?;
         Ok(Response::new(ack))
     }
 
-    async fn push_snapshot_shm(&self, request: Request<ShmSnapshot>) -> Result<Response<SnapshotAck>, Status> {
+    async fn push_snapshot_shm(
+        &self,
+        request: Request<ShmSnapshot>,
+    ) -> Result<Response<SnapshotAck>, Status> {
         let r = request.into_inner();
         let mailbox = self.0.mailbox(&r.actor_id)?;
         let actor = r.actor_id.clone();
         let (snapshot, ack) = tokio::task::spawn_blocking(move || {
-            snapshot::read_shm(&r.actor_id, &r.manifest.unwrap_or_default(), &r.path, &r.crc32c)
+            snapshot::read_shm(
+                &r.actor_id,
+                &r.manifest.unwrap_or_default(),
+                &r.path,
+                &r.crc32c,
+            )
         })
         .await
         .map_err(|e| Status::internal(e.to_string()))?
@@ -235,7 +296,10 @@ impl AgentRpc for Service {
         Ok(Response::new(ack))
     }
 
-    async fn shutdown(&self, _: Request<ShutdownRequest>) -> Result<Response<ShutdownReply>, Status> {
+    async fn shutdown(
+        &self,
+        _: Request<ShutdownRequest>,
+    ) -> Result<Response<ShutdownReply>, Status> {
         tracing::info!("the head asked this agent to shut down");
         self.0.stop.send_replace(true);
         Ok(Response::new(ShutdownReply {}))
@@ -243,7 +307,10 @@ impl AgentRpc for Service {
 }
 
 /// Runs an agent until `shutdown` resolves, the head asks it to stop, or the head refuses it.
-pub async fn run(options: AgentOptions, shutdown: impl std::future::Future<Output = ()> + Send) -> Result<(), AgentError> {
+pub async fn run(
+    options: AgentOptions,
+    shutdown: impl std::future::Future<Output = ()> + Send,
+) -> Result<(), AgentError> {
     let listener = tokio::net::TcpListener::bind(options.listen)
         .await
         .map_err(|source| AgentError::Bind {
@@ -305,7 +372,11 @@ pub async fn run(options: AgentOptions, shutdown: impl std::future::Future<Outpu
 
 /// Registers, heartbeats, and registers again when the head forgets this agent; returns only
 /// when the head refuses it.
-async fn membership(options: &AgentOptions, advertise: &str, state: &Arc<State>) -> Result<(), AgentError> {
+async fn membership(
+    options: &AgentOptions,
+    advertise: &str,
+    state: &Arc<State>,
+) -> Result<(), AgentError> {
     let endpoint = endpoint(&options.head).map_err(AgentError::Config)?;
     let channel = endpoint.connect_lazy();
     let mut head = HeadClient::with_interceptor(channel, options.token.bearer());
@@ -329,10 +400,13 @@ async fn membership(options: &AgentOptions, advertise: &str, state: &Arc<State>)
         let reply = loop {
             match head.register(register.clone()).await {
                 Ok(r) => break r.into_inner(),
-                Err(s) if matches!(
-                    s.code(),
-                    tonic::Code::Unauthenticated | tonic::Code::FailedPrecondition | tonic::Code::InvalidArgument
-                ) =>
+                Err(s)
+                    if matches!(
+                        s.code(),
+                        tonic::Code::Unauthenticated
+                            | tonic::Code::FailedPrecondition
+                            | tonic::Code::InvalidArgument
+                    ) =>
                 {
                     return Err(AgentError::Refused {
                         head: options.head.clone(),
@@ -358,7 +432,9 @@ async fn membership(options: &AgentOptions, advertise: &str, state: &Arc<State>)
             match head.heartbeat(beat).await {
                 Ok(r) if r.get_ref().known => {}
                 Ok(_) => {
-                    tracing::warn!("the head no longer knows this agent; stopping its actors and registering again");
+                    tracing::warn!(
+                        "the head no longer knows this agent; stopping its actors and registering again"
+                    );
                     state.stop_all();
                     lock(&state.died).clear();
                     break;

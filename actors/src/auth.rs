@@ -21,7 +21,9 @@ pub enum TokenError {
         path: String,
         source: std::io::Error,
     },
-    #[error("the cluster token{origin} must be 16 to 512 printable ASCII characters without spaces")]
+    #[error(
+        "the cluster token{origin} must be 16 to 512 printable ASCII characters without spaces"
+    )]
     Malformed { origin: String },
 }
 
@@ -178,7 +180,10 @@ mod tests {
         let path = dir.join("token");
         std::fs::write(&path, "short\n").expect("write");
         let e = Token::read(&path).unwrap_err().to_string();
-        assert!(e.contains(&path.display().to_string()) && e.contains("16 to 512"), "{e}");
+        assert!(
+            e.contains(&path.display().to_string()) && e.contains("16 to 512"),
+            "{e}"
+        );
         let t = Token::generate().expect("urandom");
         t.write(&path).expect("write");
         let mode = std::fs::metadata(&path).map(|m| {

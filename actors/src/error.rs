@@ -12,7 +12,9 @@ pub enum ActorError {
     #[error("actor `{actor}` died: {reason}")]
     Died { actor: String, reason: String },
     /// Restarts ran out: the actor stays down and every later call fails with this.
-    #[error("actor `{actor}` died {deaths} times and its restart policy allows {max_restarts} restarts; last failure: {reason}")]
+    #[error(
+        "actor `{actor}` died {deaths} times and its restart policy allows {max_restarts} restarts; last failure: {reason}"
+    )]
     Exhausted {
         actor: String,
         deaths: u32,

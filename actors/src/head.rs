@@ -109,7 +109,11 @@ pub fn host_id() -> String {
 
 impl Head {
     /// Binds `listen` (port 0 picks one) and serves agents until [`Head::shutdown`].
-    pub async fn serve(listen: SocketAddr, token: Token, config: HeadConfig) -> std::io::Result<Head> {
+    pub async fn serve(
+        listen: SocketAddr,
+        token: Token,
+        config: HeadConfig,
+    ) -> std::io::Result<Head> {
         let listener = tokio::net::TcpListener::bind(listen).await?;
         let address = listener.local_addr()?;
         let (stop, mut stopped) = watch::channel(false);
@@ -127,7 +131,8 @@ impl Head {
             HeadServer::new(Service(Arc::downgrade(&inner))),
             inner.token.guard(),
         );
-        let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+        let incoming =
+            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
         let mut signal = stopped.clone();
         tokio::spawn(async move {
             let shutdown = async move {
@@ -165,13 +170,20 @@ impl Head {
 
     /// The live agents, by name.
     pub fn agents(&self) -> Vec<AgentInfo> {
-        let mut v: Vec<AgentInfo> = lock(&self.inner.agents).values().map(|e| e.info.clone()).collect();
+        let mut v: Vec<AgentInfo> = lock(&self.inner.agents)
+            .values()
+            .map(|e| e.info.clone())
+            .collect();
         v.sort_by(|a, b| a.name.cmp(&b.name));
         v
     }
 
     /// Waits until at least `n` agents are live.
-    pub async fn wait_for_agents(&self, n: usize, timeout: Duration) -> Result<Vec<AgentInfo>, ActorError> {
+    pub async fn wait_for_agents(
+        &self,
+        n: usize,
+        timeout: Duration,
+    ) -> Result<Vec<AgentInfo>, ActorError> {
         let mut changes = self.inner.membership.subscribe();
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
@@ -179,14 +191,21 @@ impl Head {
             if agents.len() >= n {
                 return Ok(agents);
             }
-            if tokio::time::timeout_at(deadline, changes.changed()).await.is_err() {
+            if tokio::time::timeout_at(deadline, changes.changed())
+                .await
+                .is_err()
+            {
                 return Err(ActorError::Agent {
                     agent: "*".into(),
                     message: format!(
                         "{} of {n} agents registered within {:.0?}: {}",
                         agents.len(),
                         timeout,
-                        agents.iter().map(|a| a.name.as_str()).collect::<Vec<_>>().join(", ")
+                        agents
+                            .iter()
+                            .map(|a| a.name.as_str())
+                            .collect::<Vec<_>>()
+                            .join(", ")
                     ),
                 });
             }
@@ -245,8 +264,14 @@ impl Head {
             };
             let name = format!("{}-{}", pool.name, a.index);
             refs.push(
-                self.spawn_at(&name, config(a.index), demand, Some(a.agent), options.clone())
-                    .await?,
+                self.spawn_at(
+                    &name,
+                    config(a.index),
+                    demand,
+                    Some(a.agent),
+                    options.clone(),
+                )
+                .await?,
             );
         }
         Ok(refs)
@@ -274,7 +299,12 @@ impl Head {
         let actor_name = name.to_string();
         let mailbox = options.mailbox as u32;
         let starter: Starter<A> = Arc::new(move |n| {
-            let (head, demand, config, name) = (head.clone(), demand.clone(), config.clone(), actor_name.clone());
+            let (head, demand, config, name) = (
+                head.clone(),
+                demand.clone(),
+                config.clone(),
+                actor_name.clone(),
+            );
             let first = if n == 0 { agent.clone() } else { None };
             Box::pin(async move {
                 let agent = match first {
@@ -337,8 +367,10 @@ impl Head {
     /// Stops serving; with `agents`, also tells every agent to stop its actors and exit.
     pub async fn shutdown(&self, agents: bool) {
         if agents {
-            let conns: Vec<Arc<AgentConn>> =
-                lock(&self.inner.agents).values().map(|e| e.conn.clone()).collect();
+            let conns: Vec<Arc<AgentConn>> = lock(&self.inner.agents)
+                .values()
+                .map(|e| e.conn.clone())
+                .collect();
             for c in conns {
                 if let Err(e) = c.shutdown().await {
                     tracing::warn!("{e}");
@@ -372,7 +404,10 @@ impl Inner {
         };
         tracing::warn!(agent = %entry.info.name, reason, "agent lost");
         for actor in entry.actors.keys() {
-            self.notify_death(actor, format!("its agent `{}` was lost: {reason}", entry.info.name));
+            self.notify_death(
+                actor,
+                format!("its agent `{}` was lost: {reason}", entry.info.name),
+            );
         }
         self.membership.send_modify(|n| *n += 1);
     }
@@ -385,7 +420,10 @@ impl Inner {
             .map(|e| (e.info.id.clone(), e.last_seen.elapsed()))
             .collect();
         for (id, silent) in late {
-            self.declare_lost(&id, &format!("no heartbeat for {:.1} s", silent.as_secs_f64()));
+            self.declare_lost(
+                &id,
+                &format!("no heartbeat for {:.1} s", silent.as_secs_f64()),
+            );
         }
     }
 }
@@ -394,13 +432,18 @@ struct Service(Weak<Inner>);
 
 impl Service {
     fn inner(&self) -> Result<Arc<Inner>, Status> {
-        self.0.upgrade().ok_or_else(|| Status::unavailable("the head is shutting down"))
+        self.0
+            .upgrade()
+            .ok_or_else(|| Status::unavailable("the head is shutting down"))
     }
 }
 
 #[tonic::async_trait]
 impl HeadRpc for Service {
-    async fn register(&self, request: Request<RegisterRequest>) -> Result<Response<RegisterReply>, Status> {
+    async fn register(
+        &self,
+        request: Request<RegisterRequest>,
+    ) -> Result<Response<RegisterReply>, Status> {
         let inner = self.inner()?;
         let r = request.into_inner();
         if r.protocol_version != PROTOCOL_VERSION {
@@ -410,20 +453,42 @@ impl HeadRpc for Service {
             )));
         }
         if r.name.is_empty() || r.address.is_empty() {
-            return Err(Status::invalid_argument("an agent must give its name and address"));
+            return Err(Status::invalid_argument(
+                "an agent must give its name and address",
+            ));
         }
         let n = inner.next_agent.fetch_add(1, Ordering::Relaxed);
         let id = format!("{}#{n}", r.name);
         let same_host = r.host_id == inner.host_id;
-        let weak = Arc::downgrade(&inner);
-        let lost_id = id.clone();
-        let conn = AgentConn::connect(&r.name, &r.address, &inner.token, same_host, inner.config.wire.clone(), move |reason| {
+        let (weak, weak_too) = (Arc::downgrade(&inner), Arc::downgrade(&inner));
+        let (lost_id, agent_id) = (id.clone(), id.clone());
+        let lost = move |reason: String| {
             if let Some(inner) = weak.upgrade() {
                 inner.declare_lost(&lost_id, &reason);
             }
-        })
+        };
+        let actor_died = move |actor: &str, reason: String| {
+            if let Some(inner) = weak_too.upgrade() {
+                inner.release(&agent_id, actor);
+                inner.notify_death(actor, reason);
+            }
+        };
+        let conn = AgentConn::connect(
+            &r.name,
+            &r.address,
+            &inner.token,
+            same_host,
+            inner.config.wire.clone(),
+            lost,
+            actor_died,
+        )
         .await
-        .map_err(|e| Status::unavailable(format!("the head cannot reach agent `{}` back: {e}", r.name)))?;
+        .map_err(|e| {
+            Status::unavailable(format!(
+                "the head cannot reach agent `{}` back: {e}",
+                r.name
+            ))
+        })?;
         let previous: Vec<String> = lock(&inner.agents)
             .values()
             .filter(|e| e.info.name == r.name)
@@ -466,7 +531,10 @@ impl HeadRpc for Service {
         }))
     }
 
-    async fn heartbeat(&self, request: Request<HeartbeatRequest>) -> Result<Response<HeartbeatReply>, Status> {
+    async fn heartbeat(
+        &self,
+        request: Request<HeartbeatRequest>,
+    ) -> Result<Response<HeartbeatReply>, Status> {
         let inner = self.inner()?;
         let r = request.into_inner();
         let known = match lock(&inner.agents).get_mut(&r.agent_id) {
@@ -483,5 +551,255 @@ impl HeadRpc for Service {
             }
         }
         Ok(Response::new(HeartbeatReply { known }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::actor::RestartPolicy;
+    use crate::agent::{self, AgentOptions};
+    use crate::builtin::{self, Ping, PingRequest, PingResponse};
+    use crate::placement::{Device, Strategy};
+    use learner::snapshot::WeightSnapshot;
+
+    fn config() -> HeadConfig {
+        HeadConfig {
+            heartbeat_interval: Duration::from_millis(50),
+            heartbeat_timeout: Duration::from_millis(500),
+            wire: Wire {
+                bucket_bytes: 1000,
+                max_message_bytes: 1 << 20,
+                shared_memory: true,
+            },
+        }
+    }
+
+    /// Starts an in-process agent; dropping the sender stops it.
+    fn agent(
+        head: &Head,
+        name: &str,
+        token: &Token,
+    ) -> (
+        oneshot::Sender<()>,
+        tokio::task::JoinHandle<Result<(), agent::AgentError>>,
+    ) {
+        let options = AgentOptions {
+            head: format!("http://{}", head.address()),
+            listen: "127.0.0.1:0".parse().expect("addr"),
+            advertise: None,
+            name: name.into(),
+            resources: Resources::parse("cpu=2").expect("valid"),
+            labels: BTreeMap::new(),
+            token: token.clone(),
+            registry: builtin::registry(),
+            wire: config().wire,
+        };
+        let (tx, rx) = oneshot::channel::<()>();
+        let task = tokio::spawn(agent::run(options, async move {
+            let _ = rx.await;
+        }));
+        (tx, task)
+    }
+
+    /// Calls until the answer is not `Died` (a death that the supervisor has not seen yet).
+    async fn until_up(
+        actor: &crate::ActorRef<Ping>,
+        request: PingRequest,
+    ) -> Result<PingResponse, ActorError> {
+        loop {
+            match actor.call(request.clone()).await {
+                Err(ActorError::Died { .. }) => tokio::time::sleep(Duration::from_millis(5)).await,
+                other => return other,
+            }
+        }
+    }
+
+    fn snapshot(version: u64, n: usize) -> WeightSnapshot {
+        WeightSnapshot {
+            version,
+            params: Arc::new(learner::Params {
+                tensors: vec![
+                    learner::Tensor {
+                        name: "a".into(),
+                        shape: vec![n],
+                        data: (0..n).map(|i| i as f32).collect(),
+                    },
+                    learner::Tensor {
+                        name: "b".into(),
+                        shape: vec![3],
+                        data: vec![-1.0, 0.5, 2.0],
+                    },
+                ],
+            }),
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn agents_host_actors_that_restart_elsewhere_when_their_agent_goes() {
+        let token = Token::generate().expect("urandom");
+        let head = Head::serve(
+            "127.0.0.1:0".parse().expect("addr"),
+            token.clone(),
+            config(),
+        )
+        .await
+        .expect("binds");
+        let (stop_a, task_a) = agent(&head, "a", &token);
+        let (_stop_b, _task_b) = agent(&head, "b", &token);
+        let agents = head
+            .wait_for_agents(2, Duration::from_secs(10))
+            .await
+            .expect("both register");
+        assert_eq!(
+            agents.iter().map(|a| a.name.as_str()).collect::<Vec<_>>(),
+            ["a", "b"]
+        );
+        assert_eq!(agents[0].kinds, ["ping"]);
+
+        let pool = PoolSpec {
+            name: "ping".into(),
+            kind: "ping".into(),
+            actors: 2,
+            device: Device::Cpu,
+            per_actor: 1,
+            strategy: Strategy::Spread,
+            labels: BTreeMap::new(),
+            colocate: None,
+        };
+        let restart = RestartPolicy {
+            max_restarts: 2,
+            backoff: Duration::from_millis(10),
+            max_backoff: Duration::from_millis(50),
+        };
+        let weights = snapshot(7, 2500);
+        let pushed = weights.clone();
+        let hook: crate::RestartHook<Ping> = Arc::new(move |actor| {
+            let w = pushed.clone();
+            Box::pin(async move { actor.load_weights(w).await })
+        });
+        let options = SpawnOptions {
+            restart,
+            on_restart: Some(hook),
+            ..SpawnOptions::default()
+        };
+        let refs = head
+            .spawn_pool::<Ping>(&pool, |_| (), options)
+            .await
+            .expect("placed");
+        let mut places: Vec<String> = refs.iter().map(|r| r.location()).collect();
+        places.sort();
+        assert_eq!(places, ["a", "b"], "spread puts one on each agent");
+        for r in &refs {
+            let answer = r
+                .call(PingRequest::Echo(r.name().into()))
+                .await
+                .expect("answers");
+            assert_eq!(answer, PingResponse::Echo(r.name().into()));
+            r.load_weights(weights.clone())
+                .await
+                .expect("shared memory push");
+        }
+        let e = refs[0]
+            .call(PingRequest::Fail("no".into()))
+            .await
+            .unwrap_err();
+        assert_eq!(e.to_string(), "actor `ping-0` failed: no");
+        // Both cpus of each agent: one taken by a ping actor.
+        let e = head
+            .place(&[PoolSpec {
+                actors: 3,
+                ..pool.clone()
+            }])
+            .unwrap_err();
+        assert!(e.to_string().contains("2 of 3 placed"), "{e}");
+
+        // Lose agent `a`: its actor comes back on `b` with the weights re-pushed by the hook.
+        let on_a = refs
+            .iter()
+            .find(|r| r.location() == "a")
+            .expect("one on a")
+            .clone();
+        drop(stop_a);
+        task_a.await.expect("joins").expect("agent a stops cleanly");
+        let t0 = Instant::now();
+        let answer = until_up(&on_a, PingRequest::Weights)
+            .await
+            .expect("restarted on b");
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "restart took {:?}",
+            t0.elapsed()
+        );
+        assert_eq!(on_a.location(), "b");
+        let expect = crate::snapshot::content_crc(&weights.params);
+        assert!(
+            matches!(answer, PingResponse::Weights { version: Some(7), crc32c, .. } if crc32c == expect),
+            "{answer:?}"
+        );
+        assert_eq!(head.agents().len(), 1);
+
+        // A panic is noticed and restarted in place; then the restarts run out.
+        let _ = on_a.call(PingRequest::Panic("drill".into())).await;
+        let back = until_up(&on_a, PingRequest::Echo("back".into())).await;
+        assert_eq!(
+            back.expect("restarted after a panic"),
+            PingResponse::Echo("back".into())
+        );
+        let _ = on_a.call(PingRequest::Panic("drill".into())).await;
+        let e = until_up(&on_a, PingRequest::Echo("x".into()))
+            .await
+            .unwrap_err();
+        assert!(
+            e.to_string().contains("died 3 times") && e.to_string().contains("panicked: drill"),
+            "{e}"
+        );
+        head.shutdown(true).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn snapshots_cross_by_grpc_with_a_matching_digest() {
+        let token = Token::generate().expect("urandom");
+        let mut cfg = config();
+        cfg.wire.shared_memory = false;
+        let head = Head::serve("127.0.0.1:0".parse().expect("addr"), token.clone(), cfg)
+            .await
+            .expect("binds");
+        let (_stop, _task) = agent(&head, "a", &token);
+        head.wait_for_agents(1, Duration::from_secs(10))
+            .await
+            .expect("registers");
+        let ping = head
+            .spawn::<Ping>(
+                "p",
+                (),
+                Demand::new("ping", Device::Cpu, 1),
+                SpawnOptions::default(),
+            )
+            .await
+            .expect("spawns");
+        let weights = snapshot(3, 10_000);
+        ping.load_weights(weights.clone()).await.expect("gRPC push");
+        let r = ping.call(PingRequest::Weights).await.expect("answers");
+        let expect = crate::snapshot::content_crc(&weights.params);
+        assert!(
+            matches!(r, PingResponse::Weights { version: Some(3), tensors: 2, crc32c, .. } if crc32c == expect),
+            "{r:?}"
+        );
+        head.shutdown(true).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_agent_with_the_wrong_token_is_refused() {
+        let token = Token::generate().expect("urandom");
+        let head = Head::serve("127.0.0.1:0".parse().expect("addr"), token, config())
+            .await
+            .expect("binds");
+        let wrong = Token::generate().expect("urandom");
+        let (_stop, task) = agent(&head, "intruder", &wrong);
+        let e = task.await.expect("joins").unwrap_err().to_string();
+        assert!(e.contains("refused this agent: wrong cluster token"), "{e}");
+        assert!(head.agents().is_empty());
+        head.shutdown(false).await;
     }
 }

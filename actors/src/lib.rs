@@ -22,7 +22,9 @@ mod registry;
 mod remote;
 pub mod snapshot;
 
-pub use actor::{Actor, ActorRef, BoxFuture, RestartHook, RestartPolicy, SpawnOptions, spawn_local};
+pub use actor::{
+    Actor, ActorRef, BoxFuture, RestartHook, RestartPolicy, SpawnOptions, spawn_local,
+};
 pub use agent::{AgentError, AgentOptions};
 pub use auth::{Token, TokenError};
 pub use error::ActorError;

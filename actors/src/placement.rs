@@ -98,7 +98,10 @@ impl Resources {
 }
 
 fn parse_bytes(text: &str) -> Result<u64, String> {
-    let (digits, unit) = text.split_at(text.find(|c: char| !c.is_ascii_digit()).unwrap_or(text.len()));
+    let (digits, unit) = text.split_at(
+        text.find(|c: char| !c.is_ascii_digit())
+            .unwrap_or(text.len()),
+    );
     let n: u64 = digits
         .parse()
         .map_err(|_| format!("memory={text}: not a size such as 64G"))?;
@@ -108,7 +111,11 @@ fn parse_bytes(text: &str) -> Result<u64, String> {
         "M" => 20,
         "G" => 30,
         "T" => 40,
-        _ => return Err(format!("memory={text}: unknown unit `{unit}` (use K, M, G or T)")),
+        _ => {
+            return Err(format!(
+                "memory={text}: unknown unit `{unit}` (use K, M, G or T)"
+            ));
+        }
     };
     n.checked_mul(1 << shift)
         .ok_or_else(|| format!("memory={text}: too large"))
@@ -166,10 +173,18 @@ impl Demand {
 
 impl fmt::Display for Demand {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let devices: Vec<String> = self.devices.iter().map(|(d, n)| format!("{d}={n}")).collect();
+        let devices: Vec<String> = self
+            .devices
+            .iter()
+            .map(|(d, n)| format!("{d}={n}"))
+            .collect();
         write!(f, "kind `{}` on {}", self.kind, devices.join(","))?;
         if !self.labels.is_empty() {
-            let labels: Vec<String> = self.labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
+            let labels: Vec<String> = self
+                .labels
+                .iter()
+                .map(|(k, v)| format!("{k}={v}"))
+                .collect();
             write!(f, " with labels {}", labels.join(","))?;
         }
         Ok(())
@@ -190,18 +205,28 @@ pub struct Offer {
 impl Offer {
     /// Why this agent cannot take `demand`, or `None` if it can.
     fn lacks(&self, demand: &Demand) -> Option<String> {
-        if !self.kinds.iter().any(|k| *k == demand.kind) {
-            return Some(format!("{}: does not run kind `{}`", self.name, demand.kind));
+        if !self.kinds.contains(&demand.kind) {
+            return Some(format!(
+                "{}: does not run kind `{}`",
+                self.name, demand.kind
+            ));
         }
         for (k, v) in &demand.labels {
             if self.labels.get(k) != Some(v) {
-                let has = self.labels.get(k).map_or("no such label".to_string(), |h| format!("{k}={h}"));
+                let has = self
+                    .labels
+                    .get(k)
+                    .map_or("no such label".to_string(), |h| format!("{k}={h}"));
                 return Some(format!("{}: label {k}={v} wanted, has {has}", self.name));
             }
         }
         for (&d, &n) in &demand.devices {
             if self.free.get(d) < n {
-                return Some(format!("{}: {d} {} free, {n} wanted", self.name, self.free.get(d)));
+                return Some(format!(
+                    "{}: {d} {} free, {n} wanted",
+                    self.name,
+                    self.free.get(d)
+                ));
             }
         }
         None
@@ -222,7 +247,9 @@ pub struct Assignment {
 pub enum PlacementError {
     #[error("no agents are registered to place {what} on")]
     NoAgents { what: String },
-    #[error("cannot place {what}: each actor needs {demand}; {placed} of {wanted} placed. Agents: {reasons}")]
+    #[error(
+        "cannot place {what}: each actor needs {demand}; {placed} of {wanted} placed. Agents: {reasons}"
+    )]
     Unsatisfiable {
         what: String,
         demand: String,
@@ -234,11 +261,22 @@ pub enum PlacementError {
     Invalid(String),
 }
 
-fn best(demand: &Demand, offers: &[Offer], strategy: Strategy, used: &BTreeMap<String, u32>) -> Option<usize> {
-    let device_free = |o: &Offer| -> u64 { demand.devices.keys().map(|&d| o.free.get(d) as u64).sum() };
-    let fits = offers.iter().enumerate().filter(|(_, o)| o.lacks(demand).is_none());
+fn best(
+    demand: &Demand,
+    offers: &[Offer],
+    strategy: Strategy,
+    used: &BTreeMap<String, u32>,
+) -> Option<usize> {
+    let device_free =
+        |o: &Offer| -> u64 { demand.devices.keys().map(|&d| o.free.get(d) as u64).sum() };
+    let fits = offers
+        .iter()
+        .enumerate()
+        .filter(|(_, o)| o.lacks(demand).is_none());
     match strategy {
-        Strategy::Pack => fits.min_by_key(|(_, o)| (device_free(o), o.name.clone())).map(|(i, _)| i),
+        Strategy::Pack => fits
+            .min_by_key(|(_, o)| (device_free(o), o.name.clone()))
+            .map(|(i, _)| i),
         Strategy::Spread => fits
             .min_by_key(|(_, o)| {
                 let n = used.get(&o.id).copied().unwrap_or(0);
@@ -248,13 +286,22 @@ fn best(demand: &Demand, offers: &[Offer], strategy: Strategy, used: &BTreeMap<S
     }
 }
 
-fn unsatisfiable(what: String, demand: &Demand, placed: u32, wanted: u32, offers: &[Offer]) -> PlacementError {
+fn unsatisfiable(
+    what: String,
+    demand: &Demand,
+    placed: u32,
+    wanted: u32,
+    offers: &[Offer],
+) -> PlacementError {
     if offers.is_empty() {
         return PlacementError::NoAgents { what };
     }
     let reasons: Vec<String> = offers
         .iter()
-        .map(|o| o.lacks(demand).unwrap_or_else(|| format!("{}: fits", o.name)))
+        .map(|o| {
+            o.lacks(demand)
+                .unwrap_or_else(|| format!("{}: fits", o.name))
+        })
         .collect();
     PlacementError::Unsatisfiable {
         what,
@@ -278,12 +325,16 @@ pub fn place(pools: &[PoolSpec], offers: &[Offer]) -> Result<Vec<Assignment>, Pl
     let mut groups: Vec<Vec<&PoolSpec>> = Vec::new();
     for pool in pools {
         if pool.actors == 0 {
-            return Err(PlacementError::Invalid(format!("pool `{}` asks for 0 actors", pool.name)));
+            return Err(PlacementError::Invalid(format!(
+                "pool `{}` asks for 0 actors",
+                pool.name
+            )));
         }
-        let slot = pool
-            .colocate
-            .as_ref()
-            .and_then(|g| groups.iter().position(|members| members[0].colocate.as_ref() == Some(g)));
+        let slot = pool.colocate.as_ref().and_then(|g| {
+            groups
+                .iter()
+                .position(|members| members[0].colocate.as_ref() == Some(g))
+        });
         match slot {
             Some(i) => groups[i].push(pool),
             None => groups.push(vec![pool]),
@@ -334,7 +385,8 @@ pub fn place(pools: &[PoolSpec], offers: &[Offer]) -> Result<Vec<Assignment>, Pl
             let Some(i) = best(&demands[0], &offers, first.strategy, &used)
                 .filter(|&i| demands.iter().all(|d| offers[i].lacks(d).is_none()))
                 .or_else(|| {
-                    (0..offers.len()).find(|&i| demands.iter().all(|d| offers[i].lacks(d).is_none()))
+                    (0..offers.len())
+                        .find(|&i| demands.iter().all(|d| offers[i].lacks(d).is_none()))
                 })
             else {
                 let failing = demands
@@ -368,7 +420,10 @@ mod tests {
             id: format!("id-{name}"),
             name: name.into(),
             free: Resources::parse(res).expect("valid"),
-            labels: labels.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+            labels: labels
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
             kinds: kinds.iter().map(|k| k.to_string()).collect(),
         }
     }
@@ -387,7 +442,9 @@ mod tests {
     }
 
     fn agents_of(a: &[Assignment]) -> Vec<&str> {
-        a.iter().map(|x| x.agent.trim_start_matches("id-")).collect()
+        a.iter()
+            .map(|x| x.agent.trim_start_matches("id-"))
+            .collect()
     }
 
     #[test]
@@ -398,7 +455,8 @@ mod tests {
         ];
         let packed = place(&[pool("r", 3, Device::Gpu, 1, Strategy::Pack)], &offers).expect("fits");
         assert_eq!(agents_of(&packed), ["b", "b", "a"]);
-        let spread = place(&[pool("r", 3, Device::Gpu, 1, Strategy::Spread)], &offers).expect("fits");
+        let spread =
+            place(&[pool("r", 3, Device::Gpu, 1, Strategy::Spread)], &offers).expect("fits");
         assert_eq!(agents_of(&spread), ["a", "b", "a"]);
     }
 
@@ -414,13 +472,20 @@ mod tests {
         r.colocate = Some("host".into());
         l.colocate = Some("host".into());
         let a = place(&[r.clone(), l.clone()], &offers).expect("fits");
-        let by = |pool: &str, i: u32| a.iter().find(|x| x.pool == pool && x.index == i).map(|x| x.agent.clone());
+        let by = |pool: &str, i: u32| {
+            a.iter()
+                .find(|x| x.pool == pool && x.index == i)
+                .map(|x| x.agent.clone())
+        };
         assert_eq!(by("rollout", 0), by("learner", 0));
         assert_eq!(by("rollout", 1), by("learner", 1));
         assert_ne!(by("rollout", 0), by("rollout", 1));
         l.per_actor = 3;
         let e = place(&[r, l], &offers).unwrap_err().to_string();
-        assert!(e.contains("colocated pools `rollout`, `learner`") && e.contains("tpu=5"), "{e}");
+        assert!(
+            e.contains("colocated pools `rollout`, `learner`") && e.contains("tpu=5"),
+            "{e}"
+        );
     }
 
     #[test]
@@ -431,23 +496,43 @@ mod tests {
             offer("a3", "gpu=8", &["learner"], &[]),
         ];
         let mut p = pool("rollout", 4, Device::Gpu, 1, Strategy::Pack);
-        let e = place(std::slice::from_ref(&p), &offers).unwrap_err().to_string();
-        assert!(e.contains("pool `rollout`") && e.contains("2 of 4 placed"), "{e}");
+        let e = place(std::slice::from_ref(&p), &offers)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("pool `rollout`") && e.contains("2 of 4 placed"),
+            "{e}"
+        );
         assert!(e.contains("a1: gpu 0 free, 1 wanted"), "{e}");
         assert!(e.contains("a3: does not run kind `rollout`"), "{e}");
         p.labels.insert("zone".into(), "a".into());
         let e = place(&[p], &offers).unwrap_err().to_string();
         assert!(e.contains("a2: label zone=a wanted, has zone=b"), "{e}");
         let e = pick("actor `x`", &Demand::new("rollout", Device::Tpu, 1), &[]).unwrap_err();
-        assert_eq!(e.to_string(), "no agents are registered to place actor `x` on");
+        assert_eq!(
+            e.to_string(),
+            "no agents are registered to place actor `x` on"
+        );
     }
 
     #[test]
     fn resources_parse_with_clear_errors() {
         let r = Resources::parse("cpu=2,gpu=0,tpu=4,memory=64G").expect("valid");
         assert_eq!((r.cpu, r.gpu, r.tpu, r.memory_bytes), (2, 0, 4, 64 << 30));
-        assert!(Resources::parse("cpu=two").unwrap_err().contains("cpu=two: not a count"));
-        assert!(Resources::parse("fpga=1").unwrap_err().contains("unknown resource `fpga`"));
-        assert!(Resources::parse("cpu").unwrap_err().contains("not key=value"));
+        assert!(
+            Resources::parse("cpu=two")
+                .unwrap_err()
+                .contains("cpu=two: not a count")
+        );
+        assert!(
+            Resources::parse("fpga=1")
+                .unwrap_err()
+                .contains("unknown resource `fpga`")
+        );
+        assert!(
+            Resources::parse("cpu")
+                .unwrap_err()
+                .contains("not key=value")
+        );
     }
 }

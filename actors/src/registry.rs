@@ -35,7 +35,12 @@ impl<A: Actor> Mailbox for Typed<A> {
                     format!("not a `{}` request: {e}", A::KIND),
                 )
             })?;
-            let died = || (Code::Died, "it stopped while the call was queued or running".to_string());
+            let died = || {
+                (
+                    Code::Died,
+                    "it stopped while the call was queued or running".to_string(),
+                )
+            };
             let (reply, answer) = oneshot::channel();
             tx.send(Envelope::Call(request, reply))
                 .await
@@ -70,8 +75,9 @@ pub(crate) struct Hosted {
     pub death: oneshot::Receiver<String>,
 }
 
-type Factory =
-    Arc<dyn Fn(String, Bytes, usize) -> BoxFuture<'static, Result<Hosted, ActorError>> + Send + Sync>;
+type Factory = Arc<
+    dyn Fn(String, Bytes, usize) -> BoxFuture<'static, Result<Hosted, ActorError>> + Send + Sync,
+>;
 
 /// Actor kinds by name.
 #[derive(Clone, Default)]

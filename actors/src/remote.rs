@@ -26,6 +26,8 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Channel, Endpoint};
 
+/// Told `(actor_id, reason)` when a call finds its actor dead.
+type ActorDied = Box<dyn Fn(&str, String) + Send + Sync>;
 type Client = AgentClient<InterceptedService<Channel, Bearer>>;
 type Pending = Mutex<HashMap<u64, oneshot::Sender<Result<Bytes, Failure>>>>;
 
@@ -36,6 +38,8 @@ pub struct Wire {
     pub bucket_bytes: usize,
     /// Largest message either side accepts (a bucket plus framing must fit).
     pub max_message_bytes: usize,
+    /// Hand snapshots to agents on the head's host through `/dev/shm` (else gRPC).
+    pub shared_memory: bool,
 }
 
 impl Default for Wire {
@@ -43,6 +47,7 @@ impl Default for Wire {
         Wire {
             bucket_bytes: snapshot::DEFAULT_BUCKET_BYTES,
             max_message_bytes: snapshot::DEFAULT_BUCKET_BYTES + (1 << 20),
+            shared_memory: true,
         }
     }
 }
@@ -67,11 +72,13 @@ pub(crate) struct AgentConn {
     next_id: AtomicU64,
     same_host: bool,
     wire: Wire,
+    on_actor_died: ActorDied,
 }
 
 impl AgentConn {
     /// Connects to the agent at `address` and opens the call stream; `on_lost` runs once when
-    /// the stream ends (the agent died or the link broke), after every pending call has failed.
+    /// the stream ends (the agent died or the link broke), after every pending call has failed;
+    /// `on_actor_died` when a call finds its actor dead (faster than the next heartbeat).
     pub(crate) async fn connect(
         name: &str,
         address: &str,
@@ -79,6 +86,7 @@ impl AgentConn {
         same_host: bool,
         wire: Wire,
         on_lost: impl FnOnce(String) + Send + 'static,
+        on_actor_died: impl Fn(&str, String) + Send + Sync + 'static,
     ) -> Result<Arc<AgentConn>, String> {
         let channel = endpoint(address)?
             .connect()
@@ -92,7 +100,12 @@ impl AgentConn {
             .clone()
             .call(ReceiverStream::new(rx))
             .await
-            .map_err(|s| format!("agent at {address} refused the call stream: {}", s.message()))?
+            .map_err(|s| {
+                format!(
+                    "agent at {address} refused the call stream: {}",
+                    s.message()
+                )
+            })?
             .into_inner();
         let pending: Arc<Pending> = Arc::default();
         let closed = Arc::new(AtomicBool::new(false));
@@ -135,8 +148,9 @@ impl AgentConn {
             pending,
             closed,
             next_id: AtomicU64::new(1),
-            same_host,
+            same_host: same_host && wire.shared_memory,
             wire,
+            on_actor_died: Box::new(on_actor_died),
         }))
     }
 
@@ -208,7 +222,11 @@ impl AgentConn {
             .unwrap_or_else(|_| Err(lost("the connection to its agent is closed")))
     }
 
-    async fn push_grpc(&self, actor_id: &str, s: &WeightSnapshot) -> Result<(u32, u32), ActorError> {
+    async fn push_grpc(
+        &self,
+        actor_id: &str,
+        s: &WeightSnapshot,
+    ) -> Result<(u32, u32), ActorError> {
         let manifest = snapshot::manifest(s, self.wire.bucket_bytes);
         let (tx, rx) = mpsc::channel::<SnapshotChunk>(2);
         let header = SnapshotChunk {
@@ -294,7 +312,11 @@ impl AgentConn {
     }
 }
 
-fn check_version(actor_id: &str, ack: &proto::v1::SnapshotAck, sent: u64) -> Result<(), ActorError> {
+fn check_version(
+    actor_id: &str,
+    ack: &proto::v1::SnapshotAck,
+    sent: u64,
+) -> Result<(), ActorError> {
     if ack.version == sent {
         return Ok(());
     }
@@ -343,10 +365,13 @@ impl RemoteActor {
                     message: f.message,
                 },
                 Code::BadMessage => bad(f.message),
-                Code::Died | Code::NotFound | Code::Unspecified => ActorError::Died {
-                    actor: name.to_string(),
-                    reason: format!("on agent `{}`: {}", self.conn.name, f.message),
-                },
+                Code::Died | Code::NotFound | Code::Unspecified => {
+                    (self.conn.on_actor_died)(&self.actor_id, f.message.clone());
+                    ActorError::Died {
+                        actor: name.to_string(),
+                        reason: format!("on agent `{}`: {}", self.conn.name, f.message),
+                    }
+                }
             }),
         }
     }

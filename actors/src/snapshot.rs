@@ -465,8 +465,13 @@ mod tests {
         assert!(e.to_string().contains("bucket 0 arrived corrupted"), "{e}");
         let e = asm.push(1, &b0, proto::crc32c(&b0)).unwrap_err();
         assert!(e.to_string().contains("where bucket 0 was expected"), "{e}");
-        let e = asm.push(0, &b0[..10], proto::crc32c(&b0[..10])).unwrap_err();
-        assert!(e.to_string().contains("has 10 bytes; the manifest says 32"), "{e}");
+        let e = asm
+            .push(0, &b0[..10], proto::crc32c(&b0[..10]))
+            .unwrap_err();
+        assert!(
+            e.to_string().contains("has 10 bytes; the manifest says 32"),
+            "{e}"
+        );
         asm.push(0, &b0, proto::crc32c(&b0)).expect("good bucket");
         let e = asm.finish().unwrap_err();
         assert!(e.to_string().contains("after 1 of 4 buckets"), "{e}");
@@ -479,7 +484,11 @@ mod tests {
         let mut m = manifest(&s, 32);
         m.tensors[1].shape = vec![8];
         let e = Assembler::new("t", &m, 1 << 20).err().expect("refused");
-        assert!(e.to_string().contains("tensor `b` has shape [8] but 28 bytes"), "{e}");
+        assert!(
+            e.to_string()
+                .contains("tensor `b` has shape [8] but 28 bytes"),
+            "{e}"
+        );
         let mut m = manifest(&s, 32);
         m.bucket_sizes.pop();
         let e = Assembler::new("t", &m, 1 << 20).err().expect("refused");
@@ -503,7 +512,10 @@ mod tests {
         let e = read_shm("t", &m, &path, &wrong).unwrap_err();
         assert!(e.to_string().contains("bucket 2"), "{e}");
         let e = read_shm("t", &m, "/etc/passwd", &shm.crcs).unwrap_err();
-        assert!(e.to_string().contains("refusing to read /etc/passwd"), "{e}");
+        assert!(
+            e.to_string().contains("refusing to read /etc/passwd"),
+            "{e}"
+        );
         drop(shm);
         assert!(!Path::new(&path).exists(), "the file is removed on drop");
     }

@@ -93,12 +93,21 @@ mod tests {
 
     #[test]
     fn crc32c_paths_agree_and_append_composes() {
-        let data: Vec<u8> = (0..1000u32).map(|i| (i.wrapping_mul(2654435761) >> 13) as u8).collect();
+        let data: Vec<u8> = (0..1000u32)
+            .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8)
+            .collect();
         for n in [0, 1, 7, 8, 9, 63, 1000] {
-            assert_eq!(super::crc32c(&data[..n]), super::crc32c_table(0, &data[..n]), "n = {n}");
+            assert_eq!(
+                super::crc32c(&data[..n]),
+                super::crc32c_table(0, &data[..n]),
+                "n = {n}"
+            );
         }
         let (a, b) = data.split_at(333);
-        assert_eq!(super::crc32c_append(super::crc32c(a), b), super::crc32c(&data));
+        assert_eq!(
+            super::crc32c_append(super::crc32c(a), b),
+            super::crc32c(&data)
+        );
     }
 
     #[test]
