@@ -80,6 +80,8 @@ struct State {
     died: Mutex<Vec<DeadActor>>,
     stop: watch::Sender<bool>,
     max_bucket: u64,
+    /// The head's shared-memory region, mapped once.
+    shm: Arc<Mutex<Option<snapshot::ShmView>>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -278,13 +280,11 @@ impl AgentRpc for Service {
         let r = request.into_inner();
         let mailbox = self.0.mailbox(&r.actor_id)?;
         let actor = r.actor_id.clone();
+        let view = self.0.shm.clone();
         let (snapshot, ack) = tokio::task::spawn_blocking(move || {
-            snapshot::read_shm(
-                &r.actor_id,
-                &r.manifest.unwrap_or_default(),
-                &r.path,
-                &r.crc32c,
-            )
+            let mut view = lock(&view);
+            let manifest = r.manifest.unwrap_or_default();
+            snapshot::read_shm(&r.actor_id, &manifest, &r.path, &r.crc32c, &mut view)
         })
         .await
         .map_err(|e| Status::internal(e.to_string()))?
@@ -337,6 +337,7 @@ pub async fn run(
         died: Mutex::new(Vec::new()),
         stop,
         max_bucket: options.wire.max_message_bytes as u64,
+        shm: Arc::default(),
     });
     let service = InterceptedService::new(
         AgentServer::new(Service(state.clone()))

@@ -73,6 +73,8 @@ pub(crate) struct AgentConn {
     same_host: bool,
     wire: Wire,
     on_actor_died: ActorDied,
+    /// The shared-memory region snapshots to this agent are written into (same host only).
+    shm: tokio::sync::Mutex<Option<snapshot::ShmRegion>>,
 }
 
 impl AgentConn {
@@ -151,6 +153,7 @@ impl AgentConn {
             same_host: same_host && wire.shared_memory,
             wire,
             on_actor_died: Box::new(on_actor_died),
+            shm: tokio::sync::Mutex::new(None),
         }))
     }
 
@@ -243,8 +246,7 @@ impl AgentConn {
                 return crcs;
             }
             for i in 0..manifest.bucket_sizes.len() {
-                let data = snapshot::bucket(&producer_snapshot, &manifest, i);
-                let crc = proto::crc32c(&data);
+                let (data, crc) = snapshot::bucket(&producer_snapshot, &manifest, i);
                 crcs.push(crc);
                 let chunk = SnapshotChunk {
                     part: Some(snapshot_chunk::Part::Bucket(SnapshotBucket {
@@ -280,22 +282,28 @@ impl AgentConn {
 
     async fn push_shm(&self, actor_id: &str, s: &WeightSnapshot) -> Result<(u32, u32), ActorError> {
         let manifest = snapshot::manifest(s, self.wire.bucket_bytes);
-        let (snap, m) = (s.clone(), manifest.clone());
-        let file = tokio::task::spawn_blocking(move || snapshot::write_shm(&snap, &m))
-            .await
-            .map_err(|e| ActorError::Snapshot {
-                actor: actor_id.to_string(),
-                message: format!("writing shared memory failed: {e}"),
-            })?
-            .map_err(|e| ActorError::Snapshot {
-                actor: actor_id.to_string(),
-                message: format!("cannot write under {}: {e}", snapshot::SHM_DIR),
-            })?;
+        // One push at a time per agent: the region is rewritten only after the last ack.
+        let mut region = self.shm.lock().await;
+        let (snap, m, mut taken) = (s.clone(), manifest.clone(), region.take());
+        let (taken, written) = tokio::task::spawn_blocking(move || {
+            let written = snapshot::write_shm(&mut taken, &snap, &m);
+            (taken, written)
+        })
+        .await
+        .map_err(|e| ActorError::Snapshot {
+            actor: actor_id.to_string(),
+            message: format!("writing shared memory failed: {e}"),
+        })?;
+        *region = taken;
+        let (path, crcs) = written.map_err(|e| ActorError::Snapshot {
+            actor: actor_id.to_string(),
+            message: format!("cannot write under {}: {e}", snapshot::SHM_DIR),
+        })?;
         let request = ShmSnapshot {
             actor_id: actor_id.to_string(),
             manifest: Some(manifest),
-            path: file.path.to_string_lossy().into_owned(),
-            crc32c: file.crcs.clone(),
+            path,
+            crc32c: crcs.clone(),
         };
         let ack = self
             .client
@@ -308,7 +316,7 @@ impl AgentConn {
             })?
             .into_inner();
         check_version(actor_id, &ack, s.version)?;
-        Ok((snapshot::digest(&file.crcs), ack.digest))
+        Ok((snapshot::digest(&crcs), ack.digest))
     }
 }
 

@@ -70,6 +70,48 @@ fn f32_bytes_mut(data: &mut [f32]) -> &mut [u8] {
     }
 }
 
+/// Asks for transparent huge pages on the whole 4 KiB pages inside `bytes`: on machines where
+/// page faults are dear, a freshly allocated gigabyte costs ~10× less to touch.
+fn advise_huge(bytes: &mut [u8]) {
+    const PAGE: usize = 4096;
+    if bytes.len() < (4 << 20) {
+        return;
+    }
+    let start = (bytes.as_mut_ptr() as usize).next_multiple_of(PAGE);
+    let end = (bytes.as_mut_ptr() as usize + bytes.len()) & !(PAGE - 1);
+    // SAFETY: the range lies inside memory we own; MADV_HUGEPAGE only changes how the kernel
+    // backs it and never its contents. Failure (no THP) is harmless.
+    unsafe {
+        libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE);
+    }
+}
+
+/// A zeroed f32 vector, backed by huge pages where the kernel allows.
+fn zeroed_f32(n: usize) -> Vec<f32> {
+    let mut v = vec![0.0f32; n];
+    advise_huge(f32_bytes_mut(&mut v));
+    v
+}
+
+/// A zeroed byte vector, backed by huge pages where the kernel allows.
+fn zeroed_bytes(n: usize) -> Vec<u8> {
+    let mut v = vec![0u8; n];
+    advise_huge(&mut v);
+    v
+}
+
+/// Copies `src` to `dst` and returns `crc32c_append(crc, src)`, in cache-sized pieces so the
+/// checksum reads bytes the copy just brought in.
+fn copy_crc(crc: u32, src: &[u8], dst: &mut [u8]) -> u32 {
+    const PIECE: usize = 256 << 10;
+    let mut crc = crc;
+    for (s, d) in src.chunks(PIECE).zip(dst.chunks_mut(PIECE)) {
+        d.copy_from_slice(s);
+        crc = proto::crc32c_append(crc, d);
+    }
+    crc
+}
+
 /// Tensor start offsets in stream order, plus the total at the end.
 fn starts(tensors: &[TensorMeta]) -> Vec<u64> {
     let mut v: Vec<u64> = tensors.iter().map(|t| t.offset).collect();
@@ -77,31 +119,38 @@ fn starts(tensors: &[TensorMeta]) -> Vec<u64> {
     v
 }
 
-/// Copies stream bytes `[start, start + dst.len())` of `params` into `dst`.
-fn gather(params: &Params, starts: &[u64], start: u64, dst: &mut [u8]) {
+/// Copies stream bytes `[start, start + dst.len())` of `params` into `dst`; returns their
+/// CRC-32C.
+fn gather(params: &Params, starts: &[u64], start: u64, dst: &mut [u8]) -> u32 {
     let mut i = starts.partition_point(|&s| s <= start).saturating_sub(1);
     let mut pos = 0usize;
+    let mut crc = 0;
     while pos < dst.len() && i < params.tensors.len() {
         let src = f32_bytes(&params.tensors[i].data);
         let from = (start + pos as u64 - starts[i]) as usize;
         let n = (src.len() - from).min(dst.len() - pos);
-        dst[pos..pos + n].copy_from_slice(&src[from..from + n]);
+        crc = copy_crc(crc, &src[from..from + n], &mut dst[pos..pos + n]);
         pos += n;
         i += 1;
     }
+    crc
 }
 
-/// The bytes of bucket `index`.
-pub fn bucket(snapshot: &WeightSnapshot, manifest: &SnapshotManifest, index: usize) -> Vec<u8> {
+/// The bytes of bucket `index` and their CRC-32C.
+pub fn bucket(
+    snapshot: &WeightSnapshot,
+    manifest: &SnapshotManifest,
+    index: usize,
+) -> (Vec<u8>, u32) {
     let bucket_bytes = manifest.bucket_sizes.first().copied().unwrap_or(0);
-    let mut out = vec![0u8; manifest.bucket_sizes[index] as usize];
-    gather(
+    let mut out = zeroed_bytes(manifest.bucket_sizes[index] as usize);
+    let crc = gather(
         &snapshot.params,
         &starts(&manifest.tensors),
         index as u64 * bucket_bytes,
         &mut out,
     );
-    out
+    (out, crc)
 }
 
 /// The digest a receiver acknowledges: CRC-32C over every bucket's CRC-32C, little-endian.
@@ -117,6 +166,44 @@ pub fn content_crc(params: &Params) -> u32 {
         .tensors
         .iter()
         .fold(0, |crc, t| proto::crc32c_append(crc, f32_bytes(&t.data)))
+}
+
+/// Raw views of the destination tensors, so that threads can fill disjoint byte ranges.
+struct Dest(Vec<(usize, usize)>);
+
+impl Dest {
+    fn of(tensors: &mut [Tensor]) -> Dest {
+        Dest(
+            tensors
+                .iter_mut()
+                .map(|t| {
+                    let b = f32_bytes_mut(&mut t.data);
+                    (b.as_mut_ptr() as usize, b.len())
+                })
+                .collect(),
+        )
+    }
+}
+
+/// Copies `src`, the stream bytes from `start`, into the tensors of `dest`; returns their
+/// CRC-32C. Calls running at once must cover disjoint ranges.
+fn scatter(dest: &Dest, starts: &[u64], start: u64, src: &[u8]) -> u32 {
+    let mut i = starts.partition_point(|&s| s <= start).saturating_sub(1);
+    let mut pos = 0usize;
+    let mut crc = 0;
+    while pos < src.len() && i < dest.0.len() {
+        let (ptr, len) = dest.0[i];
+        // SAFETY: `ptr..ptr+len` is tensor i's live allocation (borrowed mutably by `Dest::of`'s
+        // caller for as long as `dest` is used), and callers give disjoint stream ranges, so no
+        // two threads write the same bytes.
+        let dst = unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, len) };
+        let from = (start + pos as u64 - starts[i]) as usize;
+        let n = (len - from).min(src.len() - pos);
+        crc = copy_crc(crc, &src[pos..pos + n], &mut dst[from..from + n]);
+        pos += n;
+        i += 1;
+    }
+    crc
 }
 
 /// Rebuilds a snapshot from its manifest and buckets, verifying every step.
@@ -173,7 +260,7 @@ impl Assembler {
             tensors.push(Tensor {
                 name: t.name.clone(),
                 shape: t.shape.iter().map(|&d| d as usize).collect(),
-                data: vec![0.0; (t.nbytes / 4) as usize],
+                data: zeroed_f32((t.nbytes / 4) as usize),
             });
         }
         let total: u64 = manifest.bucket_sizes.iter().sum();
@@ -209,13 +296,18 @@ impl Assembler {
     /// Takes the next bucket; refuses one out of order, of the wrong length or checksum.
     pub fn push(&mut self, index: u32, data: &[u8], crc: u32) -> Result<(), ActorError> {
         self.check(index, data.len() as u64)?;
-        let actual = proto::crc32c(data);
+        let actual = scatter(
+            &Dest::of(&mut self.tensors),
+            &self.starts,
+            self.position,
+            data,
+        );
         if actual != crc {
             return Err(self.error(format!(
                 "bucket {index} arrived corrupted: CRC-32C {actual:#010x}, sender said {crc:#010x}"
             )));
         }
-        self.accept(data, crc);
+        self.advance(data.len() as u64, crc);
         Ok(())
     }
 
@@ -240,22 +332,8 @@ impl Assembler {
         Ok(())
     }
 
-    /// Copies a verified bucket into the tensors.
-    fn accept(&mut self, data: &[u8], crc: u32) {
-        let mut i = self
-            .starts
-            .partition_point(|&s| s <= self.position)
-            .saturating_sub(1);
-        let mut pos = 0usize;
-        while pos < data.len() && i < self.tensors.len() {
-            let dst = f32_bytes_mut(&mut self.tensors[i].data);
-            let from = (self.position + pos as u64 - self.starts[i]) as usize;
-            let n = (dst.len() - from).min(data.len() - pos);
-            dst[from..from + n].copy_from_slice(&data[pos..pos + n]);
-            pos += n;
-            i += 1;
-        }
-        self.position += data.len() as u64;
+    fn advance(&mut self, len: u64, crc: u32) {
+        self.position += len;
         self.crcs.push(crc);
         self.next += 1;
     }
@@ -284,83 +362,117 @@ impl Assembler {
     }
 }
 
-/// A snapshot written into shared memory; the file is removed when this is dropped.
-pub struct ShmFile {
-    pub path: PathBuf,
-    pub crcs: Vec<u32>,
+/// A shared-memory file a sender reuses for every snapshot it sends to one receiver (pages are
+/// allocated once, not per push); removed when dropped.
+pub struct ShmRegion {
+    path: PathBuf,
+    map: MmapMut,
 }
 
-impl Drop for ShmFile {
+impl Drop for ShmRegion {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.path);
     }
 }
 
-/// Writes `snapshot` into a new file under [`SHM_DIR`] (mode 0600), buckets filled and
-/// checksummed in parallel.
-pub fn write_shm(
-    snapshot: &WeightSnapshot,
-    manifest: &SnapshotManifest,
-) -> std::io::Result<ShmFile> {
-    use std::os::unix::fs::OpenOptionsExt;
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos());
-    let path = Path::new(SHM_DIR).join(format!(
-        "{SHM_PREFIX}{}-{}-{nanos}",
-        std::process::id(),
-        manifest.version
-    ));
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .open(&path)?;
-    let mut shm = ShmFile {
-        path,
-        crcs: Vec::new(),
-    };
-    let total: u64 = manifest.bucket_sizes.iter().sum();
-    file.set_len(total)?;
-    // SAFETY: the file was just created by us with O_EXCL and mode 0600; nobody else maps it
-    // until we hand its path over after this function returns.
-    let mut map = unsafe { MmapMut::map_mut(&file)? };
-    let bucket_bytes = manifest.bucket_sizes.first().copied().unwrap_or(1) as usize;
-    let starts = starts(&manifest.tensors);
-    shm.crcs = map
-        .par_chunks_mut(bucket_bytes)
-        .enumerate()
-        .map(|(i, chunk)| {
-            gather(&snapshot.params, &starts, (i * bucket_bytes) as u64, chunk);
-            proto::crc32c(chunk)
-        })
-        .collect();
-    Ok(shm)
+impl ShmRegion {
+    /// Creates a new file of `len` bytes under [`SHM_DIR`], mode 0600.
+    pub fn create(len: u64) -> std::io::Result<ShmRegion> {
+        use std::os::unix::fs::OpenOptionsExt;
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let path = Path::new(SHM_DIR).join(format!("{SHM_PREFIX}{}-{n}", std::process::id()));
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&path)?;
+        let region = |map| ShmRegion {
+            path: path.clone(),
+            map,
+        };
+        if let Err(e) = file.set_len(len.max(1)) {
+            let _ = std::fs::remove_file(&path);
+            return Err(e);
+        }
+        // SAFETY: we created the file with O_EXCL and mode 0600; the receiver maps it read-only
+        // and reads only while we wait for its acknowledgement.
+        match unsafe { MmapMut::map_mut(&file) } {
+            Ok(map) => Ok(region(map)),
+            Err(e) => {
+                let _ = std::fs::remove_file(&path);
+                Err(e)
+            }
+        }
+    }
+
+    /// The file's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Writes `snapshot` at the start of the region, buckets copied and checksummed in
+    /// parallel; returns each bucket's CRC-32C.
+    pub fn write(&mut self, snapshot: &WeightSnapshot, manifest: &SnapshotManifest) -> Vec<u32> {
+        let total: u64 = manifest.bucket_sizes.iter().sum();
+        let bucket_bytes = manifest.bucket_sizes.first().copied().unwrap_or(1) as usize;
+        let starts = starts(&manifest.tensors);
+        self.map[..total as usize]
+            .par_chunks_mut(bucket_bytes)
+            .enumerate()
+            .map(|(i, chunk)| gather(&snapshot.params, &starts, (i * bucket_bytes) as u64, chunk))
+            .collect()
+    }
 }
 
-/// Reads a snapshot that a sender on this host wrote with [`write_shm`], verifying every bucket.
-/// Only files directly under [`SHM_DIR`] with Trellis's prefix are opened.
+/// Writes `snapshot` into `region`, replacing it by a larger one when it does not fit; returns
+/// the file's path and each bucket's CRC-32C.
+pub fn write_shm(
+    region: &mut Option<ShmRegion>,
+    snapshot: &WeightSnapshot,
+    manifest: &SnapshotManifest,
+) -> std::io::Result<(String, Vec<u32>)> {
+    let total: u64 = manifest.bucket_sizes.iter().sum();
+    if region.as_ref().is_none_or(|r| (r.map.len() as u64) < total) {
+        *region = None;
+        *region = Some(ShmRegion::create(total)?);
+    }
+    let Some(r) = region.as_mut() else {
+        unreachable!("a region was just made");
+    };
+    let crcs = r.write(snapshot, manifest);
+    Ok((r.path.to_string_lossy().into_owned(), crcs))
+}
+
+/// A receiver's mapping of a sender's region, kept across pushes.
+pub struct ShmView {
+    path: String,
+    map: Mmap,
+}
+
+/// Reads a snapshot that a sender on this host wrote with [`write_shm`], verifying every bucket
+/// while copying it out (buckets in parallel). Only files directly under [`SHM_DIR`] with
+/// Trellis's prefix are opened; `view` keeps the mapping for the next push.
 pub fn read_shm(
     actor: &str,
     manifest: &SnapshotManifest,
     path: &str,
     crcs: &[u32],
+    view: &mut Option<ShmView>,
 ) -> Result<(WeightSnapshot, SnapshotAck), ActorError> {
     let bad = |message: String| ActorError::Snapshot {
         actor: actor.to_string(),
         message,
     };
-    let path = Path::new(path);
-    let named_ok = path.parent() == Some(Path::new(SHM_DIR))
-        && path
-            .file_name()
+    let p = Path::new(path);
+    let named_ok = p.parent() == Some(Path::new(SHM_DIR))
+        && p.file_name()
             .and_then(|n| n.to_str())
             .is_some_and(|n| n.starts_with(SHM_PREFIX));
     if !named_ok {
         return Err(bad(format!(
-            "refusing to read {}: not a Trellis snapshot under {SHM_DIR}",
-            path.display()
+            "refusing to read {path}: not a Trellis snapshot under {SHM_DIR}"
         )));
     }
     let mut assembler = Assembler::new(actor, manifest, u64::MAX)?;
@@ -371,33 +483,43 @@ pub fn read_shm(
             manifest.bucket_sizes.len()
         )));
     }
-    let file = std::fs::File::open(path)
-        .map_err(|e| bad(format!("cannot open {}: {e}", path.display())))?;
-    // SAFETY: the sender does not write the file after handing its path over, and removes it
-    // only after our acknowledgement.
-    let map = unsafe { Mmap::map(&file) }
-        .map_err(|e| bad(format!("cannot map {}: {e}", path.display())))?;
+    if view.as_ref().is_none_or(|v| v.path != path) {
+        *view = None;
+        let file = std::fs::File::open(p).map_err(|e| bad(format!("cannot open {path}: {e}")))?;
+        // SAFETY: the sender writes the file only before handing its path over and waits for
+        // our acknowledgement before writing it again.
+        let map =
+            unsafe { Mmap::map(&file) }.map_err(|e| bad(format!("cannot map {path}: {e}")))?;
+        *view = Some(ShmView {
+            path: path.to_string(),
+            map,
+        });
+    }
+    let Some(v) = view.as_ref() else {
+        unreachable!("a view was just made");
+    };
     let total: u64 = manifest.bucket_sizes.iter().sum();
-    if map.len() as u64 != total {
+    if (v.map.len() as u64) < total {
         return Err(bad(format!(
-            "{} holds {} bytes; the manifest says {total}",
-            path.display(),
-            map.len()
+            "{path} holds {} bytes; the manifest says {total}",
+            v.map.len()
         )));
     }
     let bucket_bytes = manifest.bucket_sizes.first().copied().unwrap_or(1) as usize;
-    let actual: Vec<u32> = map.par_chunks(bucket_bytes).map(proto::crc32c).collect();
-    if let Some(i) = (0..crcs.len()).find(|&i| actual[i] != crcs[i]) {
-        return Err(bad(format!(
-            "bucket {i} in {} is corrupted: CRC-32C {:#010x}, sender said {:#010x}",
-            path.display(),
-            actual[i],
-            crcs[i]
-        )));
-    }
-    for (i, chunk) in map.chunks(bucket_bytes).enumerate() {
-        assembler.check(i as u32, chunk.len() as u64)?;
-        assembler.accept(chunk, crcs[i]);
+    let dest = Dest::of(&mut assembler.tensors);
+    let starts = assembler.starts.clone();
+    let actual: Vec<u32> = v.map[..total as usize]
+        .par_chunks(bucket_bytes)
+        .enumerate()
+        .map(|(i, chunk)| scatter(&dest, &starts, (i * bucket_bytes) as u64, chunk))
+        .collect();
+    for (i, (&a, &c)) in actual.iter().zip(crcs).enumerate() {
+        if a != c {
+            return Err(bad(format!(
+                "bucket {i} in {path} is corrupted: CRC-32C {a:#010x}, sender said {c:#010x}"
+            )));
+        }
+        assembler.advance(manifest.bucket_sizes[i], c);
     }
     assembler.finish()
 }
@@ -431,8 +553,8 @@ mod tests {
         let mut asm = Assembler::new("t", &m, 1 << 20).expect("manifest is valid");
         let mut crcs = Vec::new();
         for i in 0..m.bucket_sizes.len() {
-            let b = bucket(s, &m, i);
-            let crc = proto::crc32c(&b);
+            let (b, crc) = bucket(s, &m, i);
+            assert_eq!(crc, proto::crc32c(&b));
             crcs.push(crc);
             asm.push(i as u32, &b, crc).expect("bucket is accepted");
         }
@@ -457,7 +579,7 @@ mod tests {
     fn corrupted_reordered_short_and_missing_buckets_are_refused() {
         let s = snapshot();
         let m = manifest(&s, 32);
-        let b0 = bucket(&s, &m, 0);
+        let (b0, _) = bucket(&s, &m, 0);
         let mut asm = Assembler::new("rollout-0", &m, 1 << 20).expect("valid");
         let mut flipped = b0.clone();
         flipped[5] ^= 1;
@@ -502,21 +624,32 @@ mod tests {
     fn shared_memory_round_trip_and_corruption() {
         let s = snapshot();
         let m = manifest(&s, 24);
-        let shm = write_shm(&s, &m).expect("/dev/shm is writable");
-        let path = shm.path.to_string_lossy().to_string();
-        let (back, ack) = read_shm("t", &m, &path, &shm.crcs).expect("reads back");
+        let (mut region, mut view) = (None, None);
+        let (path, crcs) = write_shm(&mut region, &s, &m).expect("/dev/shm is writable");
+        let (back, ack) = read_shm("t", &m, &path, &crcs, &mut view).expect("reads back");
         assert_eq!(*back.params, *s.params);
-        assert_eq!(ack.digest, digest(&shm.crcs));
-        let mut wrong = shm.crcs.clone();
+        assert_eq!(ack.digest, digest(&crcs));
+        // The next version reuses the file and the receiver's mapping.
+        let mut next = (*s.params).clone();
+        next.tensors[1].data[0] = 42.0;
+        let s2 = WeightSnapshot {
+            version: 10,
+            params: Arc::new(next),
+        };
+        let (path2, crcs2) = write_shm(&mut region, &s2, &m).expect("rewrites");
+        assert_eq!(path2, path);
+        let (back, _) = read_shm("t", &m, &path, &crcs2, &mut view).expect("reads back");
+        assert_eq!(back.params.tensors[1].data[0], 42.0);
+        let mut wrong = crcs2.clone();
         wrong[2] ^= 1;
-        let e = read_shm("t", &m, &path, &wrong).unwrap_err();
+        let e = read_shm("t", &m, &path, &wrong, &mut view).unwrap_err();
         assert!(e.to_string().contains("bucket 2"), "{e}");
-        let e = read_shm("t", &m, "/etc/passwd", &shm.crcs).unwrap_err();
+        let e = read_shm("t", &m, "/etc/passwd", &crcs, &mut None).unwrap_err();
         assert!(
             e.to_string().contains("refusing to read /etc/passwd"),
             "{e}"
         );
-        drop(shm);
+        drop(region);
         assert!(!Path::new(&path).exists(), "the file is removed on drop");
     }
 }

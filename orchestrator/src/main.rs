@@ -102,6 +102,30 @@ enum Command {
         #[command(subcommand)]
         what: BenchCommand,
     },
+    /// Run a node agent: host actors on this machine for the head at --head.
+    Agent {
+        /// The head's URL, e.g. http://10.0.0.1:7070.
+        #[arg(long)]
+        head: String,
+        /// File holding the cluster token (the head refuses agents without it).
+        #[arg(long, env = "TRELLIS_TOKEN_FILE")]
+        token_file: PathBuf,
+        /// What this machine offers, e.g. cpu=2,gpu=0,tpu=4,memory=64G.
+        #[arg(long, default_value = "cpu=1")]
+        resources: String,
+        /// Labels placement can select on: k=v (repeat or comma-separate).
+        #[arg(long = "labels", value_delimiter = ',')]
+        labels: Vec<String>,
+        /// Where to serve the agent protocol (port 0 picks one).
+        #[arg(long, default_value = "127.0.0.1:0")]
+        listen: std::net::SocketAddr,
+        /// The URL the head reaches this agent at (default: http://<listen>).
+        #[arg(long)]
+        advertise: Option<String>,
+        /// Agent name (default: <hostname>-<pid>).
+        #[arg(long)]
+        name: Option<String>,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -118,6 +142,22 @@ enum ConfigCommand {
 
 #[derive(Debug, Subcommand)]
 enum BenchCommand {
+    /// The actor runtime: local and remote call round trips (p50/p99), remote calls/s with many
+    /// in flight, and weight snapshot GB/s in-process, through shared memory and over gRPC.
+    Actors {
+        /// Snapshot size in MiB.
+        #[arg(long, default_value_t = 1024)]
+        snapshot_mib: usize,
+        /// Sequential calls timed for the percentiles.
+        #[arg(long, default_value_t = 20_000)]
+        calls: usize,
+        /// Concurrent callers for calls/s.
+        #[arg(long, default_value_t = 256)]
+        in_flight: usize,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
     /// One training step of the reference model: tokens/s, GFLOP/s, MFU, GEMM rate, peak RSS.
     Train {
         /// Rows per step.
@@ -422,5 +462,129 @@ fn run() -> Result<()> {
         Command::Bench {
             what: BenchCommand::Generate { model, json },
         } => bench_generate(model, json),
+        Command::Bench {
+            what:
+                BenchCommand::Actors {
+                    snapshot_mib,
+                    calls,
+                    in_flight,
+                    json,
+                },
+        } => bench_actors(snapshot_mib, calls, in_flight, json),
+        Command::Agent {
+            head,
+            token_file,
+            resources,
+            labels,
+            listen,
+            advertise,
+            name,
+        } => agent(AgentArgs {
+            head,
+            token_file,
+            resources,
+            labels,
+            listen,
+            advertise,
+            name,
+        }),
     }
+}
+
+struct AgentArgs {
+    head: String,
+    token_file: PathBuf,
+    resources: String,
+    labels: Vec<String>,
+    listen: std::net::SocketAddr,
+    advertise: Option<String>,
+    name: Option<String>,
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")
+}
+
+/// Resolves on Ctrl-C or SIGTERM.
+async fn terminated() {
+    use tokio::signal::unix::{SignalKind, signal};
+    match signal(SignalKind::terminate()) {
+        Ok(mut term) => {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term.recv() => {}
+            }
+        }
+        Err(_) => {
+            let _ = tokio::signal::ctrl_c().await;
+        }
+    }
+}
+
+fn agent(a: AgentArgs) -> Result<()> {
+    let token = actors::Token::read(&a.token_file)?;
+    let resources = actors::Resources::parse(&a.resources)
+        .map_err(|e| anyhow::anyhow!("--resources {}: {e}", a.resources))?;
+    let mut labels = std::collections::BTreeMap::new();
+    for l in &a.labels {
+        let (k, v) = l
+            .split_once('=')
+            .with_context(|| format!("--labels {l}: not key=value"))?;
+        labels.insert(k.trim().to_string(), v.trim().to_string());
+    }
+    let name = a.name.unwrap_or_else(|| {
+        let host = actors::head::host_id();
+        let host = host.rsplit('/').next().unwrap_or("agent");
+        format!("{host}-{}", std::process::id())
+    });
+    let options = actors::AgentOptions {
+        head: a.head,
+        listen: a.listen,
+        advertise: a.advertise,
+        name,
+        resources,
+        labels,
+        token,
+        registry: actors::builtin::registry(),
+        wire: actors::Wire::default(),
+    };
+    runtime()?.block_on(actors::agent::run(options, terminated()))?;
+    Ok(())
+}
+
+fn bench_actors(snapshot_mib: usize, calls: usize, in_flight: usize, json: bool) -> Result<()> {
+    let options = actors::bench::BenchOptions {
+        exe: std::env::current_exe().context("cannot find the trellis executable")?,
+        calls,
+        in_flight,
+        throughput_for: std::time::Duration::from_secs(3),
+        snapshot_bytes: snapshot_mib << 20,
+        snapshot_repeats: 3,
+    };
+    let b = runtime()?.block_on(actors::bench::run(&options))?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&b)?);
+        return Ok(());
+    }
+    println!(
+        "local call      p50 {:8.1} µs   p99 {:8.1} µs",
+        b.local_p50_us, b.local_p99_us
+    );
+    println!(
+        "remote call     p50 {:8.1} µs   p99 {:8.1} µs",
+        b.remote_p50_us, b.remote_p99_us
+    );
+    println!(
+        "remote calls/s  {:10.0}   ({} in flight)",
+        b.remote_calls_per_s, b.in_flight
+    );
+    let gib = b.snapshot_bytes as f64 / (1u64 << 30) as f64;
+    println!(
+        "snapshot {gib:.2} GiB: in-process {:.1} GB/s, shared memory {:.2} GB/s, gRPC {:.2} GB/s (medians of 3)",
+        b.in_process_gbps, b.shm_gbps, b.grpc_gbps
+    );
+    Ok(())
 }
