@@ -366,7 +366,13 @@ pub async fn run(
     };
     state.stop_all();
     state.stop.send_replace(true);
-    let _ = server.await;
+    // Graceful shutdown waits for open streams (the head's call stream): give it a moment.
+    if tokio::time::timeout(Duration::from_secs(1), server)
+        .await
+        .is_err()
+    {
+        tracing::debug!("closing the head's open streams");
+    }
     tracing::info!("agent stopped");
     result
 }

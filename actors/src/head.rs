@@ -378,6 +378,8 @@ impl Head {
             }
         }
         self.inner.stop.send_replace(true);
+        // Forget the agents: their connections (and call streams) close now.
+        lock(&self.inner.agents).clear();
     }
 }
 
