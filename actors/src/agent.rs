@@ -351,6 +351,7 @@ pub async fn run(
         tonic::transport::Server::builder()
             .initial_stream_window_size(Some(32 << 20))
             .initial_connection_window_size(Some(64 << 20))
+            .max_frame_size(Some(crate::remote::MAX_FRAME))
             .add_service(service)
             .serve_with_incoming_shutdown(incoming, async move {
                 let _ = server_stop.wait_for(|s| *s).await;

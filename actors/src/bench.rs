@@ -33,7 +33,7 @@ pub struct BenchOptions {
     pub throughput_for: Duration,
     /// Snapshot size.
     pub snapshot_bytes: usize,
-    /// Times each snapshot push is repeated (the median is reported).
+    /// Timed snapshot pushes after the first (their median is reported beside the first's).
     pub snapshot_repeats: usize,
 }
 
@@ -47,9 +47,9 @@ pub struct ActorBench {
     pub remote_calls_per_s: f64,
     pub in_flight: usize,
     pub snapshot_bytes: usize,
-    pub in_process_gbps: f64,
-    pub shm_gbps: f64,
-    pub grpc_gbps: f64,
+    pub in_process_gbps: Rate,
+    pub shm_gbps: Rate,
+    pub grpc_gbps: Rate,
 }
 
 /// An agent process, killed when dropped.
@@ -161,16 +161,24 @@ fn snapshot(bytes: usize, version: u64) -> WeightSnapshot {
     }
 }
 
-/// Pushes the snapshot `repeats` times and returns the median GB/s, after checking that the
-/// actor holds exactly what was sent.
+/// GB/s of the first push (buffers and shared memory allocated on the way) and the median of
+/// the later ones (every RL step after the first).
+#[derive(Clone, Copy, Debug, Default, Serialize)]
+pub struct Rate {
+    pub cold: f64,
+    pub warm: f64,
+}
+
+/// Pushes the snapshot `repeats + 1` times, then checks that the actor holds exactly what was
+/// sent.
 async fn push_rate(
     actor: &ActorRef<Ping>,
     s: &WeightSnapshot,
     repeats: usize,
-) -> Result<f64, ActorError> {
+) -> Result<Rate, ActorError> {
     let bytes = s.params.numel() as f64 * 4.0;
     let mut rates = Vec::new();
-    for r in 0..repeats.max(1) {
+    for r in 0..=repeats.max(1) {
         let next = WeightSnapshot {
             version: s.version + r as u64,
             params: s.params.clone(),
@@ -189,8 +197,12 @@ async fn push_rate(
             });
         }
     }
+    let cold = rates.remove(0);
     rates.sort_by(f64::total_cmp);
-    Ok(rates[rates.len() / 2])
+    Ok(Rate {
+        cold,
+        warm: rates.get(rates.len() / 2).copied().unwrap_or(cold),
+    })
 }
 
 /// Runs every measurement.
@@ -217,7 +229,8 @@ pub async fn run(options: &BenchOptions) -> Result<ActorBench, ActorError> {
         message: e.to_string(),
     })?;
 
-    let (mut latency, mut calls_per_s, mut shm_gbps, mut grpc_gbps) = ((0.0, 0.0), 0.0, 0.0, 0.0);
+    let (mut latency, mut calls_per_s) = ((0.0, 0.0), 0.0);
+    let (mut shm_gbps, mut grpc_gbps) = (Rate::default(), Rate::default());
     for shared_memory in [true, false] {
         let mut config = HeadConfig::default();
         config.wire.shared_memory = shared_memory;

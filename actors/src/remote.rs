@@ -59,8 +59,13 @@ pub(crate) fn endpoint(address: &str) -> Result<Endpoint, String> {
         .connect_timeout(Duration::from_secs(5))
         .tcp_nodelay(true)
         .initial_stream_window_size(Some(32 << 20))
-        .initial_connection_window_size(Some(64 << 20)))
+        .initial_connection_window_size(Some(64 << 20))
+        .max_frame_size(MAX_FRAME))
 }
+
+/// The largest HTTP/2 frame allowed: bulk buckets cross in a few frames rather than
+/// a thousand 16 KiB ones.
+pub(crate) const MAX_FRAME: u32 = (1 << 24) - 1;
 
 /// A live connection to one agent.
 pub(crate) struct AgentConn {
