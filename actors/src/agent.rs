@@ -82,6 +82,8 @@ struct State {
     max_bucket: u64,
     /// The head's shared-memory region, mapped once.
     shm: Arc<Mutex<Option<snapshot::ShmView>>>,
+    /// Snapshots handed to actors, whose memory the next push reuses once they let go.
+    spares: Arc<Mutex<snapshot::Spares>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -244,8 +246,14 @@ impl AgentRpc for Service {
         };
         let manifest = header.manifest.unwrap_or_default();
         let mailbox = self.0.mailbox(&header.actor_id)?;
-        let mut assembler = Assembler::new(&header.actor_id, &manifest, self.0.max_bucket)
-            .map_err(snapshot_status)?;
+        let spare_pool = self.0.spares.clone();
+        let mut assembler = Assembler::new(
+            &header.actor_id,
+            &manifest,
+            self.0.max_bucket,
+            &mut lock(&spare_pool),
+        )
+        .map_err(snapshot_status)?;
         while let Some(chunk) = chunks.message().await? {
             match chunk.part {
                 Some(snapshot_chunk::Part::Bucket(b)) => {
@@ -267,6 +275,7 @@ impl AgentRpc for Service {
             }
         }
         let (snapshot, ack) = assembler.finish().map_err(snapshot_status)?;
+        lock(&self.0.spares).keep(snapshot.params.clone());
         mailbox.load_weights(snapshot).await.map_err(|e| {
             Status::failed_precondition(format!("actor `{}`: {e}", header.actor_id))
         })?;
@@ -280,11 +289,22 @@ impl AgentRpc for Service {
         let r = request.into_inner();
         let mailbox = self.0.mailbox(&r.actor_id)?;
         let actor = r.actor_id.clone();
-        let view = self.0.shm.clone();
+        let (view, spares) = (self.0.shm.clone(), self.0.spares.clone());
         let (snapshot, ack) = tokio::task::spawn_blocking(move || {
-            let mut view = lock(&view);
+            let (mut view, mut spares) = (lock(&view), lock(&spares));
             let manifest = r.manifest.unwrap_or_default();
-            snapshot::read_shm(&r.actor_id, &manifest, &r.path, &r.crc32c, &mut view)
+            let read = snapshot::read_shm(
+                &r.actor_id,
+                &manifest,
+                &r.path,
+                &r.crc32c,
+                &mut view,
+                &mut spares,
+            );
+            if let Ok((s, _)) = &read {
+                spares.keep(s.params.clone());
+            }
+            read
         })
         .await
         .map_err(|e| Status::internal(e.to_string()))?
@@ -338,6 +358,7 @@ pub async fn run(
         stop,
         max_bucket: options.wire.max_message_bytes as u64,
         shm: Arc::default(),
+        spares: Arc::default(),
     });
     let service = InterceptedService::new(
         AgentServer::new(Service(state.clone()))

@@ -206,6 +206,40 @@ fn scatter(dest: &Dest, starts: &[u64], start: u64, src: &[u8]) -> u32 {
     crc
 }
 
+/// Snapshots a receiver handed on, kept so that a later snapshot of the same layout can reuse
+/// their memory once nobody else holds them (fresh gigabytes cost more to fault in than to
+/// fill on many machines).
+#[derive(Default)]
+pub struct Spares(Vec<Arc<Params>>);
+
+impl Spares {
+    /// Keeps `params` (the latest few only).
+    pub fn keep(&mut self, params: Arc<Params>) {
+        self.0.push(params);
+        if self.0.len() > 3 {
+            self.0.remove(0);
+        }
+    }
+
+    /// A kept snapshot that nobody else holds and whose tensors have the manifest's names and
+    /// shapes.
+    fn take(&mut self, manifest: &SnapshotManifest) -> Option<Params> {
+        let fits = |p: &Params| {
+            p.tensors.len() == manifest.tensors.len()
+                && p.tensors.iter().zip(&manifest.tensors).all(|(t, m)| {
+                    t.name == m.name
+                        && t.shape.len() == m.shape.len()
+                        && t.shape.iter().zip(&m.shape).all(|(&a, &b)| a as u64 == b)
+                })
+        };
+        let i = self
+            .0
+            .iter()
+            .position(|p| Arc::strong_count(p) == 1 && fits(p))?;
+        Arc::try_unwrap(self.0.remove(i)).ok()
+    }
+}
+
 /// Rebuilds a snapshot from its manifest and buckets, verifying every step.
 pub struct Assembler {
     actor: String,
@@ -220,11 +254,13 @@ pub struct Assembler {
 
 impl Assembler {
     /// Checks the manifest (f32 tensors laid back to back, sizes that add up, no bucket over
-    /// `max_bucket` bytes) and allocates the tensors.
+    /// `max_bucket` bytes) and allocates the tensors, reusing a spare snapshot's where one of the
+    /// same layout is free.
     pub fn new(
         actor: &str,
         manifest: &SnapshotManifest,
         max_bucket: u64,
+        spares: &mut Spares,
     ) -> Result<Self, ActorError> {
         let bad = |message: String| ActorError::Snapshot {
             actor: actor.to_string(),
@@ -235,6 +271,7 @@ impl Assembler {
         }
         let mut offset = 0u64;
         let mut tensors = Vec::with_capacity(manifest.tensors.len());
+        let mut spare = spares.take(manifest).map(|p| p.tensors.into_iter());
         for t in &manifest.tensors {
             if t.dtype() != Dtype::F32 {
                 return Err(bad(format!(
@@ -257,10 +294,14 @@ impl Assembler {
                 )));
             }
             offset += t.nbytes;
-            tensors.push(Tensor {
-                name: t.name.clone(),
-                shape: t.shape.iter().map(|&d| d as usize).collect(),
-                data: zeroed_f32((t.nbytes / 4) as usize),
+            // Every byte of every tensor is overwritten by the buckets: a spare needs no zeroing.
+            tensors.push(match spare.as_mut().and_then(Iterator::next) {
+                Some(reused) => reused,
+                None => Tensor {
+                    name: t.name.clone(),
+                    shape: t.shape.iter().map(|&d| d as usize).collect(),
+                    data: zeroed_f32((t.nbytes / 4) as usize),
+                },
             });
         }
         let total: u64 = manifest.bucket_sizes.iter().sum();
@@ -460,6 +501,7 @@ pub fn read_shm(
     path: &str,
     crcs: &[u32],
     view: &mut Option<ShmView>,
+    spares: &mut Spares,
 ) -> Result<(WeightSnapshot, SnapshotAck), ActorError> {
     let bad = |message: String| ActorError::Snapshot {
         actor: actor.to_string(),
@@ -475,7 +517,7 @@ pub fn read_shm(
             "refusing to read {path}: not a Trellis snapshot under {SHM_DIR}"
         )));
     }
-    let mut assembler = Assembler::new(actor, manifest, u64::MAX)?;
+    let mut assembler = Assembler::new(actor, manifest, u64::MAX, spares)?;
     if crcs.len() != manifest.bucket_sizes.len() {
         return Err(bad(format!(
             "{} checksums for {} buckets",
@@ -550,7 +592,8 @@ mod tests {
 
     fn send(s: &WeightSnapshot, bucket_bytes: usize) -> (WeightSnapshot, SnapshotAck, u32) {
         let m = manifest(s, bucket_bytes);
-        let mut asm = Assembler::new("t", &m, 1 << 20).expect("manifest is valid");
+        let mut asm =
+            Assembler::new("t", &m, 1 << 20, &mut Spares::default()).expect("manifest is valid");
         let mut crcs = Vec::new();
         for i in 0..m.bucket_sizes.len() {
             let (b, crc) = bucket(s, &m, i);
@@ -580,7 +623,8 @@ mod tests {
         let s = snapshot();
         let m = manifest(&s, 32);
         let (b0, _) = bucket(&s, &m, 0);
-        let mut asm = Assembler::new("rollout-0", &m, 1 << 20).expect("valid");
+        let mut asm =
+            Assembler::new("rollout-0", &m, 1 << 20, &mut Spares::default()).expect("valid");
         let mut flipped = b0.clone();
         flipped[5] ^= 1;
         let e = asm.push(0, &flipped, proto::crc32c(&b0)).unwrap_err();
@@ -605,7 +649,9 @@ mod tests {
         let s = snapshot();
         let mut m = manifest(&s, 32);
         m.tensors[1].shape = vec![8];
-        let e = Assembler::new("t", &m, 1 << 20).err().expect("refused");
+        let e = Assembler::new("t", &m, 1 << 20, &mut Spares::default())
+            .err()
+            .expect("refused");
         assert!(
             e.to_string()
                 .contains("tensor `b` has shape [8] but 28 bytes"),
@@ -613,10 +659,14 @@ mod tests {
         );
         let mut m = manifest(&s, 32);
         m.bucket_sizes.pop();
-        let e = Assembler::new("t", &m, 1 << 20).err().expect("refused");
+        let e = Assembler::new("t", &m, 1 << 20, &mut Spares::default())
+            .err()
+            .expect("refused");
         assert!(e.to_string().contains("buckets hold"), "{e}");
         let m = manifest(&s, 64);
-        let e = Assembler::new("t", &m, 16).err().expect("refused");
+        let e = Assembler::new("t", &m, 16, &mut Spares::default())
+            .err()
+            .expect("refused");
         assert!(e.to_string().contains("exceeds the limit of 16"), "{e}");
     }
 
@@ -626,7 +676,9 @@ mod tests {
         let m = manifest(&s, 24);
         let (mut region, mut view) = (None, None);
         let (path, crcs) = write_shm(&mut region, &s, &m).expect("/dev/shm is writable");
-        let (back, ack) = read_shm("t", &m, &path, &crcs, &mut view).expect("reads back");
+        let mut spares = Spares::default();
+        let (back, ack) =
+            read_shm("t", &m, &path, &crcs, &mut view, &mut spares).expect("reads back");
         assert_eq!(*back.params, *s.params);
         assert_eq!(ack.digest, digest(&crcs));
         // The next version reuses the file and the receiver's mapping.
@@ -638,13 +690,23 @@ mod tests {
         };
         let (path2, crcs2) = write_shm(&mut region, &s2, &m).expect("rewrites");
         assert_eq!(path2, path);
-        let (back, _) = read_shm("t", &m, &path, &crcs2, &mut view).expect("reads back");
+        // Once the first copy is let go, the next read reuses its memory.
+        let first = back.params.tensors[0].data.as_ptr();
+        spares.keep(back.params);
+        let (back, _) =
+            read_shm("t", &m, &path, &crcs2, &mut view, &mut spares).expect("reads back");
         assert_eq!(back.params.tensors[1].data[0], 42.0);
+        assert_eq!(
+            back.params.tensors[0].data.as_ptr(),
+            first,
+            "reused, not reallocated"
+        );
+        assert_eq!(*back.params, *s2.params);
         let mut wrong = crcs2.clone();
         wrong[2] ^= 1;
-        let e = read_shm("t", &m, &path, &wrong, &mut view).unwrap_err();
+        let e = read_shm("t", &m, &path, &wrong, &mut view, &mut spares).unwrap_err();
         assert!(e.to_string().contains("bucket 2"), "{e}");
-        let e = read_shm("t", &m, "/etc/passwd", &crcs, &mut None).unwrap_err();
+        let e = read_shm("t", &m, "/etc/passwd", &crcs, &mut None, &mut spares).unwrap_err();
         assert!(
             e.to_string().contains("refusing to read /etc/passwd"),
             "{e}"
