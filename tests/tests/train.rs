@@ -267,9 +267,13 @@ fn runs_are_reproducible() {
 
 #[test]
 fn the_arith_recipe_shortened_lifts_held_out_accuracy() {
-    // recipes/grpo-arith.yaml as shipped, with 20 GRPO steps instead of 150 (about a minute and
-    // a half on two cores): the RL stage must raise greedy accuracy on the held-out set over the
-    // SFT warm start. Runs are reproducible, so this is a fixed comparison, not a lucky draw.
+    // recipes/grpo-arith.yaml as shipped, with 30 GRPO steps instead of 150 (about two minutes
+    // on two cores): the RL stage must raise greedy accuracy on the held-out set over the SFT
+    // warm start. Runs are reproducible on one CPU kind, so this is a fixed comparison there; but
+    // AVX-512 and AVX2 machines sum in different orders and land on different warm starts
+    // (0.525 on the first, 0.68 on an AVX2-only EPYC), and on the latter accuracy dips at step 20
+    // before rising (0.635, then 0.775 at step 30). So the warm start's level is the recipe's
+    // acceptance figure (recipes/README.md), not asserted here.
     let recipe = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../recipes/grpo-arith.yaml");
     let dir = run_dir("arith");
     run_ok(
@@ -279,7 +283,7 @@ fn the_arith_recipe_shortened_lifts_held_out_accuracy() {
             .args([
                 "--quiet",
                 "-o",
-                "stages.rl.trainer.steps=20",
+                "stages.rl.trainer.steps=30",
                 "-o",
                 "stages.rl.trainer.eval_freq=0",
             ])
@@ -301,7 +305,7 @@ fn the_arith_recipe_shortened_lifts_held_out_accuracy() {
             .unwrap()
     };
     let (warm, rl) = (acc("warmup"), acc("rl"));
-    assert!(warm <= 0.6, "the warm start must leave room: {warm}");
+    assert!(warm < 0.9, "the warm start must leave room to improve: {warm}");
     assert!(
         rl >= warm + 0.05,
         "GRPO did not lift accuracy: {warm} → {rl}"
