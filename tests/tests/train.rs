@@ -305,7 +305,10 @@ fn the_arith_recipe_shortened_lifts_held_out_accuracy() {
             .unwrap()
     };
     let (warm, rl) = (acc("warmup"), acc("rl"));
-    assert!(warm < 0.9, "the warm start must leave room to improve: {warm}");
+    assert!(
+        warm < 0.9,
+        "the warm start must leave room to improve: {warm}"
+    );
     assert!(
         rl >= warm + 0.05,
         "GRPO did not lift accuracy: {warm} → {rl}"
