@@ -230,6 +230,13 @@ impl AgentConn {
             .unwrap_or_else(|_| Err(lost("the connection to its agent is closed")))
     }
 
+    fn refused(&self, actor_id: &str, status: &tonic::Status) -> ActorError {
+        ActorError::Snapshot {
+            actor: actor_id.to_string(),
+            message: format!("agent `{}` refused it: {}", self.name, status.message()),
+        }
+    }
+
     async fn push_grpc(
         &self,
         actor_id: &str,
@@ -272,10 +279,7 @@ impl AgentConn {
             .clone()
             .push_snapshot(ReceiverStream::new(rx))
             .await
-            .map_err(|st| ActorError::Snapshot {
-                actor: actor_id.to_string(),
-                message: format!("agent `{}` refused it: {}", self.name, st.message()),
-            })?
+            .map_err(|st| self.refused(actor_id, &st))?
             .into_inner();
         let crcs = producer.await.map_err(|e| ActorError::Snapshot {
             actor: actor_id.to_string(),
@@ -315,10 +319,7 @@ impl AgentConn {
             .clone()
             .push_snapshot_shm(request)
             .await
-            .map_err(|st| ActorError::Snapshot {
-                actor: actor_id.to_string(),
-                message: format!("agent `{}` refused it: {}", self.name, st.message()),
-            })?
+            .map_err(|st| self.refused(actor_id, &st))?
             .into_inner();
         check_version(actor_id, &ack, s.version)?;
         Ok((snapshot::digest(&crcs), ack.digest))

@@ -103,29 +103,7 @@ enum Command {
         what: BenchCommand,
     },
     /// Run a node agent: host actors on this machine for the head at --head.
-    Agent {
-        /// The head's URL, e.g. http://10.0.0.1:7070.
-        #[arg(long)]
-        head: String,
-        /// File holding the cluster token (the head refuses agents without it).
-        #[arg(long, env = "TRELLIS_TOKEN_FILE")]
-        token_file: PathBuf,
-        /// What this machine offers, e.g. cpu=2,gpu=0,tpu=4,memory=64G.
-        #[arg(long, default_value = "cpu=1")]
-        resources: String,
-        /// Labels placement can select on: k=v (repeat or comma-separate).
-        #[arg(long = "labels", value_delimiter = ',')]
-        labels: Vec<String>,
-        /// Where to serve the agent protocol (port 0 picks one).
-        #[arg(long, default_value = "127.0.0.1:0")]
-        listen: std::net::SocketAddr,
-        /// The URL the head reaches this agent at (default: http://<listen>).
-        #[arg(long)]
-        advertise: Option<String>,
-        /// Agent name (default: <hostname>-<pid>).
-        #[arg(long)]
-        name: Option<String>,
-    },
+    Agent(AgentArgs),
 }
 
 #[derive(Debug, Subcommand)]
@@ -471,33 +449,33 @@ fn run() -> Result<()> {
                     json,
                 },
         } => bench_actors(snapshot_mib, calls, in_flight, json),
-        Command::Agent {
-            head,
-            token_file,
-            resources,
-            labels,
-            listen,
-            advertise,
-            name,
-        } => agent(AgentArgs {
-            head,
-            token_file,
-            resources,
-            labels,
-            listen,
-            advertise,
-            name,
-        }),
+        Command::Agent(args) => agent(args),
     }
 }
 
+/// `trellis agent`'s arguments.
+#[derive(Debug, clap::Args)]
 struct AgentArgs {
+    /// The head's URL, e.g. http://10.0.0.1:7070.
+    #[arg(long)]
     head: String,
+    /// File holding the cluster token (the head refuses agents without it).
+    #[arg(long, env = "TRELLIS_TOKEN_FILE")]
     token_file: PathBuf,
+    /// What this machine offers, e.g. cpu=2,gpu=0,tpu=4,memory=64G.
+    #[arg(long, default_value = "cpu=1")]
     resources: String,
+    /// Labels placement can select on: k=v (repeat or comma-separate).
+    #[arg(long = "labels", value_delimiter = ',')]
     labels: Vec<String>,
+    /// Where to serve the agent protocol (port 0 picks one).
+    #[arg(long, default_value = "127.0.0.1:0")]
     listen: std::net::SocketAddr,
+    /// The URL the head reaches this agent at (default: http://<listen>).
+    #[arg(long)]
     advertise: Option<String>,
+    /// Agent name (default: <hostname>-<pid>).
+    #[arg(long)]
     name: Option<String>,
 }
 
