@@ -9,6 +9,7 @@
 use crate::auth::Token;
 use crate::error::ActorError;
 use crate::head::{PROTOCOL_VERSION, host_id};
+use crate::lock;
 use crate::placement::Resources;
 use crate::registry::{Hosted, Mailbox, Registry};
 use crate::remote::{Wire, endpoint};
@@ -84,10 +85,6 @@ struct State {
     shm: Arc<Mutex<Option<snapshot::ShmView>>>,
     /// Snapshots handed to actors, whose memory the next push reuses once they let go.
     spares: Arc<Mutex<snapshot::Spares>>,
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl State {
@@ -412,12 +409,7 @@ async fn membership(
     let register = RegisterRequest {
         name: options.name.clone(),
         address: advertise.to_string(),
-        resources: Some(proto::v1::Resources {
-            cpu: options.resources.cpu,
-            gpu: options.resources.gpu,
-            tpu: options.resources.tpu,
-            memory_bytes: options.resources.memory_bytes,
-        }),
+        resources: Some(options.resources.into()),
         labels: options.labels.clone().into_iter().collect(),
         kinds: options.registry.kinds(),
         host_id: host_id(),

@@ -11,6 +11,7 @@
 use crate::actor::{Actor, ActorRef, Incarnation, Link, SpawnOptions, Starter, supervise};
 use crate::auth::Token;
 use crate::error::ActorError;
+use crate::lock;
 use crate::placement::{self, Assignment, Demand, Offer, PoolSpec, Resources};
 use crate::remote::{AgentConn, RemoteActor, Wire};
 use bytes::Bytes;
@@ -84,10 +85,6 @@ struct Inner {
 pub struct Head {
     inner: Arc<Inner>,
     address: SocketAddr,
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// This host's identity: boot id and hostname. Agents with the same id as the head get weight
@@ -499,13 +496,7 @@ impl HeadRpc for Service {
         for old in previous {
             inner.declare_lost(&old, "a new agent registered under its name");
         }
-        let resources = r.resources.unwrap_or_default();
-        let resources = Resources {
-            cpu: resources.cpu,
-            gpu: resources.gpu,
-            tpu: resources.tpu,
-            memory_bytes: resources.memory_bytes,
-        };
+        let resources = Resources::from(r.resources.unwrap_or_default());
         let info = AgentInfo {
             id: id.clone(),
             name: r.name,

@@ -32,3 +32,9 @@ pub use head::{AgentInfo, Head, HeadConfig};
 pub use placement::{Demand, Device, PoolSpec, Resources, Strategy};
 pub use registry::Registry;
 pub use remote::Wire;
+
+/// Locks a mutex, taking the data even if a panicking thread poisoned it: every critical section
+/// here leaves its map consistent, so a panic elsewhere never makes the runtime unusable.
+pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}

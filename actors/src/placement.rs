@@ -97,6 +97,28 @@ impl Resources {
     }
 }
 
+impl From<proto::v1::Resources> for Resources {
+    fn from(r: proto::v1::Resources) -> Self {
+        Resources {
+            cpu: r.cpu,
+            gpu: r.gpu,
+            tpu: r.tpu,
+            memory_bytes: r.memory_bytes,
+        }
+    }
+}
+
+impl From<Resources> for proto::v1::Resources {
+    fn from(r: Resources) -> Self {
+        proto::v1::Resources {
+            cpu: r.cpu,
+            gpu: r.gpu,
+            tpu: r.tpu,
+            memory_bytes: r.memory_bytes,
+        }
+    }
+}
+
 fn parse_bytes(text: &str) -> Result<u64, String> {
     let (digits, unit) = text.split_at(
         text.find(|c: char| !c.is_ascii_digit())

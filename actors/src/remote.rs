@@ -8,6 +8,7 @@
 use crate::actor::Actor;
 use crate::auth::{Bearer, Token};
 use crate::error::ActorError;
+use crate::lock;
 use crate::snapshot;
 use bytes::Bytes;
 use learner::snapshot::WeightSnapshot;
@@ -338,10 +339,6 @@ fn check_version(
         actor: actor_id.to_string(),
         message: format!("acknowledged version {} for version {sent}", ack.version),
     })
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// An actor living in an agent, as its handle reaches it.
