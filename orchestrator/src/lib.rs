@@ -8,6 +8,7 @@
 //! control), or opens engine-specific sockets (engines and their adapters own those).
 
 pub mod plot;
+pub mod store;
 pub mod tensorboard;
 pub mod train;
 pub mod workflow;

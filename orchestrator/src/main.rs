@@ -50,6 +50,14 @@ enum Command {
         #[arg(long)]
         quiet: bool,
     },
+    /// The state of the run in RUN_DIR: job state, stage, step, checkpoints (from its store).
+    Status {
+        /// The run directory.
+        run_dir: PathBuf,
+        /// One JSON object instead of text.
+        #[arg(long)]
+        json: bool,
+    },
     /// Workflow files.
     Config {
         #[command(subcommand)]
@@ -333,6 +341,12 @@ fn bench_generate(model: Option<PathBuf>, json: bool) -> Result<()> {
 }
 
 fn print_summary(dir: &std::path::Path, s: &orchestrator::train::Summary) {
+    if s.finished_before {
+        println!(
+            "the run in {} had already finished: nothing to do",
+            dir.display()
+        );
+    }
     for (stage, acc) in &s.eval_accuracy {
         println!("{stage}: eval accuracy {acc:.3}");
     }
@@ -391,6 +405,35 @@ fn run() -> Result<()> {
         Command::Resume { run_dir, quiet } => {
             let summary = orchestrator::train::resume(&run_dir, quiet)?;
             print_summary(&run_dir, &summary);
+            Ok(())
+        }
+        Command::Status { run_dir, json } => {
+            let st = orchestrator::train::status(&run_dir)?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&st)?);
+                return Ok(());
+            }
+            let j = &st.job;
+            println!(
+                "job {} `{}`: {}",
+                j.id,
+                j.name,
+                serde_json::to_value(j.state)?.as_str().unwrap_or("?")
+            );
+            if let Some(e) = &j.error {
+                println!("  error: {e}");
+            }
+            println!("  stages completed: {}", j.progress.completed.join(", "));
+            if let Some(stage) = &j.progress.stage {
+                println!("  last checkpoint: stage {stage} step {}", j.progress.step);
+            }
+            for c in &st.checkpoints {
+                println!(
+                    "  checkpoint {} (weight version {})",
+                    c.path, c.weight_version
+                );
+            }
+            println!("  metric rows: {}", st.metric_rows);
             Ok(())
         }
         Command::Config {

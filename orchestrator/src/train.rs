@@ -2,11 +2,13 @@
 //! `sync` mode, eval), writes `metrics.jsonl`, checkpoints at `save_freq`, and resumes from the
 //! last checkpoint.
 //!
-//! Run directory: `workflow.json` (the resolved workflow), `metrics.jsonl` (one object per step
-//! with `stage`, `step` and VeRL-named metrics), `checkpoints/<stage>/step_<N>/` (model in HF
-//! layout, `optimizer/`), and `state.json` (the last checkpoint and the stages finished), written
-//! atomically after each checkpoint.
+//! Run directory: `store.redb` (the job store: spec, state, progress, checkpoint index and every
+//! metric row; see [`crate::store`]), `workflow.json` (the resolved workflow, for people),
+//! `metrics.jsonl` (one object per step with `stage`, `step` and VeRL-named metrics, an export of
+//! the store's rows), `tensorboard/`, and `checkpoints/<stage>/step_<N>/` (model in HF layout,
+//! `optimizer/`, `trainer_state.json`).
 
+use crate::store::{CheckpointRecord, JobState, Progress, Store, StoreError};
 use crate::workflow::{Stage, StageKind, Workflow};
 use learner::checkpoint::Checkpoint;
 use learner::optim::{LrSchedule, Optimizer};
@@ -21,7 +23,7 @@ use learner::{Batch, Model, ModelConfig};
 use rollout::native::{NativeConfig, NativeEngine};
 use rollout::task::{ArithTask, Problem};
 use rollout::{Completion, GenerateRequest, SamplingParams};
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 use std::collections::{BTreeMap, HashSet};
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -40,6 +42,9 @@ pub enum RunError {
     /// An RL formula's inputs or settings.
     #[error(transparent)]
     Rl(#[from] learner::rl::RlError),
+    /// The job store.
+    #[error(transparent)]
+    Store(#[from] StoreError),
     /// Files of the run directory.
     #[error("{path}: {source}")]
     Io {
@@ -60,21 +65,6 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> RunError + '_ {
     }
 }
 
-/// Progress of a run, saved as `state.json` with each checkpoint.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
-pub struct RunState {
-    /// Stages finished, in order.
-    pub completed: Vec<String>,
-    /// The stage of the last checkpoint and its step (steps count from 1).
-    pub stage: Option<String>,
-    /// Last checkpointed step of `stage`.
-    pub step: u64,
-    /// Checkpoint folder, relative to the run directory.
-    pub checkpoint: Option<String>,
-    /// Weight version at the checkpoint.
-    pub weight_version: u64,
-}
-
 /// What a finished run reports.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct Summary {
@@ -82,6 +72,47 @@ pub struct Summary {
     pub eval_accuracy: BTreeMap<String, f64>,
     /// Steps run in this invocation (not counting those resumed over).
     pub steps_run: u64,
+    /// `resume` found the run finished already.
+    pub finished_before: bool,
+}
+
+/// What the store of a run directory says about its run.
+#[derive(Clone, Debug, Serialize)]
+pub struct Status {
+    /// The job (spec, state, progress).
+    pub job: crate::store::Job,
+    /// Checkpoints kept, oldest first.
+    pub checkpoints: Vec<CheckpointRecord>,
+    /// Metric rows recorded.
+    pub metric_rows: usize,
+}
+
+/// Reads the store of the run in `dir` (refused while a process is running it: the store is
+/// opened by one process at a time).
+pub fn status(dir: &Path) -> Result<Status, RunError> {
+    let (store, job) = open_run(dir)?;
+    Ok(Status {
+        checkpoints: store.checkpoints(job.id)?,
+        metric_rows: store.metrics(job.id, 0)?.len(),
+        job,
+    })
+}
+
+fn open_run(dir: &Path) -> Result<(Store, crate::store::Job), RunError> {
+    let path = store_path(dir);
+    if !path.exists() {
+        return Err(RunError::Other(format!(
+            "{} holds no run (no store.redb): start one with `trellis train RECIPE --run-dir {}`",
+            dir.display(),
+            dir.display()
+        )));
+    }
+    let store = Store::open(&path)?;
+    let job =
+        store.jobs()?.last().cloned().ok_or_else(|| {
+            RunError::Other(format!("{}: the store holds no job", path.display()))
+        })?;
+    Ok((store, job))
 }
 
 struct Run<'a> {
@@ -95,7 +126,9 @@ struct Run<'a> {
     version: u64,
     metrics: std::fs::File,
     events: crate::tensorboard::EventWriter,
-    state: RunState,
+    store: &'a Store,
+    job: u64,
+    state: Progress,
     quiet: bool,
     summary: Summary,
 }
@@ -106,9 +139,14 @@ fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), RunError> {
     std::fs::rename(&tmp, path).map_err(io(path))
 }
 
+/// The job store of a run directory.
+pub fn store_path(dir: &Path) -> PathBuf {
+    dir.join("store.redb")
+}
+
 /// Starts a run of `wf` in `dir` (which must not hold another run).
 pub fn start(wf: &Workflow, dir: &Path, quiet: bool) -> Result<Summary, RunError> {
-    if dir.join("state.json").exists() {
+    if store_path(dir).exists() {
         return Err(RunError::Other(format!(
             "{} already holds a run: continue it with `trellis resume {}`, or pick another --run-dir",
             dir.display(),
@@ -116,27 +154,46 @@ pub fn start(wf: &Workflow, dir: &Path, quiet: bool) -> Result<Summary, RunError
         )));
     }
     std::fs::create_dir_all(dir).map_err(io(dir))?;
-    let text = serde_json::to_string_pretty(wf).map_err(|e| RunError::Other(e.to_string()))?;
+    let spec = serde_json::to_value(wf).map_err(|e| RunError::Other(e.to_string()))?;
+    let text = serde_json::to_string_pretty(&spec).map_err(|e| RunError::Other(e.to_string()))?;
     write_atomic(&dir.join("workflow.json"), text.as_bytes())?;
-    write_atomic(
-        &dir.join("state.json"),
-        b"{\"completed\":[],\"stage\":null,\"step\":0,\"checkpoint\":null,\"weight_version\":0}",
-    )?;
     let _ = std::fs::remove_file(dir.join("metrics.jsonl"));
-    execute(wf, dir, RunState::default(), quiet)
+    let store = Store::open(&store_path(dir))?;
+    let job = store.create_job(&wf.name, spec, JobState::Running)?;
+    execute(wf, dir, store, job, quiet)
 }
 
 /// Continues the run in `dir` from its last checkpoint.
 pub fn resume(dir: &Path, quiet: bool) -> Result<Summary, RunError> {
-    let wf_path = dir.join("workflow.json");
-    let text = std::fs::read_to_string(&wf_path).map_err(io(&wf_path))?;
-    let wf: Workflow = serde_json::from_str(&text)
-        .map_err(|e| RunError::Other(format!("{}: {e}", wf_path.display())))?;
-    let st_path = dir.join("state.json");
-    let text = std::fs::read_to_string(&st_path).map_err(io(&st_path))?;
-    let state: RunState = serde_json::from_str(&text)
-        .map_err(|e| RunError::Other(format!("{}: {e}", st_path.display())))?;
-    execute(&wf, dir, state, quiet)
+    let (store, job) = open_run(dir)?;
+    if job.state == JobState::Succeeded {
+        return Ok(Summary {
+            finished_before: true,
+            ..Summary::default()
+        });
+    }
+    let wf: Workflow = serde_json::from_value(job.spec.clone())
+        .map_err(|e| RunError::Other(format!("{}: job {}: {e}", store.path().display(), job.id)))?;
+    store.set_state(job.id, JobState::Running, None)?;
+    execute(&wf, dir, store, job.id, quiet)
+}
+
+/// Runs the job and records how it ended: `Succeeded`, or `Failed` with the error (resumable).
+fn execute(
+    wf: &Workflow,
+    dir: &Path,
+    store: Store,
+    job: u64,
+    quiet: bool,
+) -> Result<Summary, RunError> {
+    let out = run_job(wf, dir, &store, job, quiet);
+    let end = match &out {
+        Ok(_) => store.set_state(job, JobState::Succeeded, None),
+        Err(e) => store.set_state(job, JobState::Failed, Some(e.to_string())),
+    };
+    let summary = out?;
+    end?;
+    Ok(summary)
 }
 
 fn tokenizer_for(wf: &Workflow) -> Result<(Tokenizer, String), RunError> {
@@ -191,7 +248,14 @@ fn initial_model(wf: &Workflow, tok: &Tokenizer) -> Result<Checkpoint, RunError>
     })
 }
 
-fn execute(wf: &Workflow, dir: &Path, state: RunState, quiet: bool) -> Result<Summary, RunError> {
+fn run_job(
+    wf: &Workflow,
+    dir: &Path,
+    store: &Store,
+    job: u64,
+    quiet: bool,
+) -> Result<Summary, RunError> {
+    let state = store.job(job)?.progress;
     let (tokenizer, tokenizer_json) = tokenizer_for(wf)?;
     let Checkpoint {
         mut model,
@@ -225,9 +289,7 @@ fn execute(wf: &Workflow, dir: &Path, state: RunState, quiet: bool) -> Result<Su
         },
     );
     let metrics_path = dir.join("metrics.jsonl");
-    if state.stage.is_some() {
-        truncate_metrics(&metrics_path, &state)?;
-    }
+    rewind_metrics(store, job, &state, &metrics_path)?;
     let metrics = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
@@ -246,6 +308,8 @@ fn execute(wf: &Workflow, dir: &Path, state: RunState, quiet: bool) -> Result<Su
         version,
         metrics,
         events,
+        store,
+        job,
         state,
         quiet,
         summary: Summary::default(),
@@ -268,25 +332,18 @@ fn execute(wf: &Workflow, dir: &Path, state: RunState, quiet: bool) -> Result<Su
     Ok(run.summary)
 }
 
-/// Drops metric lines written after the checkpoint being resumed from (they will be redone).
-fn truncate_metrics(path: &Path, state: &RunState) -> Result<(), RunError> {
-    let Ok(text) = std::fs::read_to_string(path) else {
-        return Ok(());
-    };
-    let keep: Vec<&str> = text
-        .lines()
-        .filter(|l| {
-            let Ok(v) = serde_json::from_str::<serde_json::Value>(l) else {
-                return false;
-            };
-            let stage = v.get("stage").and_then(|s| s.as_str()).unwrap_or("");
-            let step = v.get("step").and_then(|s| s.as_u64()).unwrap_or(0);
-            state.completed.iter().any(|c| c == stage)
-                || (Some(stage) == state.stage.as_deref() && step <= state.step)
-        })
-        .collect();
-    let mut out = keep.join("\n");
-    if !out.is_empty() {
+/// Drops the metric rows written after the checkpoint being resumed from (those steps run
+/// again), then rewrites `metrics.jsonl` from the store's rows.
+fn rewind_metrics(store: &Store, job: u64, state: &Progress, path: &Path) -> Result<(), RunError> {
+    store.retain_metrics(job, |v| {
+        let stage = v.get("stage").and_then(|s| s.as_str()).unwrap_or("");
+        let step = v.get("step").and_then(|s| s.as_u64()).unwrap_or(0);
+        state.completed.iter().any(|c| c == stage)
+            || (Some(stage) == state.stage.as_deref() && step <= state.step)
+    })?;
+    let mut out = String::new();
+    for (_, row) in store.metrics(job, 0)? {
+        out.push_str(&row.to_string());
         out.push('\n');
     }
     write_atomic(path, out.as_bytes())
@@ -329,8 +386,10 @@ impl Run<'_> {
                 obj.insert(k.clone(), (*v).into());
             }
         }
+        let row = serde_json::Value::Object(obj);
+        self.store.append_metrics(self.job, &row)?;
         let path = self.dir.join("metrics.jsonl");
-        writeln!(self.metrics, "{}", serde_json::Value::Object(obj)).map_err(io(&path))?;
+        writeln!(self.metrics, "{row}").map_err(io(&path))?;
         self.metrics.flush().map_err(io(&path))?;
         let scalars = m
             .iter()
@@ -351,25 +410,45 @@ impl Run<'_> {
         stage: &str,
         step: u64,
         opt: Option<&Optimizer>,
+        keep: usize,
     ) -> Result<(), RunError> {
         let rel = format!("checkpoints/{stage}/step_{step:06}");
         let ck = Checkpoint {
             model: self.model.clone(),
             assets: self.assets.clone(),
         };
-        ck.save(&self.dir.join(&rel), opt)?;
-        let prev = self.state.checkpoint.replace(rel.clone());
+        let abs = self.dir.join(&rel);
+        ck.save(&abs, opt)?;
+        // What resuming needs besides weights and optimiser: data and sampling are pure
+        // functions of (seed, stage, step), so the step is the data position and the RNG state.
+        let trainer_state = serde_json::json!({
+            "stage": stage,
+            "step": step,
+            "weight_version": self.version,
+            "seed": self.wf.seed,
+            "data_position": {"stage": stage, "step": step},
+            "rng": {"kind": "chacha8", "seeded_by": ["seed", "stage", "step", "round", "prompt"]},
+        });
+        let path = abs.join("trainer_state.json");
+        write_atomic(&path, trainer_state.to_string().as_bytes())?;
+        self.state.checkpoint = Some(rel.clone());
         self.state.stage = Some(stage.to_string());
         self.state.step = step;
         self.state.weight_version = self.version;
-        let text =
-            serde_json::to_vec_pretty(&self.state).map_err(|e| RunError::Other(e.to_string()))?;
-        write_atomic(&self.dir.join("state.json"), &text)?;
-        // The previous checkpoint is no longer needed once the state points past it.
-        if let Some(p) = prev
-            && p != rel
+        let record = CheckpointRecord {
+            stage: stage.to_string(),
+            step,
+            path: rel.clone(),
+            weight_version: self.version,
+        };
+        // Folders are deleted only once the store no longer points at them.
+        for old in self
+            .store
+            .checkpoint(self.job, &self.state, &record, keep)?
         {
-            let _ = std::fs::remove_dir_all(self.dir.join(p));
+            if old.path != rel {
+                let _ = std::fs::remove_dir_all(self.dir.join(old.path));
+            }
         }
         Ok(())
     }
@@ -474,12 +553,17 @@ impl Run<'_> {
                 ));
                 let save = stage.trainer.save_freq;
                 if save > 0 && step % save == 0 && step < total {
-                    self.checkpoint(&stage.id, step, opt.as_ref())?;
+                    self.checkpoint(
+                        &stage.id,
+                        step,
+                        opt.as_ref(),
+                        stage.trainer.max_ckpt_to_keep,
+                    )?;
                 }
             }
         }
         self.state.completed.push(stage.id.clone());
-        self.checkpoint(&stage.id, total, None)?;
+        self.checkpoint(&stage.id, total, None, stage.trainer.max_ckpt_to_keep)?;
         Ok(())
     }
 

@@ -209,6 +209,8 @@ pub struct Trainer {
     pub save_freq: u64,
     /// `sync` (only mode so far).
     pub mode: String,
+    /// Checkpoints kept on disk (older ones are deleted once a newer one is recorded).
+    pub max_ckpt_to_keep: usize,
 }
 
 impl Default for Trainer {
@@ -218,6 +220,7 @@ impl Default for Trainer {
             eval_freq: 0,
             save_freq: 0,
             mode: "sync".into(),
+            max_ckpt_to_keep: 1,
         }
     }
 }
@@ -446,6 +449,11 @@ pub fn validate(wf: &Workflow, origin: &str) -> Result<(), WorkflowError> {
             a.loss_agg_mode
                 .parse::<learner::rl::agg::LossAgg>()
                 .map_err(|e| err(format!("{origin}: stages[{i}].algorithm: {e}")))?;
+        }
+        if s.trainer.max_ckpt_to_keep == 0 {
+            return bad(format!(
+                "stages[{i}].trainer.max_ckpt_to_keep is 0: at least the latest checkpoint is kept (resuming needs it)"
+            ));
         }
         if s.trainer.mode != "sync" {
             return bad(format!(

@@ -95,13 +95,20 @@ fn a_recipe_runs_end_to_end_and_records_everything() {
     let png = std::fs::read(dir.join("plot.png")).unwrap();
     assert_eq!(&png[..4], b"\x89PNG");
     // The final model is a loadable Hugging Face checkpoint.
-    let state: Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("state.json")).unwrap()).unwrap();
+    let out =
+        String::from_utf8(run_ok(trellis().arg("status").arg(&dir).arg("--json")).stdout).unwrap();
+    let status: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(status["job"]["state"], "succeeded");
     assert_eq!(
-        state["completed"],
+        status["job"]["progress"]["completed"],
         serde_json::json!(["warmup", "rl", "final-eval"])
     );
-    let ck = dir.join(state["checkpoint"].as_str().unwrap());
+    assert_eq!(status["metric_rows"].as_u64(), Some(m.len() as u64));
+    let ck = dir.join(status["job"]["progress"]["checkpoint"].as_str().unwrap());
+    let trainer_state: Value =
+        serde_json::from_str(&std::fs::read_to_string(ck.join("trainer_state.json")).unwrap())
+            .unwrap();
+    assert_eq!(trainer_state["stage"], "final-eval");
     run_ok(
         trellis()
             .args(["score", "--json", "--text", "3+4=7", "--model"])
@@ -124,8 +131,10 @@ fn kill_nine_then_resume_loses_nothing() {
     // Wait for a checkpoint inside the RL stage, then kill -9.
     let start = Instant::now();
     loop {
-        let st = std::fs::read_to_string(dir.join("state.json")).unwrap_or_default();
-        if st.contains("\"stage\": \"rl\"") && st.contains("\"step\": 4") {
+        if dir
+            .join("checkpoints/rl/step_000004/trainer_state.json")
+            .exists()
+        {
             break;
         }
         assert!(
@@ -136,6 +145,16 @@ fn kill_nine_then_resume_loses_nothing() {
     }
     child.kill().unwrap();
     child.wait().unwrap();
+    let out =
+        String::from_utf8(run_ok(trellis().arg("status").arg(&dir).arg("--json")).stdout).unwrap();
+    let status: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(
+        status["job"]["state"], "running",
+        "a killed run is still `running`"
+    );
+    let at = status["job"]["progress"]["step"].as_u64().unwrap();
+    assert_eq!(status["job"]["progress"]["stage"], "rl");
+    assert!((2..12).contains(&at), "checkpointed at rl step {at}");
     run_ok(trellis().arg("resume").arg(&dir).arg("--quiet"));
     let m = metrics(&dir);
     assert_eq!(

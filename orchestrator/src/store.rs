@@ -1,0 +1,465 @@
+//! The durable job store: one redb file (`store.redb` in a run directory, or in the server's data
+//! dir) holding each job's spec, state, progress (step counter and checkpoint index) and metric
+//! rows. Every write is one transaction committed with immediate durability, so a kill -9 at any
+//! moment leaves the store as it was after the last commit, never half-written.
+//!
+//! Owns: the schema and its transactions. Never: runs jobs, reads checkpoints or touches tensors.
+
+use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+/// Job id → the job as JSON.
+const JOBS: TableDefinition<'_, u64, &[u8]> = TableDefinition::new("jobs");
+/// (job id, row number) → one metric row as JSON.
+const METRICS: TableDefinition<'_, (u64, u64), &[u8]> = TableDefinition::new("metrics");
+/// (job id, row number) → one checkpoint record as JSON.
+const CHECKPOINTS: TableDefinition<'_, (u64, u64), &[u8]> = TableDefinition::new("checkpoints");
+
+/// What can go wrong with the store.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The database refused (I/O, corruption, another process holding it).
+    #[error("job store {path}: {msg}")]
+    Db {
+        /// The store file.
+        path: PathBuf,
+        /// redb's message.
+        msg: String,
+    },
+    /// A job id the store does not have.
+    #[error("job store {path}: no job {id}")]
+    NoJob {
+        /// The store file.
+        path: PathBuf,
+        /// The id asked for.
+        id: u64,
+    },
+}
+
+/// Where a job is in its life.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum JobState {
+    /// Accepted, not started.
+    Pending,
+    /// Running (or was, when its process died: resuming continues it).
+    Running,
+    /// Finished every stage.
+    Succeeded,
+    /// Stopped by an error; resumable from its last checkpoint.
+    Failed,
+    /// Stopped on request.
+    Cancelled,
+}
+
+impl JobState {
+    /// Whether the job will not run again by itself.
+    pub fn is_final(self) -> bool {
+        matches!(self, Self::Succeeded | Self::Cancelled)
+    }
+}
+
+/// Progress of a job: what resuming needs.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Progress {
+    /// Stages finished, in order.
+    pub completed: Vec<String>,
+    /// The stage of the last checkpoint.
+    pub stage: Option<String>,
+    /// Last checkpointed step of `stage` (steps count from 1).
+    pub step: u64,
+    /// The latest checkpoint folder, relative to the run directory.
+    pub checkpoint: Option<String>,
+    /// Weight version at the checkpoint.
+    pub weight_version: u64,
+}
+
+/// One job.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Job {
+    /// Its id (from 1).
+    pub id: u64,
+    /// The workflow's name.
+    pub name: String,
+    /// The resolved workflow, as JSON.
+    pub spec: serde_json::Value,
+    /// Its state.
+    pub state: JobState,
+    /// Why it failed.
+    pub error: Option<String>,
+    /// Milliseconds since the Unix epoch.
+    pub created_ms: u64,
+    /// Last change, milliseconds since the Unix epoch.
+    pub updated_ms: u64,
+    /// Step counter and checkpoint index.
+    pub progress: Progress,
+}
+
+/// A checkpoint written by a job.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct CheckpointRecord {
+    /// Stage id.
+    pub stage: String,
+    /// Step within the stage.
+    pub step: u64,
+    /// Folder, relative to the run directory.
+    pub path: String,
+    /// Weight version it holds.
+    pub weight_version: u64,
+}
+
+/// An open store.
+pub struct Store {
+    db: Database,
+    path: PathBuf,
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+impl Store {
+    /// Opens `path`, creating it when absent.
+    pub fn open(path: &Path) -> Result<Self, StoreError> {
+        let db = Database::create(path).map_err(|e| StoreError::Db {
+            path: path.to_path_buf(),
+            msg: e.to_string(),
+        })?;
+        let store = Self {
+            db,
+            path: path.to_path_buf(),
+        };
+        // Create the tables so that readers never meet a missing one.
+        store.write(|tx| {
+            tx.open_table(JOBS)?;
+            tx.open_table(METRICS)?;
+            tx.open_table(CHECKPOINTS)?;
+            Ok(())
+        })?;
+        Ok(store)
+    }
+
+    /// The store file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    fn db_err(&self, e: impl std::fmt::Display) -> StoreError {
+        StoreError::Db {
+            path: self.path.clone(),
+            msg: e.to_string(),
+        }
+    }
+
+    /// Runs `f` in one write transaction and commits it durably.
+    fn write<T>(
+        &self,
+        f: impl FnOnce(&redb::WriteTransaction) -> Result<T, redb::Error>,
+    ) -> Result<T, StoreError> {
+        let tx = self.db.begin_write().map_err(|e| self.db_err(e))?;
+        let out = f(&tx).map_err(|e| self.db_err(e))?;
+        tx.commit().map_err(|e| self.db_err(e))?;
+        Ok(out)
+    }
+
+    fn read<T>(
+        &self,
+        f: impl FnOnce(&redb::ReadTransaction) -> Result<T, redb::Error>,
+    ) -> Result<T, StoreError> {
+        let tx = self.db.begin_read().map_err(|e| self.db_err(e))?;
+        f(&tx).map_err(|e| self.db_err(e))
+    }
+
+    /// Records a new job in `state`; returns its id.
+    pub fn create_job(
+        &self,
+        name: &str,
+        spec: serde_json::Value,
+        state: JobState,
+    ) -> Result<u64, StoreError> {
+        self.write(|tx| {
+            let mut jobs = tx.open_table(JOBS)?;
+            let id = jobs.last()?.map_or(1, |(k, _)| k.value() + 1);
+            let t = now_ms();
+            let job = Job {
+                id,
+                name: name.to_string(),
+                spec,
+                state,
+                error: None,
+                created_ms: t,
+                updated_ms: t,
+                progress: Progress::default(),
+            };
+            jobs.insert(id, to_json(&job).as_slice())?;
+            Ok(id)
+        })
+    }
+
+    /// The job `id`.
+    pub fn job(&self, id: u64) -> Result<Job, StoreError> {
+        let job = self.read(|tx| {
+            let jobs = tx.open_table(JOBS)?;
+            Ok(jobs.get(id)?.map(|v| from_json::<Job>(v.value())))
+        })?;
+        match job {
+            Some(Ok(j)) => Ok(j),
+            Some(Err(e)) => Err(self.db_err(format!("job {id}: {e}"))),
+            None => Err(StoreError::NoJob {
+                path: self.path.clone(),
+                id,
+            }),
+        }
+    }
+
+    /// Every job, by id.
+    pub fn jobs(&self) -> Result<Vec<Job>, StoreError> {
+        let rows = self.read(|tx| {
+            let jobs = tx.open_table(JOBS)?;
+            let mut out = Vec::new();
+            for row in jobs.iter()? {
+                let (_, v) = row?;
+                out.push(from_json::<Job>(v.value()));
+            }
+            Ok(out)
+        })?;
+        rows.into_iter()
+            .map(|r| r.map_err(|e| self.db_err(e)))
+            .collect()
+    }
+
+    /// Changes job `id` with `f` in one transaction.
+    fn update(&self, id: u64, f: impl FnOnce(&mut Job)) -> Result<Job, StoreError> {
+        let path = self.path.clone();
+        let res = self.write(|tx| {
+            let mut jobs = tx.open_table(JOBS)?;
+            let Some(mut job) = jobs.get(id)?.and_then(|v| from_json::<Job>(v.value()).ok()) else {
+                return Ok(None);
+            };
+            f(&mut job);
+            job.updated_ms = now_ms();
+            jobs.insert(id, to_json(&job).as_slice())?;
+            Ok(Some(job))
+        })?;
+        res.ok_or(StoreError::NoJob { path, id })
+    }
+
+    /// Sets job `id`'s state (and error message, for `Failed`).
+    pub fn set_state(
+        &self,
+        id: u64,
+        state: JobState,
+        error: Option<String>,
+    ) -> Result<Job, StoreError> {
+        self.update(id, |j| {
+            j.state = state;
+            j.error = error;
+        })
+    }
+
+    /// Appends a metric row to job `id`.
+    pub fn append_metrics(&self, id: u64, row: &serde_json::Value) -> Result<u64, StoreError> {
+        self.write(|tx| {
+            let mut t = tx.open_table(METRICS)?;
+            let seq = t
+                .range((id, 0)..=(id, u64::MAX))?
+                .next_back()
+                .transpose()?
+                .map_or(0, |(k, _)| k.value().1 + 1);
+            t.insert((id, seq), to_json(row).as_slice())?;
+            Ok(seq)
+        })
+    }
+
+    /// Job `id`'s metric rows from row `from` on, with their row numbers.
+    pub fn metrics(&self, id: u64, from: u64) -> Result<Vec<(u64, serde_json::Value)>, StoreError> {
+        let rows = self.read(|tx| {
+            let t = tx.open_table(METRICS)?;
+            let mut out = Vec::new();
+            for row in t.range((id, from)..=(id, u64::MAX))? {
+                let (k, v) = row?;
+                out.push((k.value().1, from_json::<serde_json::Value>(v.value())));
+            }
+            Ok(out)
+        })?;
+        rows.into_iter()
+            .map(|(s, r)| r.map(|v| (s, v)).map_err(|e| self.db_err(e)))
+            .collect()
+    }
+
+    /// Records a checkpoint of job `id`, moves its progress there and forgets all but the
+    /// latest `keep` checkpoints, in one transaction. Returns the records forgotten (whose
+    /// folders the caller deletes).
+    pub fn checkpoint(
+        &self,
+        id: u64,
+        progress: &Progress,
+        record: &CheckpointRecord,
+        keep: usize,
+    ) -> Result<Vec<CheckpointRecord>, StoreError> {
+        let path = self.path.clone();
+        let found = self.write(|tx| {
+            let mut jobs = tx.open_table(JOBS)?;
+            let Some(mut job) = jobs.get(id)?.and_then(|v| from_json::<Job>(v.value()).ok()) else {
+                return Ok(None);
+            };
+            job.progress = progress.clone();
+            job.updated_ms = now_ms();
+            jobs.insert(id, to_json(&job).as_slice())?;
+            let mut ck = tx.open_table(CHECKPOINTS)?;
+            let seq = ck
+                .range((id, 0)..=(id, u64::MAX))?
+                .next_back()
+                .transpose()?
+                .map_or(0, |(k, _)| k.value().1 + 1);
+            ck.insert((id, seq), to_json(record).as_slice())?;
+            let first_kept = (seq + 1).saturating_sub(keep.max(1) as u64);
+            let mut forgotten = Vec::new();
+            ck.retain_in((id, 0)..(id, first_kept), |_, v| {
+                forgotten.extend(from_json::<CheckpointRecord>(v).ok());
+                false
+            })?;
+            Ok(Some(forgotten))
+        })?;
+        found.ok_or(StoreError::NoJob { path, id })
+    }
+
+    /// Job `id`'s checkpoints, oldest first.
+    pub fn checkpoints(&self, id: u64) -> Result<Vec<CheckpointRecord>, StoreError> {
+        let rows = self.read(|tx| {
+            let t = tx.open_table(CHECKPOINTS)?;
+            let mut out = Vec::new();
+            for row in t.range((id, 0)..=(id, u64::MAX))? {
+                out.push(from_json::<CheckpointRecord>(row?.1.value()));
+            }
+            Ok(out)
+        })?;
+        rows.into_iter()
+            .map(|r| r.map_err(|e| self.db_err(e)))
+            .collect()
+    }
+
+    /// Deletes job `id`'s metric rows for which `keep` is false (the steps after the checkpoint
+    /// a resume starts from, which will be run again); returns how many were deleted.
+    pub fn retain_metrics(
+        &self,
+        id: u64,
+        mut keep: impl FnMut(&serde_json::Value) -> bool,
+    ) -> Result<usize, StoreError> {
+        self.write(|tx| {
+            let mut t = tx.open_table(METRICS)?;
+            let mut dropped = 0;
+            t.retain_in((id, 0)..=(id, u64::MAX), |_, v| {
+                let k = from_json::<serde_json::Value>(v).is_ok_and(|row| keep(&row));
+                dropped += usize::from(!k);
+                k
+            })?;
+            Ok(dropped)
+        })
+    }
+}
+
+fn to_json<T: Serialize>(v: &T) -> Vec<u8> {
+    serde_json::to_vec(v).expect("store records serialise")
+}
+
+fn from_json<T: for<'de> Deserialize<'de>>(b: &[u8]) -> Result<T, String> {
+    serde_json::from_slice(b).map_err(|e| format!("unreadable record: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn tmp(tag: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("trellis-store-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        d.join("store.redb")
+    }
+
+    #[test]
+    fn jobs_metrics_and_checkpoints_survive_reopening() {
+        let p = tmp("reopen");
+        {
+            let s = Store::open(&p).unwrap();
+            let a = s
+                .create_job("a", json!({"x": 1}), JobState::Running)
+                .unwrap();
+            let b = s.create_job("b", json!({}), JobState::Pending).unwrap();
+            assert_eq!((a, b), (1, 2));
+            for step in 1..=3u64 {
+                s.append_metrics(a, &json!({"stage": "rl", "step": step}))
+                    .unwrap();
+            }
+            s.append_metrics(b, &json!({"stage": "x", "step": 1}))
+                .unwrap();
+            let progress = Progress {
+                stage: Some("rl".into()),
+                step: 2,
+                checkpoint: Some("checkpoints/rl/step_000002".into()),
+                ..Default::default()
+            };
+            let rec = CheckpointRecord {
+                stage: "rl".into(),
+                step: 2,
+                path: "checkpoints/rl/step_000002".into(),
+                weight_version: 7,
+            };
+            assert!(s.checkpoint(a, &progress, &rec, 2).unwrap().is_empty());
+            let later = CheckpointRecord {
+                step: 3,
+                ..rec.clone()
+            };
+            assert!(s.checkpoint(a, &progress, &later, 2).unwrap().is_empty());
+            let forgotten = s
+                .checkpoint(
+                    a,
+                    &progress,
+                    &CheckpointRecord {
+                        step: 4,
+                        ..rec.clone()
+                    },
+                    2,
+                )
+                .unwrap();
+            assert_eq!(forgotten, vec![rec]);
+            s.set_state(b, JobState::Failed, Some("boom".into()))
+                .unwrap();
+        }
+        let s = Store::open(&p).unwrap();
+        let jobs = s.jobs().unwrap();
+        assert_eq!(jobs.len(), 2);
+        assert_eq!(jobs[0].progress.step, 2);
+        assert_eq!(jobs[0].spec, json!({"x": 1}));
+        assert_eq!(jobs[1].state, JobState::Failed);
+        assert_eq!(jobs[1].error.as_deref(), Some("boom"));
+        assert_eq!(s.metrics(1, 0).unwrap().len(), 3);
+        assert_eq!(s.metrics(1, 2).unwrap()[0].0, 2);
+        assert_eq!(s.metrics(2, 0).unwrap().len(), 1);
+        let kept: Vec<u64> = s.checkpoints(1).unwrap().iter().map(|c| c.step).collect();
+        assert_eq!(kept, vec![3, 4]);
+        let dropped = s
+            .retain_metrics(1, |r| r["step"].as_u64() <= Some(2))
+            .unwrap();
+        assert_eq!(dropped, 1);
+        assert_eq!(s.metrics(1, 0).unwrap().len(), 2);
+        assert_eq!(s.metrics(2, 0).unwrap().len(), 1, "other jobs untouched");
+        // Rows appended after a rewind continue the numbering without reusing a live one.
+        assert_eq!(s.append_metrics(1, &json!({"step": 3})).unwrap(), 2);
+        assert!(matches!(s.job(9), Err(StoreError::NoJob { id: 9, .. })));
+    }
+
+    #[test]
+    fn a_second_process_cannot_open_a_store_in_use() {
+        let p = tmp("busy");
+        let _s = Store::open(&p).unwrap();
+        let e = Store::open(&p).err().expect("second open refused");
+        assert!(e.to_string().contains("store.redb"), "{e}");
+    }
+}
