@@ -9,6 +9,7 @@
 pub mod bench;
 pub mod checkpoint;
 pub mod config;
+pub mod critic;
 pub mod error;
 pub mod model;
 pub mod optim;

@@ -573,14 +573,11 @@ impl Model {
     pub fn backward(&self, tape: Tape, d_logp: &[f32], d_entropy: &[f32], grads: &mut Params) {
         let c = &self.config;
         let b = &tape.batch;
-        let (n, h, d) = (b.len(), c.hidden_size, c.head_dim);
-        let (nh, nkv) = (c.num_heads, c.num_kv_heads);
+        let (n, h) = (b.len(), c.hidden_size);
         assert!(
             d_logp.len() == n && d_entropy.len() == n,
             "backward: gradient length"
         );
-        let sh = self.attn_shape(b);
-        let scale = 1.0 / (d as f32).sqrt();
         let head_id = self.layout.lm_head.unwrap_or(self.layout.embed);
         let mut dh = vec![0.0; n * h];
         head::logprob_entropy_backward(
@@ -596,6 +593,46 @@ impl Model {
             &mut dh,
             &mut grads.tensors[head_id].data,
         );
+        self.backward_hidden(tape, &dh, grads);
+    }
+
+    /// Final normed hidden states (`[tokens, hidden]`) of a batch, keeping what
+    /// [`Model::backward_hidden`] needs: the trunk of a model whose head is not the LM head (a
+    /// critic's value head).
+    pub fn forward_hidden_tape(&self, b: &Batch) -> Result<(Vec<f32>, Tape)> {
+        b.validate(&self.config)?;
+        let Trunk {
+            hidden,
+            rope,
+            layers,
+            x_last,
+            inv_final,
+        } = self.trunk(b, true);
+        let tape = Tape {
+            batch: b.clone(),
+            temperature: 1.0,
+            rope,
+            layers,
+            x_last,
+            inv_final,
+            h_final: Vec::new(),
+            lse: Vec::new(),
+            entropy: Vec::new(),
+        };
+        Ok((hidden, tape))
+    }
+
+    /// Backward from d(loss)/d(final hidden states) (`[tokens, hidden]`) through the decoder
+    /// stack and the embedding; accumulates into the first tensors of `grads` (same layout as
+    /// `params`; tensors after them, such as a value head's, are left alone).
+    pub fn backward_hidden(&self, tape: Tape, dh: &[f32], grads: &mut Params) {
+        let c = &self.config;
+        let b = &tape.batch;
+        let (n, h, d) = (b.len(), c.hidden_size, c.head_dim);
+        let (nh, nkv) = (c.num_heads, c.num_kv_heads);
+        assert_eq!(dh.len(), n * h, "backward_hidden: gradient length");
+        let sh = self.attn_shape(b);
+        let scale = 1.0 / (d as f32).sqrt();
         let mut dx = vec![0.0; n * h];
         norm::rmsnorm_backward(
             &tape.x_last,

@@ -1,0 +1,253 @@
+//! The critic of PPO: a copy of the policy's decoder stack with a scalar value head
+//! (`score.weight` `[1, hidden]` and `score.bias` `[1]`, the layout of Hugging Face's
+//! `*ForTokenClassification` with one label, which is what VeRL's critic loads).
+//!
+//! Owns: values per position, their backward, and the critic's files. Never: computes returns or
+//! the value loss (`rl::advantage`, `rl::loss` do).
+
+use crate::error::{Error, Result};
+use crate::model::{Batch, Model, Tape};
+use crate::optim::{Optimizer, StepReport};
+use crate::params::Params;
+use std::path::Path;
+
+/// A value model.
+#[derive(Clone, Debug)]
+pub struct Critic {
+    /// The decoder stack (its LM head, if any, is unused).
+    pub model: Model,
+    /// `score.weight` and `score.bias`.
+    pub head: Params,
+}
+
+/// What [`Critic::forward`] keeps for the backward.
+pub struct CriticTape {
+    trunk: Tape,
+    hidden: Vec<f32>,
+}
+
+const HEAD_FILE: &str = "value_head.safetensors";
+
+fn head_specs(hidden: usize) -> Vec<(String, Vec<usize>)> {
+    vec![
+        ("score.weight".into(), vec![1, hidden]),
+        ("score.bias".into(), vec![1]),
+    ]
+}
+
+impl Critic {
+    /// A critic initialised from `policy`'s weights with a zero value head (values start at 0).
+    pub fn from_policy(policy: &Model) -> Self {
+        Self {
+            model: policy.clone(),
+            head: Params::zeros(&head_specs(policy.config.hidden_size)),
+        }
+    }
+
+    fn values_of(&self, hidden: &[f32]) -> Vec<f32> {
+        let w = &self.head.tensors[0].data;
+        let bias = self.head.tensors[1].data[0];
+        hidden
+            .chunks_exact(w.len())
+            .map(|h| h.iter().zip(w).map(|(a, b)| a * b).sum::<f32>() + bias)
+            .collect()
+    }
+
+    /// The value at every position of `b` (`[rows·seq]`), without a tape.
+    pub fn values(&self, b: &Batch) -> Result<Vec<f32>> {
+        b.validate(&self.model.config)?;
+        let hidden = self.model.forward_hidden_tape(b)?.0;
+        Ok(self.values_of(&hidden))
+    }
+
+    /// Values at every position, keeping what the backward needs.
+    pub fn forward(&self, b: &Batch) -> Result<(Vec<f32>, CriticTape)> {
+        let (hidden, trunk) = self.model.forward_hidden_tape(b)?;
+        Ok((self.values_of(&hidden), CriticTape { trunk, hidden }))
+    }
+
+    /// Gradient buffers: the trunk's tensors followed by the head's.
+    pub fn zeros_grads(&self) -> Params {
+        let mut g = self.model.params.zeros_like();
+        g.tensors.extend(self.head.zeros_like().tensors);
+        g
+    }
+
+    /// Backward from d(loss)/d(value) per position; accumulates into `grads` (from
+    /// [`Critic::zeros_grads`]).
+    pub fn backward(&self, tape: CriticTape, d_values: &[f32], grads: &mut Params) {
+        let w = &self.head.tensors[0].data;
+        let h = w.len();
+        assert_eq!(
+            d_values.len() * h,
+            tape.hidden.len(),
+            "critic: gradient length"
+        );
+        let nt = self.model.params.tensors.len();
+        let mut dh = vec![0.0f32; tape.hidden.len()];
+        {
+            let (dw, db) = grads.tensors[nt..].split_at_mut(1);
+            let (dw, db) = (&mut dw[0].data, &mut db[0].data);
+            for ((dv, hrow), dhrow) in d_values
+                .iter()
+                .zip(tape.hidden.chunks_exact(h))
+                .zip(dh.chunks_exact_mut(h))
+            {
+                if *dv == 0.0 {
+                    continue;
+                }
+                db[0] += dv;
+                for i in 0..h {
+                    dw[i] += dv * hrow[i];
+                    dhrow[i] = dv * w[i];
+                }
+            }
+        }
+        self.model.backward_hidden(tape.trunk, &dh, grads);
+    }
+
+    /// One optimiser step over trunk and head together (one global gradient norm).
+    pub fn step(&mut self, opt: &mut Optimizer, grads: &mut Params) -> StepReport {
+        let nt = self.model.params.tensors.len();
+        let mut all = Params {
+            tensors: std::mem::take(&mut self.model.params.tensors),
+        };
+        all.tensors.append(&mut self.head.tensors);
+        let report = opt.step(&mut all, grads);
+        self.head.tensors = all.tensors.split_off(nt);
+        self.model.params.tensors = all.tensors;
+        report
+    }
+
+    /// A fresh optimiser shaped like this critic's parameters.
+    pub fn optimizer(
+        &self,
+        hparams: kernels::optim::AdamW,
+        schedule: crate::optim::LrSchedule,
+        grad_clip: Option<f64>,
+    ) -> Optimizer {
+        Optimizer::new(&self.zeros_grads(), hparams, schedule, grad_clip)
+    }
+
+    /// Writes the trunk (`model.safetensors`) and the head (`value_head.safetensors`) to `dir`.
+    pub fn save(&self, dir: &Path) -> Result<()> {
+        std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+        self.model.params.save(&dir.join("model.safetensors"))?;
+        self.head.save_prefixed(&dir.join(HEAD_FILE), "")
+    }
+
+    /// Reads what [`Critic::save`] wrote, for a trunk shaped like `like`.
+    pub fn load(dir: &Path, like: &Model) -> Result<Self> {
+        let model = Model::load_weights(like.config.clone(), dir)?;
+        let head =
+            crate::params::load_file(&dir.join(HEAD_FILE), &head_specs(like.config.hidden_size))?;
+        Ok(Self { model, head })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::ModelConfig;
+    use serde_json::json;
+
+    fn tiny() -> Critic {
+        let cfg = json!({"model_type": "qwen2", "vocab_size": 40, "hidden_size": 16,
+            "intermediate_size": 24, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 4, "max_position_embeddings": 32});
+        let config = ModelConfig::from_json(cfg, Path::new("test")).unwrap();
+        let mut c = Critic::from_policy(&Model::init(config, 3));
+        let mut rng = <rand_chacha::ChaCha8Rng as rand::SeedableRng>::seed_from_u64(9);
+        for t in c.model.params.tensors.iter_mut().chain(&mut c.head.tensors) {
+            let mut noise = vec![0.0; t.data.len()];
+            crate::rng::fill_normal(&mut rng, &mut noise, 0.3);
+            t.data.iter_mut().zip(noise).for_each(|(v, n)| *v += n);
+        }
+        c
+    }
+
+    /// loss = Σ cᵢ·vᵢ; the directional derivative along a random direction over every tensor
+    /// (trunk and head) matches the analytic gradient.
+    #[test]
+    fn value_gradients_match_finite_differences() {
+        let c = tiny();
+        let b = Batch::padded(&[&[1u32, 5, 9, 13, 2][..], &[3, 4, 11][..]]);
+        let coef: Vec<f32> = (0..b.len())
+            .map(|i| ((i * 7 % 5) as f32 - 2.0) / 3.0)
+            .collect();
+        let loss = |c: &Critic| -> f64 {
+            let v = c.values(&b).unwrap();
+            v.iter().zip(&coef).map(|(a, b)| (a * b) as f64).sum()
+        };
+        let (_, tape) = c.forward(&b).unwrap();
+        let mut g = c.zeros_grads();
+        c.backward(tape, &coef, &mut g);
+        let mut rng = <rand_chacha::ChaCha8Rng as rand::SeedableRng>::seed_from_u64(4);
+        let mut dir = g.zeros_like();
+        for t in &mut dir.tensors {
+            crate::rng::fill_normal(&mut rng, &mut t.data, 1.0);
+        }
+        let analytic: f64 = g
+            .tensors
+            .iter()
+            .zip(&dir.tensors)
+            .flat_map(|(a, d)| a.data.iter().zip(&d.data))
+            .map(|(a, d)| (a * d) as f64)
+            .sum();
+        let eps = 1e-3f32;
+        let shifted = |sign: f32| {
+            let mut c2 = c.clone();
+            let nt = c2.model.params.tensors.len();
+            for (i, d) in dir.tensors.iter().enumerate() {
+                let t = if i < nt {
+                    &mut c2.model.params.tensors[i]
+                } else {
+                    &mut c2.head.tensors[i - nt]
+                };
+                t.data
+                    .iter_mut()
+                    .zip(&d.data)
+                    .for_each(|(v, d)| *v += sign * eps * d);
+            }
+            loss(&c2)
+        };
+        let numeric = (shifted(1.0) - shifted(-1.0)) / (2.0 * eps as f64);
+        let rel = (numeric - analytic).abs() / analytic.abs().max(1e-3);
+        assert!(rel < 2e-2, "numeric {numeric} analytic {analytic}");
+    }
+
+    #[test]
+    fn steps_fit_targets_and_files_round_trip() {
+        let mut c = tiny();
+        let b = Batch::padded(&[&[1u32, 5, 9, 13, 2][..], &[3, 4, 11, 7, 7][..]]);
+        let target: Vec<f32> = (0..b.len()).map(|i| (i % 3) as f32 - 1.0).collect();
+        let mse = |c: &Critic| -> f64 {
+            let v = c.values(&b).unwrap();
+            v.iter()
+                .zip(&target)
+                .map(|(a, t)| ((a - t) as f64).powi(2))
+                .sum::<f64>()
+        };
+        let first = mse(&c);
+        let mut opt = c.optimizer(
+            Default::default(),
+            crate::optim::LrSchedule::constant(1e-2),
+            Some(1.0),
+        );
+        let mut g = c.zeros_grads();
+        for _ in 0..60 {
+            let (v, tape) = c.forward(&b).unwrap();
+            let d: Vec<f32> = v.iter().zip(&target).map(|(a, t)| 2.0 * (a - t)).collect();
+            c.backward(tape, &d, &mut g);
+            c.step(&mut opt, &mut g);
+            g.fill_zero();
+        }
+        let last = mse(&c);
+        assert!(last < 0.2 * first, "value MSE {first} → {last}");
+        let dir = std::env::temp_dir().join(format!("trellis-critic-{}", std::process::id()));
+        c.save(&dir).unwrap();
+        let back = Critic::load(&dir, &c.model).unwrap();
+        assert_eq!(back.values(&b).unwrap(), c.values(&b).unwrap());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
