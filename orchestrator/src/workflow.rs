@@ -166,6 +166,20 @@ pub struct Algorithm {
     pub overlong_buffer_len: usize,
     /// Penalty at `max_response_length`.
     pub overlong_penalty_factor: f64,
+    /// Add a KL loss against the reference policy (the weights at the start of the stage).
+    pub use_kl_loss: bool,
+    /// Its coefficient.
+    pub kl_loss_coef: f64,
+    /// Its estimator: `k1`, `k2`/`mse`, `k3`/`low_var_kl`, `abs` (a `+` suffix: straight-through).
+    pub kl_loss_type: String,
+    /// GAE discount (`adv_estimator: gae`).
+    pub gamma: f64,
+    /// GAE λ.
+    pub lam: f64,
+    /// Critic learning rate (`adv_estimator: gae`).
+    pub critic_lr: f32,
+    /// Critic value clip (VeRL's `cliprange_value`).
+    pub cliprange_value: f64,
 }
 
 impl Default for Algorithm {
@@ -193,6 +207,13 @@ impl Default for Algorithm {
             max_num_gen_batches: 4,
             overlong_buffer_len: 0,
             overlong_penalty_factor: 1.0,
+            use_kl_loss: false,
+            kl_loss_coef: 0.001,
+            kl_loss_type: "low_var_kl".into(),
+            gamma: 1.0,
+            lam: 1.0,
+            critic_lr: 1e-4,
+            cliprange_value: 0.5,
         }
     }
 }
@@ -207,8 +228,15 @@ pub struct Trainer {
     pub eval_freq: u64,
     /// Checkpoint every this many steps (0: only at the end).
     pub save_freq: u64,
-    /// `sync` (only mode so far).
+    /// `sync` (generate, then train, each step) or `async` (generation of later steps overlaps
+    /// training; samples carry their weight version).
     pub mode: String,
+    /// `async`: generation runs up to this many steps ahead, and a sample whose oldest token is
+    /// more than this many weight versions behind the learner is stale.
+    pub max_staleness: u64,
+    /// `async`: what happens to stale samples: `drop` (train on the rest) or `wait` (generate
+    /// their prompts again on the current weights).
+    pub stale_samples: String,
     /// Checkpoints kept on disk (older ones are deleted once a newer one is recorded).
     pub max_ckpt_to_keep: usize,
 }
@@ -220,6 +248,8 @@ impl Default for Trainer {
             eval_freq: 0,
             save_freq: 0,
             mode: "sync".into(),
+            max_staleness: 1,
+            stale_samples: "drop".into(),
             max_ckpt_to_keep: 1,
         }
     }
@@ -273,6 +303,100 @@ pub struct Stage {
     /// Steps and cadences.
     #[serde(default)]
     pub trainer: Trainer,
+    /// Extra nodes in each RL step (see [`crate::graph`]).
+    #[serde(default)]
+    pub nodes: Vec<UserNode>,
+}
+
+/// A node a workflow adds to the RL step graph.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum UserNode {
+    /// An external reward program.
+    Program(ProgramNode),
+    /// Drops prompt groups.
+    Filter(FilterNode),
+}
+
+impl UserNode {
+    /// Its name.
+    pub fn name(&self) -> &str {
+        match self {
+            Self::Program(p) => &p.name,
+            Self::Filter(f) => &f.name,
+        }
+    }
+
+    /// Its `after` and `before` lists.
+    pub fn order(&self) -> (&[String], &[String]) {
+        match self {
+            Self::Program(p) => (&p.after, &p.before),
+            Self::Filter(f) => (&f.after, &f.before),
+        }
+    }
+}
+
+/// An external command scoring responses: it reads one JSON object per line (`prompt`,
+/// `response`, `answer`) on stdin and writes one number per line on stdout.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProgramNode {
+    /// Node name.
+    pub name: String,
+    /// Program and arguments (no shell).
+    pub command: Vec<String>,
+    /// Seconds before the program is killed and the batch scored as failed.
+    #[serde(default = "default_program_timeout")]
+    pub timeout_s: f64,
+    /// Address-space limit of the program, in MiB.
+    #[serde(default = "default_program_memory")]
+    pub memory_mb: u64,
+    /// Its score is multiplied by this and added to the reward (`mode: add`) or replaces it
+    /// (`mode: replace`).
+    #[serde(default = "one_f64")]
+    pub weight: f64,
+    /// `add` or `replace`.
+    #[serde(default = "default_program_mode")]
+    pub mode: String,
+    /// Nodes that run first (default: `reward`).
+    #[serde(default)]
+    pub after: Vec<String>,
+    /// Nodes that run after it (default: every built-in node reading what it writes).
+    #[serde(default)]
+    pub before: Vec<String>,
+}
+
+/// Drops whole prompt groups before the advantages are computed.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FilterNode {
+    /// Node name.
+    pub name: String,
+    /// Drop groups whose scores' standard deviation is below this (they carry no GRPO signal).
+    #[serde(default)]
+    pub min_group_std: f64,
+    /// Drop groups with a response cut at `max_response_length`.
+    #[serde(default)]
+    pub drop_truncated: bool,
+    /// Nodes that run first (default: `reward`).
+    #[serde(default)]
+    pub after: Vec<String>,
+    /// Nodes that run after it (default: every built-in node reading what it writes).
+    #[serde(default)]
+    pub before: Vec<String>,
+}
+
+fn default_program_timeout() -> f64 {
+    60.0
+}
+fn default_program_memory() -> u64 {
+    2048
+}
+fn one_f64() -> f64 {
+    1.0
+}
+fn default_program_mode() -> String {
+    "add".into()
 }
 
 fn default_reward() -> Reward {
@@ -455,10 +579,56 @@ pub fn validate(wf: &Workflow, origin: &str) -> Result<(), WorkflowError> {
                 "stages[{i}].trainer.max_ckpt_to_keep is 0: at least the latest checkpoint is kept (resuming needs it)"
             ));
         }
-        if s.trainer.mode != "sync" {
+        if !["sync", "async"].contains(&s.trainer.mode.as_str()) {
             return bad(format!(
-                "stages[{i}].trainer.mode `{}`: only `sync` is implemented",
+                "stages[{i}].trainer.mode `{}`: expected sync or async",
                 s.trainer.mode
+            ));
+        }
+        if !["drop", "wait"].contains(&s.trainer.stale_samples.as_str()) {
+            return bad(format!(
+                "stages[{i}].trainer.stale_samples `{}`: expected drop or wait",
+                s.trainer.stale_samples
+            ));
+        }
+        if s.trainer.mode == "async" && s.trainer.max_staleness == 0 {
+            return bad(format!(
+                "stages[{i}].trainer.max_staleness is 0 in async mode: generation could never run ahead (use mode: sync), counted in weight versions"
+            ));
+        }
+        if s.kind == StageKind::Rl {
+            if a.use_kl_loss {
+                a.kl_loss_type
+                    .parse::<learner::rl::kl::Kl>()
+                    .map_err(|e| err(format!("{origin}: stages[{i}].algorithm: {e}")))?;
+            }
+            for (j, n) in s.nodes.iter().enumerate() {
+                if let UserNode::Program(p) = n {
+                    if p.command.is_empty() {
+                        return bad(format!(
+                            "stages[{i}].nodes[{j}] (`{}`): `command` is empty",
+                            p.name
+                        ));
+                    }
+                    if !(p.timeout_s > 0.0) || p.memory_mb == 0 {
+                        return bad(format!(
+                            "stages[{i}].nodes[{j}] (`{}`): timeout_s (seconds) and memory_mb (MiB) must be positive",
+                            p.name
+                        ));
+                    }
+                    if !["add", "replace"].contains(&p.mode.as_str()) {
+                        return bad(format!(
+                            "stages[{i}].nodes[{j}] (`{}`): mode `{}`: expected add or replace",
+                            p.name, p.mode
+                        ));
+                    }
+                }
+            }
+            crate::graph::expand(s).map_err(|e| err(format!("{origin}: {e}")))?;
+        } else if !s.nodes.is_empty() {
+            return bad(format!(
+                "stages[{i}] (`{}`): `nodes` apply to rl stages only",
+                s.id
             ));
         }
     }
