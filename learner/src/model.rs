@@ -638,7 +638,7 @@ impl Model {
             &tape.x_last,
             &self.t(self.layout.norm).data,
             &tape.inv_final,
-            &dh,
+            dh,
             &mut dx,
             &mut grads.tensors[self.layout.norm].data,
         );

@@ -8,21 +8,18 @@
 //! the store's rows), `tensorboard/`, and `checkpoints/<stage>/step_<N>/` (model in HF layout,
 //! `optimizer/`, `trainer_state.json`).
 
+use crate::rl::RlState;
 use crate::store::{CheckpointRecord, JobState, Progress, Store, StoreError};
 use crate::workflow::{Stage, StageKind, Workflow};
 use learner::checkpoint::Checkpoint;
 use learner::optim::{LrSchedule, Optimizer};
-use learner::rl::advantage::{AdvEstimator, AdvInput, compute};
-use learner::rl::agg::{AggNorm, LossAgg};
-use learner::rl::dapo::{keep_informative_groups, overlong_penalty};
-use learner::rl::loss::{ActorInput, PolicyLoss, PolicyLossConfig, actor_loss};
-use learner::rl::{Metrics, Shape};
+use learner::rl::Metrics;
 use learner::snapshot::WeightSnapshot;
 use learner::tokenizer::Tokenizer;
 use learner::{Batch, Model, ModelConfig};
 use rollout::native::{NativeConfig, NativeEngine};
 use rollout::task::{ArithTask, Problem};
-use rollout::{Completion, GenerateRequest, SamplingParams};
+use rollout::{GenerateRequest, SamplingParams};
 use serde::Serialize;
 use std::collections::{BTreeMap, HashSet};
 use std::io::Write;
@@ -115,15 +112,16 @@ fn open_run(dir: &Path) -> Result<(Store, crate::store::Job), RunError> {
     Ok((store, job))
 }
 
-struct Run<'a> {
-    wf: &'a Workflow,
-    dir: PathBuf,
-    model: Model,
-    tokenizer: Tokenizer,
+/// A run in progress: the models, the engine and the run's records.
+pub(crate) struct Run<'a> {
+    pub(crate) wf: &'a Workflow,
+    pub(crate) dir: PathBuf,
+    pub(crate) model: Model,
+    pub(crate) tokenizer: Tokenizer,
     assets: Vec<(String, Vec<u8>)>,
-    eos: u32,
-    engine: NativeEngine,
-    version: u64,
+    pub(crate) eos: u32,
+    pub(crate) engine: Arc<NativeEngine>,
+    pub(crate) version: u64,
     metrics: std::fs::File,
     events: crate::tensorboard::EventWriter,
     store: &'a Store,
@@ -280,14 +278,14 @@ fn run_job(
                 "the model config has no eos_token_id and the tokenizer no <eos>".into(),
             )
         })?;
-    let engine = NativeEngine::new(
+    let engine = Arc::new(NativeEngine::new(
         model.clone(),
         NativeConfig {
             kv_cache_bytes: 256 << 20,
             initial_version: version,
             ..Default::default()
         },
-    );
+    ));
     let metrics_path = dir.join("metrics.jsonl");
     rewind_metrics(store, job, &state, &metrics_path)?;
     let metrics = std::fs::OpenOptions::new()
@@ -349,27 +347,12 @@ fn rewind_metrics(store: &Store, job: u64, state: &Progress, path: &Path) -> Res
     write_atomic(path, out.as_bytes())
 }
 
-/// The (prompt length, prompt + response) rows as one padded batch.
-fn padded_rows(rows: &[(usize, Vec<u32>)]) -> Batch {
-    let refs: Vec<&[u32]> = rows.iter().map(|s| s.1.as_slice()).collect();
-    Batch::padded(&refs)
-}
-
-/// For every response token of `rows` (each `(prompt length, prompt + response)`): its index in
-/// the `[rows, cols]` response layout and its index in the padded batch of those rows (`seq`
-/// tokens per row). Response token j of a row is predicted at batch position `plen − 1 + j`.
-fn response_slots(rows: &[(usize, Vec<u32>)], seq: usize, cols: usize) -> Vec<(usize, usize)> {
-    let mut slots = Vec::new();
-    for (r, (plen, tokens)) in rows.iter().enumerate() {
-        for j in 0..tokens.len() - plen {
-            slots.push((r * cols + j, r * seq + plen - 1 + j));
-        }
-    }
-    slots
-}
-
 /// Token ids of a problem's prompt, and of its answer followed by end-of-sequence.
-fn encode(tok: &Tokenizer, p: &Problem, eos: u32) -> Result<(Vec<u32>, Vec<u32>), RunError> {
+pub(crate) fn encode(
+    tok: &Tokenizer,
+    p: &Problem,
+    eos: u32,
+) -> Result<(Vec<u32>, Vec<u32>), RunError> {
     let prompt = tok.encode(&p.prompt)?;
     let mut answer = tok.encode(&p.answer)?;
     answer.push(eos);
@@ -409,9 +392,11 @@ impl Run<'_> {
         &mut self,
         stage: &str,
         step: u64,
-        opt: Option<&Optimizer>,
+        sft_opt: Option<&Optimizer>,
+        rl: Option<&RlState>,
         keep: usize,
     ) -> Result<(), RunError> {
+        let opt = sft_opt.or(rl.map(RlState::optimizer));
         let rel = format!("checkpoints/{stage}/step_{step:06}");
         let ck = Checkpoint {
             model: self.model.clone(),
@@ -419,6 +404,9 @@ impl Run<'_> {
         };
         let abs = self.dir.join(&rel);
         ck.save(&abs, opt)?;
+        if let Some(rl) = rl {
+            rl.save(&abs)?;
+        }
         // What resuming needs besides weights and optimiser: data and sampling are pure
         // functions of (seed, stage, step), so the step is the data position and the RNG state.
         let trainer_state = serde_json::json!({
@@ -453,7 +441,7 @@ impl Run<'_> {
         Ok(())
     }
 
-    fn sync_weights(&mut self) -> Result<f64, RunError> {
+    pub(crate) fn sync_weights(&mut self) -> Result<f64, RunError> {
         let t = Instant::now();
         self.version += 1;
         let snap = WeightSnapshot {
@@ -473,9 +461,14 @@ impl Run<'_> {
             0
         };
         let total = stage.trainer.steps;
-        let mut opt = match stage.kind {
-            StageKind::Eval => None,
-            StageKind::Sft => Some(Optimizer::new(
+        // Resuming inside this stage: the optimiser (and critic) come from its checkpoint.
+        let ck_dir = match (&self.state.checkpoint, resume_step > 0) {
+            (Some(ck), true) => Some(self.dir.join(ck)),
+            _ => None,
+        };
+        let mut sft_opt = None;
+        if stage.kind == StageKind::Sft {
+            let mut o = Optimizer::new(
                 &self.model.params,
                 Default::default(),
                 LrSchedule {
@@ -483,22 +476,16 @@ impl Run<'_> {
                     ..LrSchedule::constant(stage.sft.lr)
                 },
                 Some(1.0),
-            )),
-            StageKind::Rl => Some(Optimizer::new(
-                &self.model.params,
-                Default::default(),
-                LrSchedule {
-                    warmup_steps: stage.algorithm.lr_warmup_steps,
-                    ..LrSchedule::constant(stage.algorithm.lr)
-                },
-                Some(stage.algorithm.grad_clip),
-            )),
-        };
-        if resume_step > 0
-            && let (Some(o), Some(ck)) = (opt.as_mut(), &self.state.checkpoint)
-        {
-            o.load(&self.dir.join(ck).join("optimizer"))?;
+            );
+            if let Some(ck) = &ck_dir {
+                o.load(&ck.join("optimizer"))?;
+            }
+            sft_opt = Some(o);
         }
+        let mut rl = match stage.kind {
+            StageKind::Rl => Some(RlState::new(self, stage, ck_dir.as_deref())?),
+            _ => None,
+        };
         if stage.kind == StageKind::Eval {
             let (acc, reward) = self.evaluate(&eval_set, stage.reward)?;
             let m: Metrics = [
@@ -513,23 +500,12 @@ impl Run<'_> {
             let started = Instant::now();
             let mut grads = self.model.params.zeros_like();
             for step in resume_step + 1..=total {
-                let mut m = match stage.kind {
-                    StageKind::Sft => self.sft_step(
-                        stage,
-                        data,
-                        step,
-                        opt.as_mut().expect("sft optimiser"),
-                        &mut grads,
-                        &exclude,
-                    )?,
-                    _ => self.rl_step(
-                        stage,
-                        data,
-                        step,
-                        opt.as_mut().expect("rl optimiser"),
-                        &mut grads,
-                        &exclude,
-                    )?,
+                let mut m = match (&mut sft_opt, &mut rl) {
+                    (Some(opt), _) => {
+                        self.sft_step(stage, data, step, opt, &mut grads, &exclude)?
+                    }
+                    (None, Some(rl)) => self.rl_step(stage, data, step, rl, &exclude)?,
+                    (None, None) => unreachable!("sft and rl stages have their state"),
                 };
                 let freq = stage.trainer.eval_freq;
                 if (freq > 0 && step % freq == 0) || step == total {
@@ -556,14 +532,15 @@ impl Run<'_> {
                     self.checkpoint(
                         &stage.id,
                         step,
-                        opt.as_ref(),
+                        sft_opt.as_ref(),
+                        rl.as_ref(),
                         stage.trainer.max_ckpt_to_keep,
                     )?;
                 }
             }
         }
         self.state.completed.push(stage.id.clone());
-        self.checkpoint(&stage.id, total, None, stage.trainer.max_ckpt_to_keep)?;
+        self.checkpoint(&stage.id, total, None, None, stage.trainer.max_ckpt_to_keep)?;
         Ok(())
     }
 
@@ -618,243 +595,6 @@ impl Run<'_> {
             ("perf/throughput".into(), batch.len() as f64 / secs),
         ]
         .into())
-    }
-
-    fn rl_step(
-        &mut self,
-        stage: &Stage,
-        data: &crate::workflow::Data,
-        step: u64,
-        opt: &mut Optimizer,
-        grads: &mut learner::Params,
-        exclude: &HashSet<Problem>,
-    ) -> Result<Metrics, RunError> {
-        let a = &stage.algorithm;
-        let t0 = Instant::now();
-        let b = a.train_batch_size;
-        // Dynamic sampling (DAPO): keep drawing prompts until `b` groups carry signal (scores not
-        // all equal) or `max_num_gen_batches` rounds are spent. Without it: one round, all kept.
-        let rounds = if a.filter_groups {
-            a.max_num_gen_batches.max(1)
-        } else {
-            1
-        };
-        let mut kept: Vec<(Vec<u32>, Vec<Completion>, Vec<f32>)> = Vec::new();
-        let mut generated_groups = 0usize;
-        let mut rounds_run = 0usize;
-        for round in 0..rounds {
-            rounds_run += 1;
-            let start = ((step - 1) * rounds as u64 + round as u64) * b as u64;
-            let problems = data
-                .arith
-                .train_batch(self.wf.seed ^ 0xA11CE, start, b, exclude);
-            let mut reqs = Vec::with_capacity(problems.len());
-            for (i, p) in problems.iter().enumerate() {
-                let (prompt, _) = encode(&self.tokenizer, p, self.eos)?;
-                let seed = self.wf.seed.wrapping_mul(1_000_003)
-                    ^ (step << 20)
-                    ^ ((round as u64) << 40)
-                    ^ i as u64;
-                let params = SamplingParams {
-                    n: a.rollout_n,
-                    temperature: a.temperature,
-                    top_p: a.top_p,
-                    max_tokens: a.max_response_length,
-                    seed: Some(seed),
-                    ..Default::default()
-                };
-                reqs.push(GenerateRequest { prompt, params });
-            }
-            let mut per: Vec<(Vec<Completion>, Vec<f32>)> =
-                (0..b).map(|_| (Vec::new(), Vec::new())).collect();
-            for c in self.engine.generate_blocking(reqs.clone())? {
-                let text = self.tokenizer.decode(&c.token_ids)?;
-                let mut s = stage.reward.score(&text, &problems[c.request].answer);
-                if a.overlong_buffer_len > 0 {
-                    s += overlong_penalty(
-                        c.token_ids.len(),
-                        a.max_response_length,
-                        a.overlong_buffer_len,
-                        a.overlong_penalty_factor,
-                    ) as f32;
-                }
-                per[c.request].1.push(s);
-                per[c.request].0.push(c);
-            }
-            for (i, (cs, ss)) in per.into_iter().enumerate() {
-                generated_groups += 1;
-                let informative = keep_informative_groups(&vec![0; ss.len()], &ss)[0];
-                if !a.filter_groups || informative {
-                    kept.push((reqs[i].prompt.clone(), cs, ss));
-                }
-            }
-            if kept.len() >= b {
-                break;
-            }
-        }
-        // Whole mini-batches only (batch sizes are counted in prompts).
-        kept.truncate(b);
-        kept.truncate(kept.len() / a.ppo_mini_batch_size * a.ppo_mini_batch_size);
-        let t_gen = t0.elapsed().as_secs_f64();
-        let mut m = Metrics::new();
-        if a.filter_groups {
-            m.insert("dapo/kept_groups".into(), kept.len() as f64);
-            m.insert("dapo/generated_groups".into(), generated_groups as f64);
-            m.insert("dapo/gen_rounds".into(), rounds_run as f64);
-        }
-        if kept.is_empty() {
-            // No group carried signal: nothing to learn from this step.
-            m.insert("actor/skipped_update".into(), 1.0);
-            m.insert("timing_s/gen".into(), t_gen);
-            return Ok(m);
-        }
-        // Rewards and the [rows, cols] response layout.
-        let rows = kept.len() * a.rollout_n;
-        let cols = kept
-            .iter()
-            .flat_map(|k| k.1.iter())
-            .map(|c| c.token_ids.len())
-            .max()
-            .unwrap_or(1)
-            .max(1);
-        let shape = Shape { rows, cols };
-        let mut mask = vec![0.0f32; rows * cols];
-        let mut token_rewards = vec![0.0f32; rows * cols];
-        let mut group = Vec::with_capacity(rows);
-        let mut scores = Vec::with_capacity(rows);
-        let mut seqs = Vec::with_capacity(rows);
-        for (g, (prompt, cs, ss)) in kept.iter().enumerate() {
-            for (c, &s) in cs.iter().zip(ss) {
-                let r = seqs.len();
-                let len = c.token_ids.len();
-                mask[r * cols..r * cols + len].fill(1.0);
-                token_rewards[r * cols + len - 1] = s;
-                group.push(g as u64);
-                scores.push(s as f64);
-                let mut seq = prompt.clone();
-                seq.extend(&c.token_ids);
-                seqs.push((prompt.len(), seq));
-            }
-        }
-        let est = match a.adv_estimator.parse::<AdvEstimator>()? {
-            AdvEstimator::Grpo { .. } => AdvEstimator::Grpo {
-                norm_by_std: a.norm_adv_by_std_in_grpo,
-            },
-            e => e,
-        };
-        let adv = compute(
-            est,
-            AdvInput {
-                shape,
-                token_rewards: &token_rewards,
-                mask: &mask,
-                group: &group,
-                values: None,
-                baseline_scores: None,
-            },
-        )?;
-        let cfg = PolicyLossConfig {
-            loss: a.policy_loss.parse::<PolicyLoss>()?,
-            clip_low: a.clip_ratio_low.unwrap_or(a.clip_ratio),
-            clip_high: a.clip_ratio_high.unwrap_or(a.clip_ratio),
-            entropy_coeff: a.entropy_coeff,
-            ..Default::default()
-        };
-        let agg: LossAgg = a.loss_agg_mode.parse()?;
-        // Mini-batches of whole prompt groups, as VeRL counts them.
-        let per_mb = a.ppo_mini_batch_size * a.rollout_n;
-        let n_mb = rows / per_mb;
-        let mut old_logp: Option<Vec<f32>> = None;
-        let mut losses: Vec<Metrics> = Vec::new();
-        let mut report = None;
-        let t1 = Instant::now();
-        let gather = |v: &[f32], slots: &[(usize, usize)], rows: usize| {
-            let mut out = vec![0.0f32; rows * cols];
-            for &(r, b) in slots {
-                out[r] = v[b];
-            }
-            out
-        };
-        if n_mb > 1 || a.ppo_epochs > 1 {
-            // Log-probs under the weights that generated, before any update.
-            let mut all = vec![0.0f32; rows * cols];
-            for m in 0..n_mb {
-                let (r0, r1) = (m * per_mb, (m + 1) * per_mb);
-                let b = padded_rows(&seqs[r0..r1]);
-                let slots = response_slots(&seqs[r0..r1], b.seq, cols);
-                let sc = self.model.score(&b, a.temperature.max(1e-6))?;
-                all[r0 * cols..r1 * cols].copy_from_slice(&gather(&sc.logp, &slots, r1 - r0));
-            }
-            old_logp = Some(all);
-        }
-        for _epoch in 0..a.ppo_epochs {
-            for m in 0..n_mb {
-                let (r0, r1) = (m * per_mb, (m + 1) * per_mb);
-                let b = padded_rows(&seqs[r0..r1]);
-                let slots = response_slots(&seqs[r0..r1], b.seq, cols);
-                let (sc, tape) = self.model.forward(&b, a.temperature.max(1e-6))?;
-                let logp = gather(&sc.logp, &slots, r1 - r0);
-                let ent = gather(&sc.entropy, &slots, r1 - r0);
-                let sub = Shape {
-                    rows: r1 - r0,
-                    cols,
-                };
-                let mk = &mask[r0 * cols..r1 * cols];
-                let old = old_logp
-                    .as_ref()
-                    .map_or(logp.clone(), |o| o[r0 * cols..r1 * cols].to_vec());
-                let norm = AggNorm::new(agg, sub, mk)?;
-                let out = actor_loss(
-                    &cfg,
-                    &norm,
-                    ActorInput {
-                        shape: sub,
-                        logp: &logp,
-                        old_logp: &old,
-                        advantages: &adv.advantages[r0 * cols..r1 * cols],
-                        mask: mk,
-                        entropy: Some(&ent),
-                        ref_logp: None,
-                        is_weights: None,
-                    },
-                )?;
-                // Scatter the per-token gradients back to batch positions.
-                let (mut d_logp, mut d_ent) = (vec![0.0f32; b.len()], vec![0.0f32; b.len()]);
-                for &(r, bi) in &slots {
-                    d_logp[bi] = out.grad[r];
-                    d_ent[bi] = out.grad_entropy[r];
-                }
-                self.model.backward(tape, &d_logp, &d_ent, grads);
-                report = Some(opt.step(&mut self.model.params, grads));
-                grads.fill_zero();
-                losses.push(out.metrics);
-            }
-        }
-        let t_update = t1.elapsed().as_secs_f64();
-        let t_sync = self.sync_weights()?;
-        for l in &losses {
-            for (k, v) in l {
-                *m.entry(k.clone()).or_insert(0.0) += v / losses.len() as f64;
-            }
-        }
-        let resp_tokens: f64 = mask.iter().map(|&v| v as f64).sum();
-        let total = t0.elapsed().as_secs_f64();
-        m.insert(
-            "critic/score/mean".into(),
-            scores.iter().sum::<f64>() / rows as f64,
-        );
-        m.insert("response_length/mean".into(), resp_tokens / rows as f64);
-        m.insert("timing_s/gen".into(), t_gen);
-        m.insert("timing_s/update_actor".into(), t_update);
-        m.insert("timing_s/sync_weights".into(), t_sync);
-        m.insert("timing_s/step".into(), total);
-        m.insert("perf/throughput".into(), resp_tokens / total);
-        if let Some(r) = report {
-            m.insert("actor/grad_norm".into(), r.grad_norm);
-            m.insert("actor/lr".into(), r.lr as f64);
-        }
-        m.insert("weight_version".into(), self.version as f64);
-        Ok(m)
     }
 
     /// Greedy accuracy and mean reward on the eval set.

@@ -591,6 +591,11 @@ pub fn validate(wf: &Workflow, origin: &str) -> Result<(), WorkflowError> {
                 s.trainer.stale_samples
             ));
         }
+        if s.trainer.mode == "async" && s.algorithm.filter_groups {
+            return bad(format!(
+                "stages[{i}]: algorithm.filter_groups (DAPO dynamic sampling) needs trainer.mode sync; in async mode, drop uninformative groups with a `filter` node (min_group_std)"
+            ));
+        }
         if s.trainer.mode == "async" && s.trainer.max_staleness == 0 {
             return bad(format!(
                 "stages[{i}].trainer.max_staleness is 0 in async mode: generation could never run ahead (use mode: sync), counted in weight versions"

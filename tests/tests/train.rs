@@ -373,3 +373,180 @@ fn dapo_dynamic_sampling_and_overlong_shaping_run() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+fn rl_rows(dir: &Path) -> Vec<Value> {
+    metrics(dir)
+        .into_iter()
+        .filter(|v| v["stage"] == "rl")
+        .collect()
+}
+
+#[test]
+fn ppo_trains_a_critic_with_gae_and_resumes_it() {
+    let dir = run_dir("ppo");
+    let args = [
+        "-o",
+        "stages.rl.algorithm.adv_estimator=gae",
+        "-o",
+        "stages.rl.algorithm.critic_lr=1.0e-3",
+        "-o",
+        "stages.rl.algorithm.use_kl_loss=true",
+    ];
+    let mut child = trellis()
+        .arg("train")
+        .arg(recipe())
+        .arg("--quiet")
+        .args(args)
+        .arg("--run-dir")
+        .arg(&dir)
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let start = Instant::now();
+    while !dir.join("checkpoints/rl/step_000008.tmp").exists()
+        && !dir.join("checkpoints/rl/step_000008").exists()
+    {
+        assert!(
+            start.elapsed() < Duration::from_secs(120),
+            "no RL checkpoint"
+        );
+        if let Some(status) = child.try_wait().unwrap() {
+            panic!("the run ended before its second RL checkpoint: {status}");
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    // The RL checkpoint holds the critic and its optimiser; the reference policy sits beside.
+    let out = run_ok(trellis().arg("status").arg(&dir).arg("--json")).stdout;
+    let status: Value = serde_json::from_slice(&out).unwrap();
+    assert_eq!(status["job"]["progress"]["stage"], "rl");
+    let ck = dir.join(status["job"]["progress"]["checkpoint"].as_str().unwrap());
+    assert!(ck.join("critic/value_head.safetensors").exists());
+    assert!(ck.join("critic/optimizer/state.json").exists());
+    assert!(
+        dir.join("checkpoints/rl/reference/model.safetensors")
+            .exists()
+    );
+    run_ok(trellis().arg("resume").arg(&dir).arg("--quiet"));
+    let rl = rl_rows(&dir);
+    assert_eq!(
+        rl.iter()
+            .map(|v| v["step"].as_u64().unwrap())
+            .collect::<Vec<_>>(),
+        (1..=12).collect::<Vec<_>>()
+    );
+    for v in &rl {
+        for k in [
+            "critic/vf_loss",
+            "critic/values/mean",
+            "timing_s/values",
+            "timing_s/update_critic",
+            "timing_s/ref",
+            "actor/kl_loss",
+        ] {
+            assert!(v.get(k).is_some(), "PPO step lacks {k}: {v}");
+        }
+    }
+    // The critic learns: its values move from 0 towards the returns it is fitted to.
+    let vf = |i: usize| rl[i]["critic/vf_loss"].as_f64().unwrap();
+    let early = (vf(0) + vf(1)) / 2.0;
+    let late = (vf(10) + vf(11)) / 2.0;
+    assert!(late < early, "critic/vf_loss {early} → {late}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn async_mode_overlaps_generation_and_bounds_staleness() {
+    for (policy, tag) in [("drop", "async-drop"), ("wait", "async-wait")] {
+        let dir = run_dir(tag);
+        run_ok(
+            trellis()
+                .arg("train")
+                .arg(recipe())
+                .arg("--quiet")
+                .args(["-o", "stages.rl.trainer.mode=async"])
+                .args(["-o", "stages.rl.trainer.max_staleness=1"])
+                .args(["-o", &format!("stages.rl.trainer.stale_samples={policy}")])
+                .arg("--run-dir")
+                .arg(&dir),
+        );
+        let rl = rl_rows(&dir);
+        assert_eq!(rl.len(), 12);
+        // Generation runs a step ahead: some samples were made by the previous weights...
+        let lagged = rl
+            .iter()
+            .filter(|v| v["async/staleness_max"].as_f64().unwrap() >= 1.0)
+            .count();
+        assert!(lagged > 0, "no step trained on samples of older weights");
+        for v in &rl {
+            // ... but never more than max_staleness behind.
+            assert!(v["async/staleness_max"].as_f64().unwrap() <= 1.0, "{v}");
+            assert!(v.get("actor/pg_loss").is_some(), "{v}");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
+
+#[test]
+fn workflow_nodes_add_a_reward_program_and_a_filter() {
+    let dir = run_dir("nodes");
+    let scorer = dir.with_extension("scorer.sh");
+    // Scores 1 when the response is one character long, else 0; fails on the word "crash".
+    std::fs::write(
+        &scorer,
+        "while read -r l; do case \"$l\" in *'\"response\":\"'?'\"'*) echo 1;; *) echo 0;; esac; done\n",
+    )
+    .unwrap();
+    run_ok(
+        trellis()
+            .arg("train")
+            .arg(recipe())
+            .arg("--quiet")
+            .args([
+                "-o",
+                &format!(
+                    "stages.rl.nodes=[{{program: {{name: short, command: [sh, {}], weight: 0.5}}}}, {{filter: {{name: informative, min_group_std: 0.01, after: [short]}}}}]",
+                    scorer.display()
+                ),
+            ])
+            .arg("--run-dir")
+            .arg(&dir),
+    );
+    let rl = rl_rows(&dir);
+    assert_eq!(rl.len(), 12);
+    for v in &rl {
+        let mean = v["reward/short/mean"].as_f64().unwrap();
+        assert!((0.0..=1.0).contains(&mean), "{v}");
+        assert_eq!(v["reward/short/failed"].as_f64(), Some(0.0), "{v}");
+        assert!(v.get("filter/informative/dropped_groups").is_some(), "{v}");
+        assert!(v.get("timing_s/short").is_some(), "{v}");
+    }
+    // The program's bonus shows in the scores: some step scored above what exact match allows
+    // for its accuracy (a half point for each one-character response).
+    assert!(
+        rl.iter()
+            .any(|v| v["reward/short/mean"].as_f64().unwrap() > 0.0)
+    );
+    // A program that crashes scores its samples as failed and the run goes on.
+    let dir2 = run_dir("nodes-crash");
+    run_ok(
+        trellis()
+            .arg("train")
+            .arg(recipe())
+            .arg("--quiet")
+            .args(["-o", "stages.rl.trainer.steps=2"])
+            .args([
+                "-o",
+                "stages.rl.nodes=[{program: {name: broken, command: [sh, -c, 'exit 7']}}]",
+            ])
+            .arg("--run-dir")
+            .arg(&dir2),
+    );
+    let rl = rl_rows(&dir2);
+    assert_eq!(rl.len(), 2);
+    assert!(rl[0]["reward/broken/failed"].as_f64().unwrap() > 0.0);
+    std::fs::remove_dir_all(&dir).unwrap();
+    std::fs::remove_dir_all(&dir2).unwrap();
+    let _ = std::fs::remove_file(&scorer);
+}
