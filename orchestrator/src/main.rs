@@ -123,6 +123,10 @@ enum ConfigCommand {
         /// Overrides, as for `train`.
         #[arg(short = 'o', long = "override")]
         overrides: Vec<String>,
+        /// Print each RL stage's step graph (its nodes by level; nodes of one level run
+        /// concurrently) instead of the workflow.
+        #[arg(long)]
+        graph: bool,
     },
 }
 
@@ -437,10 +441,29 @@ fn run() -> Result<()> {
             Ok(())
         }
         Command::Config {
-            what: ConfigCommand::Show { file, overrides },
+            what:
+                ConfigCommand::Show {
+                    file,
+                    overrides,
+                    graph,
+                },
         } => {
             let wf = orchestrator::workflow::load(&file, &overrides)?;
-            println!("{}", serde_json::to_string_pretty(&wf)?);
+            if !graph {
+                println!("{}", serde_json::to_string_pretty(&wf)?);
+                return Ok(());
+            }
+            for stage in wf
+                .stages
+                .iter()
+                .filter(|s| s.kind == orchestrator::workflow::StageKind::Rl)
+            {
+                println!("stage {}:", stage.id);
+                let g = orchestrator::graph::expand(stage)?;
+                for (i, level) in g.describe().iter().enumerate() {
+                    println!("  {i}: {}", level.join(", "));
+                }
+            }
             Ok(())
         }
         Command::Score { model, text, json } => score(&model, &text, json),

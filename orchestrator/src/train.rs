@@ -382,10 +382,21 @@ impl Run<'_> {
         self.events.scalars(step, scalars).map_err(io(&tb))
     }
 
-    fn progress(&self, line: String) {
-        if !self.quiet {
-            eprintln!("{line}");
+    /// A progress line: on a terminal, one bar redrawn in place (kept when `done`); otherwise
+    /// one line per call.
+    fn progress(&self, line: String, done: bool) {
+        use std::io::IsTerminal;
+        if self.quiet {
+            return;
         }
+        let mut err = std::io::stderr().lock();
+        let _ = if !err.is_terminal() {
+            writeln!(err, "{line}")
+        } else if done {
+            writeln!(err, "\r\x1b[2K{line}")
+        } else {
+            write!(err, "\r\x1b[2K{line}").and_then(|_| err.flush())
+        };
     }
 
     fn checkpoint(
@@ -495,7 +506,7 @@ impl Run<'_> {
             .into();
             self.log(&stage.id, 0, &m)?;
             self.summary.eval_accuracy.insert(stage.id.clone(), acc);
-            self.progress(format!("[{}] eval accuracy {:.3}", stage.id, acc));
+            self.progress(format!("[{}] eval accuracy {:.3}", stage.id, acc), true);
         } else {
             let started = Instant::now();
             let mut grads = self.model.params.zeros_like();
@@ -518,15 +529,27 @@ impl Run<'_> {
                 self.summary.steps_run += 1;
                 let done = step - resume_step;
                 let eta = started.elapsed().as_secs_f64() / done as f64 * (total - step) as f64;
-                let show = |k: &str| m.get(k).map(|v| format!(" {k} {v:.3}")).unwrap_or_default();
-                self.progress(format!(
-                    "[{}] step {step}/{total}{}{}{}{} eta {eta:.0}s",
-                    stage.id,
-                    show("sft/loss"),
-                    show("critic/score/mean"),
-                    show("eval/accuracy"),
-                    show("perf/throughput"),
-                ));
+                let show = |k: &str, label: &str, digits: usize| {
+                    m.get(k)
+                        .map(|v| format!(" {label} {v:.digits$}"))
+                        .unwrap_or_default()
+                };
+                let width = 20;
+                let filled = (step as usize * width) / total.max(1) as usize;
+                let bar = format!("{}{}", "#".repeat(filled), "-".repeat(width - filled));
+                // Evaluations and the last step stay on screen; other steps redraw the bar.
+                let keep = step == total || m.contains_key("eval/accuracy");
+                self.progress(
+                    format!(
+                        "[{}] [{bar}] step {step}/{total}{}{}{}{} eta {eta:.0}s",
+                        stage.id,
+                        show("sft/loss", "loss", 3),
+                        show("critic/score/mean", "reward", 3),
+                        show("eval/accuracy", "accuracy", 3),
+                        show("perf/throughput", "tokens/s", 0),
+                    ),
+                    keep,
+                );
                 let save = stage.trainer.save_freq;
                 if save > 0 && step % save == 0 && step < total {
                     self.checkpoint(

@@ -421,9 +421,33 @@ pub fn load(path: &Path, overrides: &[String]) -> Result<Workflow, WorkflowError
 
 /// As [`load`], from text (`origin` names it in errors).
 pub fn parse(text: &str, origin: &str, overrides: &[String]) -> Result<Workflow, WorkflowError> {
-    let located = |e: serde_saphyr::Error| match e.location() {
-        Some(l) => err(format!("{origin}:{}:{}: {e}", l.line(), l.column())),
-        None => err(format!("{origin}: {e}")),
+    let located = |e: serde_saphyr::Error| {
+        let text = e.to_string();
+        // serde-saphyr's message is `error: line L column C: MSG` then a source snippet.
+        let mut lines = text.lines();
+        let first = lines.next().unwrap_or_default();
+        let msg = first
+            .split_once(": ")
+            .map_or(first, |(_, rest)| rest)
+            .split_once(": ")
+            .filter(|(head, _)| head.starts_with("line "))
+            .map_or(first, |(_, m)| m);
+        let snippet: Vec<String> = lines
+            .map(|l| match l.find("^ ") {
+                // The caret line repeats the message: keep the caret.
+                Some(i) => l[..=i].to_string(),
+                None => l.replace("<input>", origin),
+            })
+            .collect();
+        let at = e
+            .location()
+            .map_or(String::new(), |l| format!("{}:{}:", l.line(), l.column()));
+        let mut out = format!("{origin}:{at} {}", did_you_mean(msg));
+        if !snippet.is_empty() {
+            out.push('\n');
+            out.push_str(&snippet.join("\n"));
+        }
+        err(out)
     };
     let mut wf: Workflow = serde_saphyr::from_str(text).map_err(located)?;
     if !overrides.is_empty() {
@@ -436,11 +460,55 @@ pub fn parse(text: &str, origin: &str, overrides: &[String]) -> Result<Workflow,
                 serde_saphyr::from_str(value).map_err(|e| err(format!("override `{o}`: {e}")))?;
             set_path(&mut tree, key, value).map_err(|m| err(format!("override `{o}`: {m}")))?;
         }
-        wf = serde_json::from_value(tree)
-            .map_err(|e| err(format!("{origin} (after overrides): {e}")))?;
+        wf = serde_json::from_value(tree).map_err(|e| {
+            err(format!(
+                "{origin} (after overrides): {}",
+                did_you_mean(&e.to_string())
+            ))
+        })?;
     }
     validate(&wf, origin)?;
     Ok(wf)
+}
+
+/// Rewrites serde's `unknown field `x`, expected one of a, b, ...` (or `unknown variant`) with
+/// the closest valid name first: `unknown field `x` (did you mean `a`?); expected one of ...`.
+fn did_you_mean(msg: &str) -> String {
+    let Some((head, list)) = msg.split_once(", expected one of ") else {
+        return msg.to_string();
+    };
+    let Some(bad) = head.rsplit('`').nth(1) else {
+        return msg.to_string();
+    };
+    let valid: Vec<&str> = list
+        .split(", ")
+        .map(|v| v.trim_matches('`').trim_end_matches(['.', ' ']))
+        .collect();
+    let best = valid
+        .iter()
+        .map(|v| (edit_distance(bad, v), *v))
+        .min()
+        .filter(|(d, v)| *d <= (v.len().max(bad.len()) / 3).max(2));
+    match best {
+        Some((_, v)) => format!("{head} (did you mean `{v}`?); expected one of {list}"),
+        None => msg.to_string(),
+    }
+}
+
+/// Levenshtein distance over chars.
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut row: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut prev = row[0];
+        row[0] = i + 1;
+        for (j, cb) in b.iter().enumerate() {
+            let cur = row[j + 1];
+            row[j + 1] = (prev + usize::from(ca != *cb)).min(row[j] + 1).min(cur + 1);
+            prev = cur;
+        }
+    }
+    row[b.len()]
 }
 
 /// Sets `key` (dots separate fields; a number selects a list item; a stage may also be named by

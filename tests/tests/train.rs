@@ -204,9 +204,36 @@ fn bad_workflows_are_refused_before_anything_runs() {
         (base.replace("stages:\n", "stages: [\n"), "tiny.yaml:"),
         (
             base.replace("seed: 3", "seed: 3\nsede: 4"),
-            "unknown field `sede`",
+            "tiny.yaml:4:1: unknown field `sede` (did you mean `seed`?)",
         ),
         (base.replace("rollout_n: 4", "rollout_n: four"), "rollout_n"),
+        (
+            base.replace("rollout_n: 4", "rollout_nn: 4"),
+            "unknown field `rollout_nn` (did you mean `rollout_n`?)",
+        ),
+        (
+            base.replace(
+                "trainer: {steps: 12,",
+                "trainer: {mode: async, max_staleness: 0, steps: 12,",
+            ),
+            "max_staleness is 0 in async mode",
+        ),
+        (
+            base.replace(
+                "trainer: {steps: 12,",
+                "nodes: [{filter: {name: f, after: [reward], before: [update_actor]}}]
+    trainer: {steps: 12,",
+            ),
+            "node `f` writes `rollouts`",
+        ),
+        (
+            base.replace(
+                "trainer: {steps: 12,",
+                "nodes: [{program: {name: p, command: [x], after: [nope]}}]
+    trainer: {steps: 12,",
+            ),
+            "unknown node `nope`",
+        ),
         (base.replace("after: [warmup]", "after: [rl]"), "cycle"),
         (
             base.replace("after: [rl]", "after: [nope]"),
