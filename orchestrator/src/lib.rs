@@ -9,6 +9,7 @@
 
 pub mod graph;
 pub mod plot;
+mod pool;
 mod rl;
 pub mod store;
 pub mod tensorboard;

@@ -885,6 +885,7 @@ impl Run<'_> {
         m.insert("timing_s/step".into(), total);
         m.insert("perf/throughput".into(), resp_tokens / total);
         m.insert("weight_version".into(), self.version as f64);
+        m.insert("rollout/engines".into(), self.engine.len() as f64);
         Ok(m)
     }
 }

@@ -8,6 +8,7 @@
 //! the store's rows), `tensorboard/`, and `checkpoints/<stage>/step_<N>/` (model in HF layout,
 //! `optimizer/`, `trainer_state.json`).
 
+use crate::pool::RolloutPool;
 use crate::rl::RlState;
 use crate::store::{CheckpointRecord, JobState, Progress, Store, StoreError};
 use crate::workflow::{Stage, StageKind, Workflow};
@@ -17,7 +18,6 @@ use learner::rl::Metrics;
 use learner::snapshot::WeightSnapshot;
 use learner::tokenizer::Tokenizer;
 use learner::{Batch, Model, ModelConfig};
-use rollout::native::{NativeConfig, NativeEngine};
 use rollout::task::{ArithTask, Problem};
 use rollout::{GenerateRequest, SamplingParams};
 use serde::Serialize;
@@ -120,7 +120,7 @@ pub(crate) struct Run<'a> {
     pub(crate) tokenizer: Tokenizer,
     assets: Vec<(String, Vec<u8>)>,
     pub(crate) eos: u32,
-    pub(crate) engine: Arc<NativeEngine>,
+    pub(crate) engine: Arc<RolloutPool>,
     pub(crate) version: u64,
     metrics: std::fs::File,
     events: crate::tensorboard::EventWriter,
@@ -278,13 +278,11 @@ fn run_job(
                 "the model config has no eos_token_id and the tokenizer no <eos>".into(),
             )
         })?;
-    let engine = Arc::new(NativeEngine::new(
-        model.clone(),
-        NativeConfig {
-            kv_cache_bytes: 256 << 20,
-            initial_version: version,
-            ..Default::default()
-        },
+    let engine = Arc::new(RolloutPool::new(
+        &model,
+        wf.pools.rollout.count,
+        256 << 20,
+        version,
     ));
     let metrics_path = dir.join("metrics.jsonl");
     rewind_metrics(store, job, &state, &metrics_path)?;

@@ -59,7 +59,8 @@ pub struct Pool {
     /// `cpu`, `gpu` or `tpu`.
     #[serde(default = "default_device")]
     pub device: String,
-    /// Devices (or engine processes) in the pool.
+    /// Devices (or engines) in the pool: a native rollout pool runs this many engines, prompts
+    /// spread over them; the native learner trains on one.
     #[serde(default = "one")]
     pub count: usize,
     /// `native`, `pjrt`, `vllm`, `sglang`.
@@ -575,6 +576,11 @@ pub fn validate(wf: &Workflow, origin: &str) -> Result<(), WorkflowError> {
             return bad(format!(
                 "pools.{role}.device `{}`: expected cpu, gpu or tpu",
                 p.device
+            ));
+        }
+        if p.count == 0 {
+            return bad(format!(
+                "pools.{role}.count is 0: a pool needs at least one engine"
             ));
         }
         if p.engine != "native" || p.device != "cpu" {

@@ -295,20 +295,30 @@ fn runs_are_reproducible() {
             })
             .collect()
     };
+    // A rollout pool of three engines samples the same tokens as one (a prompt's seed decides
+    // its samples, whichever engine serves it), so the run is the same too.
     let mut runs = Vec::new();
-    for tag in ["repro-a", "repro-b"] {
+    for (tag, engines) in [("repro-a", 1), ("repro-b", 1), ("repro-pool", 3)] {
         let dir = run_dir(tag);
         run_ok(
             trellis()
                 .arg("train")
                 .arg(recipe())
                 .args(["--quiet", "-o", "stages.rl.trainer.steps=4", "--run-dir"])
-                .arg(&dir),
+                .arg(&dir)
+                .args(["-o", &format!("pools.rollout.count={engines}")]),
         );
-        runs.push(strip(&dir));
+        let mut rows = strip(&dir);
+        for v in &mut rows {
+            if let Some(n) = v.as_object_mut().unwrap().remove("rollout/engines") {
+                assert_eq!(n.as_f64(), Some(engines as f64), "{v}");
+            }
+        }
+        runs.push(rows);
         std::fs::remove_dir_all(&dir).unwrap();
     }
     assert_eq!(runs[0], runs[1]);
+    assert_eq!(runs[0], runs[2], "a pool of 3 engines changed the run");
 }
 
 #[test]
