@@ -9,7 +9,7 @@
 
 pub mod graph;
 pub mod plot;
-mod pool;
+pub mod pool;
 mod rl;
 pub mod store;
 pub mod tensorboard;

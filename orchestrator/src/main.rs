@@ -592,7 +592,7 @@ fn agent(a: AgentArgs) -> Result<()> {
         resources,
         labels,
         token,
-        registry: actors::builtin::registry(),
+        registry: actors::builtin::registry().with::<orchestrator::pool::RolloutActor>(),
         wire: actors::Wire::default(),
     };
     runtime()?.block_on(actors::agent::run(options, terminated()))?;

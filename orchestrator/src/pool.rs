@@ -1,111 +1,234 @@
-//! The rollout pool of an in-process run: `pools.rollout.count` native engines, each on its own
-//! worker thread with its share of the KV-cache budget. A call's requests are spread over the
-//! engines by prompt (the `n` samples of one prompt stay on one engine, where they share the
-//! prompt's prefill), least-loaded first; every weight update goes to every engine before the
-//! next generation starts.
+//! The rollout pool: `pools.rollout.count` rollout actors (kind `rollout`, each owning a native
+//! engine on its own worker thread with its share of the KV-cache budget), spawned through the
+//! actor runtime with supervision. A call's requests are spread over the actors by prompt (the
+//! `n` samples of one prompt stay on one engine, where they share the prompt's prefill),
+//! least-loaded first; every weight update goes to every actor before the next generation
+//! starts, and an actor that dies is restarted and given the current weights before it takes
+//! another call.
 //!
-//! Owns: routing requests to engines and fanning out weights. Never: samples, trains or scores.
+//! Owns: the `rollout` actor kind, routing requests to actors, and fanning out weights. Never:
+//! samples, trains or scores.
 
-use learner::Model;
+use crate::train::RunError;
+use actors::{Actor, ActorRef, RestartHook, SpawnOptions};
 use learner::snapshot::WeightSnapshot;
+use learner::{Model, ModelConfig};
 use rollout::native::{NativeConfig, NativeEngine};
-use rollout::{Completion, EngineError, GenerateRequest};
+use rollout::{Completion, GenerateRequest, InferenceEngine};
+use serde::{Deserialize, Serialize};
+use std::path::Path;
+use std::sync::{Arc, Mutex};
 
-/// Native engines serving one rollout pool.
+/// How a rollout actor starts: the model's shape (its weights arrive by `load_weights`).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct RolloutConfig {
+    /// The model's Hugging Face `config.json` fields.
+    pub model: serde_json::Value,
+    /// KV-cache budget of this actor's engine, in bytes.
+    pub kv_cache_bytes: usize,
+}
+
+/// What a rollout actor is asked.
+#[derive(Debug, Serialize, Deserialize)]
+pub enum RolloutRequest {
+    /// Generate completions (ordered by request, then sample).
+    Generate(Vec<GenerateRequest>),
+}
+
+/// An inference engine as an actor. Its engine starts with the first weights it is given.
+pub struct RolloutActor {
+    config: ModelConfig,
+    kv_cache_bytes: usize,
+    engine: Option<NativeEngine>,
+}
+
+impl Actor for RolloutActor {
+    const KIND: &'static str = "rollout";
+    type Config = RolloutConfig;
+    type Request = RolloutRequest;
+    type Response = Vec<Completion>;
+
+    fn start(config: RolloutConfig) -> Result<Self, String> {
+        let mc = ModelConfig::from_json(config.model, Path::new("rollout actor config"))
+            .map_err(|e| e.to_string())?;
+        Ok(Self {
+            config: mc,
+            kv_cache_bytes: config.kv_cache_bytes,
+            engine: None,
+        })
+    }
+
+    async fn handle(&mut self, request: RolloutRequest) -> Result<Vec<Completion>, String> {
+        let engine = self
+            .engine
+            .as_ref()
+            .ok_or("no weights yet: push a snapshot before generating")?;
+        match request {
+            RolloutRequest::Generate(reqs) => {
+                engine.generate(reqs).await.map_err(|e| e.to_string())
+            }
+        }
+    }
+
+    async fn load_weights(&mut self, snapshot: WeightSnapshot) -> Result<(), String> {
+        if let Some(engine) = &self.engine {
+            return engine
+                .update_weights(snapshot)
+                .await
+                .map_err(|e| e.to_string());
+        }
+        let params = Arc::unwrap_or_clone(snapshot.params);
+        let model = Model::new(self.config.clone(), params).map_err(|e| e.to_string())?;
+        self.engine = Some(NativeEngine::new(
+            model,
+            NativeConfig {
+                kv_cache_bytes: self.kv_cache_bytes,
+                initial_version: snapshot.version,
+                ..Default::default()
+            },
+        ));
+        Ok(())
+    }
+}
+
+/// The rollout actors of a run.
 pub(crate) struct RolloutPool {
-    engines: Vec<NativeEngine>,
+    rt: tokio::runtime::Runtime,
+    actors: Vec<ActorRef<RolloutActor>>,
+    /// The weights every actor serves (a restarted actor gets them back).
+    current: Arc<Mutex<WeightSnapshot>>,
 }
 
 impl RolloutPool {
-    /// `count` engines of `model` splitting `kv_cache_bytes`, serving weight `version`.
-    pub(crate) fn new(model: &Model, count: usize, kv_cache_bytes: usize, version: u64) -> Self {
+    /// `count` rollout actors of `model` splitting `kv_cache_bytes`, serving its weights as
+    /// `version`.
+    pub(crate) fn new(
+        model: &Model,
+        count: usize,
+        kv_cache_bytes: usize,
+        version: u64,
+    ) -> Result<Self, RunError> {
         let count = count.max(1);
-        let engines = (0..count)
-            .map(|_| {
-                NativeEngine::new(
-                    model.clone(),
-                    NativeConfig {
-                        kv_cache_bytes: kv_cache_bytes / count,
-                        initial_version: version,
-                        ..Default::default()
-                    },
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("rollout-pool")
+            .enable_all()
+            .build()
+            .map_err(|e| RunError::Other(format!("cannot start the actor runtime: {e}")))?;
+        let snapshot = WeightSnapshot {
+            version,
+            params: Arc::new(model.params.clone()),
+        };
+        let current = Arc::new(Mutex::new(snapshot.clone()));
+        let for_hook = Arc::clone(&current);
+        let hook: RestartHook<RolloutActor> = Arc::new(move |actor| {
+            let snap = for_hook.lock().unwrap_or_else(|p| p.into_inner()).clone();
+            Box::pin(async move { actor.load_weights(snap).await })
+        });
+        let config = RolloutConfig {
+            model: model.config.to_hf_json(),
+            kv_cache_bytes: kv_cache_bytes / count,
+        };
+        let actors = rt.block_on(async {
+            let mut actors = Vec::with_capacity(count);
+            for i in 0..count {
+                let options = SpawnOptions {
+                    on_restart: Some(Arc::clone(&hook)),
+                    ..Default::default()
+                };
+                let a = actors::spawn_local::<RolloutActor>(
+                    &format!("rollout-{i}"),
+                    config.clone(),
+                    options,
                 )
-            })
-            .collect();
-        Self { engines }
+                .await?;
+                a.load_weights(snapshot.clone()).await?;
+                actors.push(a);
+            }
+            Ok::<_, actors::ActorError>(actors)
+        })?;
+        Ok(Self {
+            rt,
+            actors,
+            current,
+        })
     }
 
-    /// Engines in the pool.
+    /// Actors in the pool.
     pub(crate) fn len(&self) -> usize {
-        self.engines.len()
+        self.actors.len()
     }
 
-    /// Generates `reqs` across the engines; completions come back ordered by request, then
-    /// sample, as from one engine. A request goes whole to the engine with the fewest sampled
+    /// Generates `reqs` across the actors; completions come back ordered by request, then
+    /// sample, as from one engine. A request goes whole to the actor with the fewest sampled
     /// sequences assigned so far (ties: the lowest index), so the split is deterministic.
     pub(crate) fn generate_blocking(
         &self,
         reqs: Vec<GenerateRequest>,
-    ) -> Result<Vec<Completion>, EngineError> {
-        if self.engines.len() == 1 {
-            return self.engines[0].generate_blocking(reqs);
-        }
-        let mut load = vec![0usize; self.engines.len()];
-        let mut shares: Vec<Vec<(usize, GenerateRequest)>> = vec![Vec::new(); self.engines.len()];
+    ) -> Result<Vec<Completion>, RunError> {
+        let mut load = vec![0usize; self.actors.len()];
+        let mut shares: Vec<(Vec<usize>, Vec<GenerateRequest>)> =
+            vec![(Vec::new(), Vec::new()); self.actors.len()];
         for (i, r) in reqs.into_iter().enumerate() {
             let e = (0..load.len()).min_by_key(|&e| (load[e], e)).unwrap_or(0);
             load[e] += r.params.n.max(1);
-            shares[e].push((i, r));
+            shares[e].0.push(i);
+            shares[e].1.push(r);
         }
-        let results: Vec<Result<Vec<Completion>, EngineError>> = std::thread::scope(|s| {
-            let handles: Vec<_> = shares
-                .iter()
-                .zip(&self.engines)
-                .filter(|(share, _)| !share.is_empty())
-                .map(|(share, engine)| {
-                    let reqs: Vec<GenerateRequest> = share.iter().map(|(_, r)| r.clone()).collect();
-                    let index: Vec<usize> = share.iter().map(|(i, _)| *i).collect();
-                    s.spawn(move || {
-                        engine.generate_blocking(reqs).map(|mut out| {
-                            for c in &mut out {
-                                c.request = index[c.request];
-                            }
-                            out
-                        })
-                    })
-                })
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| h.join().unwrap_or(Err(EngineError::Closed)))
-                .collect()
-        });
+        let calls: Vec<_> = shares
+            .into_iter()
+            .zip(&self.actors)
+            .filter(|((index, _), _)| !index.is_empty())
+            .map(|((index, reqs), actor)| {
+                let actor = actor.clone();
+                let call = self
+                    .rt
+                    .spawn(async move { actor.call(RolloutRequest::Generate(reqs)).await });
+                (index, call)
+            })
+            .collect();
         let mut all = Vec::new();
-        for r in results {
-            all.extend(r?);
+        for (index, call) in calls {
+            let out = self
+                .rt
+                .handle()
+                .block_on(call)
+                .map_err(|e| RunError::Other(format!("a rollout call was lost: {e}")))??;
+            all.extend(out.into_iter().map(|mut c| {
+                c.request = index[c.request];
+                c
+            }));
         }
         all.sort_by_key(|c| (c.request, c.index));
         Ok(all)
     }
 
-    /// Swaps `snapshot` into every engine (each between its decode steps).
-    pub(crate) fn update_weights_blocking(
-        &self,
-        snapshot: WeightSnapshot,
-    ) -> Result<(), EngineError> {
-        std::thread::scope(|s| {
-            let handles: Vec<_> = self
-                .engines
-                .iter()
-                .map(|e| {
-                    let snap = snapshot.clone();
-                    s.spawn(move || e.update_weights_blocking(snap))
-                })
-                .collect();
-            handles
-                .into_iter()
-                .try_for_each(|h| h.join().unwrap_or(Err(EngineError::Closed)))
-        })
+    /// Swaps `snapshot` into every actor (each engine between its decode steps).
+    pub(crate) fn update_weights_blocking(&self, snapshot: WeightSnapshot) -> Result<(), RunError> {
+        *self.current.lock().unwrap_or_else(|p| p.into_inner()) = snapshot.clone();
+        let pushes: Vec<_> = self
+            .actors
+            .iter()
+            .map(|a| {
+                let (a, s) = (a.clone(), snapshot.clone());
+                self.rt.spawn(async move { a.load_weights(s).await })
+            })
+            .collect();
+        for p in pushes {
+            self.rt
+                .handle()
+                .block_on(p)
+                .map_err(|e| RunError::Other(format!("a weight push was lost: {e}")))??;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for RolloutPool {
+    fn drop(&mut self) {
+        for a in &self.actors {
+            a.stop();
+        }
     }
 }
 
@@ -133,8 +256,8 @@ mod tests {
                 },
             })
             .collect();
-        let one = RolloutPool::new(&model, 1, 8 << 20, 0);
-        let three = RolloutPool::new(&model, 3, 8 << 20, 0);
+        let one = RolloutPool::new(&model, 1, 8 << 20, 0).unwrap();
+        let three = RolloutPool::new(&model, 3, 8 << 20, 0).unwrap();
         assert_eq!(three.len(), 3);
         let a = one.generate_blocking(reqs.clone()).unwrap();
         let b = three.generate_blocking(reqs).unwrap();

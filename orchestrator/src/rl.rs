@@ -20,7 +20,7 @@ use learner::rl::loss::{
 use learner::rl::{Metrics, Shape};
 use learner::{Batch, Model, Params};
 use rollout::task::Problem;
-use rollout::{Completion, EngineError, FinishReason, GenerateRequest, SamplingParams};
+use rollout::{Completion, FinishReason, GenerateRequest, SamplingParams};
 use std::collections::{HashSet, VecDeque};
 use std::io::{Read, Write};
 use std::path::Path;
@@ -137,7 +137,7 @@ struct Pending {
     step: u64,
     problems: Vec<Problem>,
     reqs: Vec<GenerateRequest>,
-    handle: JoinHandle<Result<Vec<Completion>, EngineError>>,
+    handle: JoinHandle<Result<Vec<Completion>, RunError>>,
 }
 
 /// What an RL stage keeps from step to step.

@@ -42,6 +42,9 @@ pub enum RunError {
     /// The job store.
     #[error(transparent)]
     Store(#[from] StoreError),
+    /// An actor of a pool.
+    #[error(transparent)]
+    Actor(#[from] actors::ActorError),
     /// Files of the run directory.
     #[error("{path}: {source}")]
     Io {
@@ -283,7 +286,7 @@ fn run_job(
         wf.pools.rollout.count,
         256 << 20,
         version,
-    ));
+    )?);
     let metrics_path = dir.join("metrics.jsonl");
     rewind_metrics(store, job, &state, &metrics_path)?;
     let metrics = std::fs::OpenOptions::new()

@@ -15,11 +15,11 @@ pub mod task;
 
 use learner::snapshot::WeightSnapshot;
 pub use sampling::SamplingParams;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use std::future::Future;
 
 /// One prompt (token ids) and how to sample it.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct GenerateRequest {
     /// Prompt token ids.
     pub prompt: Vec<u32>,
@@ -28,7 +28,7 @@ pub struct GenerateRequest {
 }
 
 /// Why a completion ended.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum FinishReason {
     /// A stop token (or the end-of-sequence token) was generated; it ends the output.
@@ -38,7 +38,7 @@ pub enum FinishReason {
 }
 
 /// Tokens `start..end` of a completion were produced by weight `version`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct VersionSpan {
     /// Weight version.
     pub version: u64,
@@ -49,7 +49,7 @@ pub struct VersionSpan {
 }
 
 /// One sample of one request.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Completion {
     /// Index of the request in the call.
     pub request: usize,
