@@ -36,6 +36,8 @@ enum Command {
         /// No progress lines.
         #[arg(long)]
         quiet: bool,
+        #[command(flatten)]
+        cluster: ClusterArgs,
     },
     /// Draw RUN_DIR/metrics.jsonl into RUN_DIR/plot.png (train does this at the end).
     Plot {
@@ -49,6 +51,8 @@ enum Command {
         /// No progress lines.
         #[arg(long)]
         quiet: bool,
+        #[command(flatten)]
+        cluster: ClusterArgs,
     },
     /// The state of the run in RUN_DIR: job state, stage, step, checkpoints (from its store).
     Status {
@@ -112,6 +116,44 @@ enum Command {
     },
     /// Run a node agent: host actors on this machine for the head at --head.
     Agent(AgentArgs),
+}
+
+/// Where a run meets `trellis agent`s, for pools placed on them (`placement: pack | spread`).
+#[derive(Debug, clap::Args)]
+struct ClusterArgs {
+    /// Listen for agents on this address (port 0: any free port; the address is printed).
+    #[arg(long)]
+    listen: Option<std::net::SocketAddr>,
+    /// The cluster token agents must present (created, mode 0600, when the file is missing).
+    #[arg(long, env = "TRELLIS_TOKEN_FILE")]
+    token_file: Option<PathBuf>,
+    /// Seconds to wait for agents that can take the pool.
+    #[arg(long, default_value_t = 120.0)]
+    agent_wait: f64,
+}
+
+impl ClusterArgs {
+    fn cluster(&self) -> Result<Option<orchestrator::pool::Cluster>> {
+        let Some(listen) = self.listen else {
+            return Ok(None);
+        };
+        let path = self.token_file.as_ref().ok_or_else(|| {
+            anyhow::anyhow!("--listen needs --token-file FILE (the cluster token agents present)")
+        })?;
+        let token = if path.exists() {
+            actors::Token::read(path)?
+        } else {
+            let t = actors::Token::generate()?;
+            t.write(path)?;
+            eprintln!("wrote a new cluster token to {}", path.display());
+            t
+        };
+        Ok(Some(orchestrator::pool::Cluster {
+            listen,
+            token,
+            wait: std::time::Duration::from_secs_f64(self.agent_wait.max(0.0)),
+        }))
+    }
 }
 
 #[derive(Debug, Subcommand)]
@@ -393,10 +435,15 @@ fn run() -> Result<()> {
             overrides,
             run_dir,
             quiet,
+            cluster,
         } => {
             let wf = orchestrator::workflow::load(&recipe, &overrides)?;
             let dir = run_dir.unwrap_or_else(|| PathBuf::from("runs").join(&wf.name));
-            let summary = orchestrator::train::start(&wf, &dir, quiet)?;
+            let opts = orchestrator::train::RunOptions {
+                quiet,
+                cluster: cluster.cluster()?,
+            };
+            let summary = orchestrator::train::start(&wf, &dir, &opts)?;
             print_summary(&dir, &summary);
             Ok(())
         }
@@ -406,8 +453,16 @@ fn run() -> Result<()> {
             println!("{}", out.display());
             Ok(())
         }
-        Command::Resume { run_dir, quiet } => {
-            let summary = orchestrator::train::resume(&run_dir, quiet)?;
+        Command::Resume {
+            run_dir,
+            quiet,
+            cluster,
+        } => {
+            let opts = orchestrator::train::RunOptions {
+                quiet,
+                cluster: cluster.cluster()?,
+            };
+            let summary = orchestrator::train::resume(&run_dir, &opts)?;
             print_summary(&run_dir, &summary);
             Ok(())
         }

@@ -10,14 +10,20 @@
 //! samples, trains or scores.
 
 use crate::train::RunError;
-use actors::{Actor, ActorRef, RestartHook, SpawnOptions};
+use crate::workflow::Pool;
+use actors::{
+    Actor, ActorError, ActorRef, Device, Head, HeadConfig, PoolSpec, RestartHook, SpawnOptions,
+    Strategy, Token,
+};
 use learner::snapshot::WeightSnapshot;
 use learner::{Model, ModelConfig};
 use rollout::native::{NativeConfig, NativeEngine};
 use rollout::{Completion, GenerateRequest, InferenceEngine};
 use serde::{Deserialize, Serialize};
+use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 /// How a rollout actor starts: the model's shape (its weights arrive by `load_weights`).
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -72,6 +78,11 @@ impl Actor for RolloutActor {
 
     async fn load_weights(&mut self, snapshot: WeightSnapshot) -> Result<(), String> {
         if let Some(engine) = &self.engine {
+            // Pushing the version already served is a no-op (a retried push after a restart
+            // whose hook delivered it first).
+            if engine.weight_version() == snapshot.version {
+                return Ok(());
+            }
             return engine
                 .update_weights(snapshot)
                 .await
@@ -91,24 +102,38 @@ impl Actor for RolloutActor {
     }
 }
 
+/// Where a run's head listens for agents, when a pool is placed on them.
+#[derive(Clone, Debug)]
+pub struct Cluster {
+    /// Address to listen on (port 0: any).
+    pub listen: SocketAddr,
+    /// The cluster token agents present.
+    pub token: Token,
+    /// How long to wait for agents that can take the pool.
+    pub wait: Duration,
+}
+
 /// The rollout actors of a run.
 pub(crate) struct RolloutPool {
     rt: tokio::runtime::Runtime,
+    head: Option<Head>,
     actors: Vec<ActorRef<RolloutActor>>,
     /// The weights every actor serves (a restarted actor gets them back).
     current: Arc<Mutex<WeightSnapshot>>,
 }
 
 impl RolloutPool {
-    /// `count` rollout actors of `model` splitting `kv_cache_bytes`, serving its weights as
-    /// `version`.
+    /// `pool.count` rollout actors of `model`, each with `kv_cache_bytes`, serving its weights
+    /// as `version`: in this process (`placement: local`), or on the agents that register with
+    /// a head started on `cluster`.
     pub(crate) fn new(
         model: &Model,
-        count: usize,
+        pool: &Pool,
         kv_cache_bytes: usize,
         version: u64,
+        cluster: Option<&Cluster>,
     ) -> Result<Self, RunError> {
-        let count = count.max(1);
+        let count = pool.count.max(1);
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .thread_name("rollout-pool")
@@ -125,33 +150,101 @@ impl RolloutPool {
             let snap = for_hook.lock().unwrap_or_else(|p| p.into_inner()).clone();
             Box::pin(async move { actor.load_weights(snap).await })
         });
+        let options = SpawnOptions {
+            on_restart: Some(Arc::clone(&hook)),
+            ..Default::default()
+        };
+        let local = pool.placement == "local";
         let config = RolloutConfig {
             model: model.config.to_hf_json(),
-            kv_cache_bytes: kv_cache_bytes / count,
+            kv_cache_bytes: if local {
+                kv_cache_bytes / count
+            } else {
+                kv_cache_bytes
+            },
         };
-        let actors = rt.block_on(async {
-            let mut actors = Vec::with_capacity(count);
-            for i in 0..count {
-                let options = SpawnOptions {
-                    on_restart: Some(Arc::clone(&hook)),
-                    ..Default::default()
-                };
-                let a = actors::spawn_local::<RolloutActor>(
-                    &format!("rollout-{i}"),
-                    config.clone(),
-                    options,
-                )
-                .await?;
+        let (head, actors) = if local {
+            let actors = rt.block_on(async {
+                let mut actors = Vec::with_capacity(count);
+                for i in 0..count {
+                    let a = actors::spawn_local::<RolloutActor>(
+                        &format!("rollout-{i}"),
+                        config.clone(),
+                        options.clone(),
+                    )
+                    .await?;
+                    actors.push(a);
+                }
+                Ok::<_, actors::ActorError>(actors)
+            })?;
+            (None, actors)
+        } else {
+            let cluster = cluster.ok_or_else(|| {
+                RunError::Other(format!(
+                    "pools.rollout.placement `{}` places engines on agents: run with --listen ADDR --token-file FILE and start agents with `trellis agent --head http://ADDR --token-file FILE`",
+                    pool.placement
+                ))
+            })?;
+            let spec = PoolSpec {
+                name: "rollout".into(),
+                kind: RolloutActor::KIND.into(),
+                actors: count as u32,
+                device: Device::Cpu,
+                per_actor: 1,
+                strategy: if pool.placement == "spread" {
+                    Strategy::Spread
+                } else {
+                    Strategy::Pack
+                },
+                labels: Default::default(),
+                colocate: None,
+            };
+            let (head, actors) = rt.block_on(async {
+                let head =
+                    Head::serve(cluster.listen, cluster.token.clone(), HeadConfig::default())
+                        .await
+                        .map_err(|e| {
+                            RunError::Other(format!("cannot listen on {}: {e}", cluster.listen))
+                        })?;
+                // Always said, even with --quiet: agents need this address.
+                eprintln!(
+                    "rollout pool: waiting up to {:.0?} for agents to register at http://{}",
+                    cluster.wait,
+                    head.address()
+                );
+                let deadline = Instant::now() + cluster.wait;
+                loop {
+                    match head.place(std::slice::from_ref(&spec)) {
+                        Ok(_) => break,
+                        Err(e) if Instant::now() >= deadline => return Err(RunError::Actor(e)),
+                        Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+                    }
+                }
+                let actors = head
+                    .spawn_pool::<RolloutActor>(&spec, |_| config.clone(), options.clone())
+                    .await?;
+                Ok((head, actors))
+            })?;
+            (Some(head), actors)
+        };
+        // Every actor starts with the current weights.
+        rt.block_on(async {
+            for a in &actors {
                 a.load_weights(snapshot.clone()).await?;
-                actors.push(a);
             }
-            Ok::<_, actors::ActorError>(actors)
+            Ok::<_, actors::ActorError>(())
         })?;
         Ok(Self {
             rt,
+            head,
             actors,
             current,
         })
+    }
+
+    /// Where each actor runs (`local`, or its agent).
+    pub(crate) fn locations(&self) -> Vec<String> {
+        self.actors.iter().map(|a| a.location()).collect()
     }
 
     /// Actors in the pool.
@@ -181,9 +274,14 @@ impl RolloutPool {
             .filter(|((index, _), _)| !index.is_empty())
             .map(|((index, reqs), actor)| {
                 let actor = actor.clone();
-                let call = self
-                    .rt
-                    .spawn(async move { actor.call(RolloutRequest::Generate(reqs)).await });
+                // Generation is a pure function of the weights and the requests' seeds, so a
+                // call lost with its actor is simply made again on the restarted one.
+                let call = self.rt.spawn(async move {
+                    retry(&actor, || {
+                        actor.call(RolloutRequest::Generate(reqs.clone()))
+                    })
+                    .await
+                });
                 (index, call)
             })
             .collect();
@@ -211,7 +309,8 @@ impl RolloutPool {
             .iter()
             .map(|a| {
                 let (a, s) = (a.clone(), snapshot.clone());
-                self.rt.spawn(async move { a.load_weights(s).await })
+                self.rt
+                    .spawn(async move { retry(&a, || a.load_weights(s.clone())).await })
             })
             .collect();
         for p in pushes {
@@ -224,10 +323,35 @@ impl RolloutPool {
     }
 }
 
+/// Runs `op` against `actor`, again (up to 5 times) when the actor died or its agent was lost
+/// meanwhile: the supervisor restarts it elsewhere and gives it the current weights.
+async fn retry<T, F, Fut>(actor: &ActorRef<RolloutActor>, mut op: F) -> Result<T, ActorError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, ActorError>>,
+{
+    let mut attempt = 0;
+    loop {
+        match op().await {
+            Err(e @ (ActorError::Died { .. } | ActorError::Agent { .. })) if attempt < 5 => {
+                attempt += 1;
+                tracing::warn!(actor = actor.name(), "{e}; retrying (attempt {attempt})");
+                tokio::time::sleep(Duration::from_millis(50 << attempt)).await;
+                actor.ready().await?;
+            }
+            other => return other,
+        }
+    }
+}
+
 impl Drop for RolloutPool {
     fn drop(&mut self) {
         for a in &self.actors {
             a.stop();
+        }
+        // Agents stay up for the next run; they only lose this run's actors.
+        if let Some(head) = self.head.take() {
+            self.rt.block_on(head.shutdown(false));
         }
     }
 }
@@ -256,8 +380,12 @@ mod tests {
                 },
             })
             .collect();
-        let one = RolloutPool::new(&model, 1, 8 << 20, 0).unwrap();
-        let three = RolloutPool::new(&model, 3, 8 << 20, 0).unwrap();
+        let pool = |count| crate::workflow::Pool {
+            count,
+            ..Default::default()
+        };
+        let one = RolloutPool::new(&model, &pool(1), 8 << 20, 0, None).unwrap();
+        let three = RolloutPool::new(&model, &pool(3), 8 << 20, 0, None).unwrap();
         assert_eq!(three.len(), 3);
         let a = one.generate_blocking(reqs.clone()).unwrap();
         let b = three.generate_blocking(reqs).unwrap();

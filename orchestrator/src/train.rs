@@ -145,8 +145,17 @@ pub fn store_path(dir: &Path) -> PathBuf {
     dir.join("store.redb")
 }
 
+/// How a run is driven.
+#[derive(Clone, Debug, Default)]
+pub struct RunOptions {
+    /// No progress lines.
+    pub quiet: bool,
+    /// Where to meet agents, for pools placed on them.
+    pub cluster: Option<crate::pool::Cluster>,
+}
+
 /// Starts a run of `wf` in `dir` (which must not hold another run).
-pub fn start(wf: &Workflow, dir: &Path, quiet: bool) -> Result<Summary, RunError> {
+pub fn start(wf: &Workflow, dir: &Path, opts: &RunOptions) -> Result<Summary, RunError> {
     if store_path(dir).exists() {
         return Err(RunError::Other(format!(
             "{} already holds a run: continue it with `trellis resume {}`, or pick another --run-dir",
@@ -161,11 +170,11 @@ pub fn start(wf: &Workflow, dir: &Path, quiet: bool) -> Result<Summary, RunError
     let _ = std::fs::remove_file(dir.join("metrics.jsonl"));
     let store = Store::open(&store_path(dir))?;
     let job = store.create_job(&wf.name, spec, JobState::Running)?;
-    execute(wf, dir, store, job, quiet)
+    execute(wf, dir, store, job, opts)
 }
 
 /// Continues the run in `dir` from its last checkpoint.
-pub fn resume(dir: &Path, quiet: bool) -> Result<Summary, RunError> {
+pub fn resume(dir: &Path, opts: &RunOptions) -> Result<Summary, RunError> {
     let (store, job) = open_run(dir)?;
     if job.state == JobState::Succeeded {
         return Ok(Summary {
@@ -176,7 +185,7 @@ pub fn resume(dir: &Path, quiet: bool) -> Result<Summary, RunError> {
     let wf: Workflow = serde_json::from_value(job.spec.clone())
         .map_err(|e| RunError::Other(format!("{}: job {}: {e}", store.path().display(), job.id)))?;
     store.set_state(job.id, JobState::Running, None)?;
-    execute(&wf, dir, store, job.id, quiet)
+    execute(&wf, dir, store, job.id, opts)
 }
 
 /// Runs the job and records how it ended: `Succeeded`, or `Failed` with the error (resumable).
@@ -185,9 +194,9 @@ fn execute(
     dir: &Path,
     store: Store,
     job: u64,
-    quiet: bool,
+    opts: &RunOptions,
 ) -> Result<Summary, RunError> {
-    let out = run_job(wf, dir, &store, job, quiet);
+    let out = run_job(wf, dir, &store, job, opts);
     let end = match &out {
         Ok(_) => store.set_state(job, JobState::Succeeded, None),
         Err(e) => store.set_state(job, JobState::Failed, Some(e.to_string())),
@@ -254,8 +263,9 @@ fn run_job(
     dir: &Path,
     store: &Store,
     job: u64,
-    quiet: bool,
+    opts: &RunOptions,
 ) -> Result<Summary, RunError> {
+    let quiet = opts.quiet;
     let state = store.job(job)?.progress;
     let (tokenizer, tokenizer_json) = tokenizer_for(wf)?;
     let Checkpoint {
@@ -283,10 +293,15 @@ fn run_job(
         })?;
     let engine = Arc::new(RolloutPool::new(
         &model,
-        wf.pools.rollout.count,
+        &wf.pools.rollout,
         256 << 20,
         version,
+        opts.cluster.as_ref(),
     )?);
+    if wf.pools.rollout.placement != "local" {
+        // Always said: where the engines run is the first thing to check on a cluster.
+        eprintln!("rollout pool: {}", engine.locations().join(", "));
+    }
     let metrics_path = dir.join("metrics.jsonl");
     rewind_metrics(store, job, &state, &metrics_path)?;
     let metrics = std::fs::OpenOptions::new()

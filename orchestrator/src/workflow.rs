@@ -66,6 +66,10 @@ pub struct Pool {
     /// `native`, `pjrt`, `vllm`, `sglang`.
     #[serde(default = "default_engine")]
     pub engine: String,
+    /// `local` (in the driver process), or on registered agents (`trellis agent`): `pack` (fewest
+    /// agents) or `spread` (one per agent first). Agents need `trellis train --listen`.
+    #[serde(default = "default_placement")]
+    pub placement: String,
 }
 
 impl Default for Pool {
@@ -74,8 +78,13 @@ impl Default for Pool {
             device: default_device(),
             count: 1,
             engine: default_engine(),
+            placement: default_placement(),
         }
     }
+}
+
+fn default_placement() -> String {
+    "local".into()
 }
 
 fn default_device() -> String {
@@ -576,6 +585,18 @@ pub fn validate(wf: &Workflow, origin: &str) -> Result<(), WorkflowError> {
             return bad(format!(
                 "pools.{role}.device `{}`: expected cpu, gpu or tpu",
                 p.device
+            ));
+        }
+        if !["local", "pack", "spread"].contains(&p.placement.as_str()) {
+            return bad(format!(
+                "pools.{role}.placement `{}`: expected local, pack or spread",
+                p.placement
+            ));
+        }
+        if role == "learner" && p.placement != "local" {
+            return bad(format!(
+                "pools.learner.placement `{}` cannot be placed: this build trains in the driver process (placement: local)",
+                p.placement
             ));
         }
         if p.count == 0 {

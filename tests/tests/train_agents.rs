@@ -1,0 +1,192 @@
+//! `trellis train` with its rollout pool on `trellis agent` processes (loopback): the run's
+//! results equal an in-process run's, and an agent killed with -9 mid-run costs nothing but a
+//! restart of its engine on the other agent.
+
+use serde_json::Value;
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+use trellis_tests::{run_ok, trellis};
+
+fn recipe() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data/tiny-arith.yaml")
+}
+
+fn scratch(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("trellis-agents-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// Metric rows without timings (which differ run to run).
+fn rows(dir: &Path) -> Vec<Value> {
+    std::fs::read_to_string(dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let mut v: Value = serde_json::from_str(l).unwrap();
+            v.as_object_mut()
+                .unwrap()
+                .retain(|k, _| !k.starts_with("timing_s/") && !k.starts_with("perf/"));
+            v
+        })
+        .collect()
+}
+
+struct Killed(Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn agent(url: &str, token: &Path, name: &str) -> Killed {
+    Killed(
+        trellis()
+            .args([
+                "--log",
+                "warn",
+                "agent",
+                "--head",
+                url,
+                "--resources",
+                "cpu=2",
+            ])
+            .arg("--token-file")
+            .arg(token)
+            .args(["--name", name])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start trellis agent"),
+    )
+}
+
+const OVERRIDES: [&str; 4] = [
+    "-o",
+    "pools.rollout.count=2",
+    "-o",
+    "stages.rl.trainer.steps=8",
+];
+
+/// Starts `trellis train` listening for agents; returns it, the agents' URL, and its stderr
+/// lines as they come.
+fn train_on_agents(dir: &Path, token: &Path) -> (Killed, String, mpsc::Receiver<String>) {
+    let mut child = trellis()
+        .arg("train")
+        .arg(recipe())
+        .args(OVERRIDES)
+        .args([
+            "-o",
+            "pools.rollout.placement=spread",
+            "--quiet",
+            "--run-dir",
+        ])
+        .arg(dir.join("run"))
+        .args([
+            "--listen",
+            "127.0.0.1:0",
+            "--agent-wait",
+            "60",
+            "--token-file",
+        ])
+        .arg(token)
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (tx, rx) = mpsc::channel();
+    let err = child.stderr.take().unwrap();
+    std::thread::spawn(move || {
+        for line in BufReader::new(err).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let t0 = Instant::now();
+    let url = loop {
+        let line = rx
+            .recv_timeout(Duration::from_secs(60))
+            .expect("trellis train says where agents register");
+        if let Some(i) = line.find("http://") {
+            break line[i..].trim().to_string();
+        }
+        assert!(t0.elapsed() < Duration::from_secs(60));
+    };
+    (Killed(child), url, rx)
+}
+
+fn wait_ok(child: &mut Killed, lines: &mpsc::Receiver<String>) -> Vec<String> {
+    let status = child.0.wait().unwrap();
+    let said: Vec<String> = lines.try_iter().collect();
+    assert!(
+        status.success(),
+        "trellis train failed:\n{}",
+        said.join("\n")
+    );
+    said
+}
+
+#[test]
+fn a_rollout_pool_on_two_agents_trains_like_one_in_process_and_survives_a_killed_agent() {
+    let dir = scratch("pool");
+    // The in-process reference.
+    run_ok(
+        trellis()
+            .arg("train")
+            .arg(recipe())
+            .args(OVERRIDES)
+            .args(["--quiet", "--run-dir"])
+            .arg(dir.join("local")),
+    );
+    let reference = rows(&dir.join("local"));
+    let token = dir.join("cluster.token");
+
+    // Two agents, one engine on each (spread); the run is step for step the in-process one.
+    let (mut train, url, lines) = train_on_agents(&dir, &token);
+    let _a1 = agent(&url, &token, "a1");
+    let _a2 = agent(&url, &token, "a2");
+    let said = wait_ok(&mut train, &lines);
+    let placed = said
+        .iter()
+        .find(|l| l.starts_with("rollout pool:") && !l.contains("waiting"))
+        .unwrap_or_else(|| panic!("no placement line in {said:?}"));
+    assert!(
+        placed.contains("a1") && placed.contains("a2"),
+        "spread over both agents: {placed}"
+    );
+    assert_eq!(rows(&dir.join("run")), reference);
+    std::fs::remove_dir_all(dir.join("run")).unwrap();
+
+    // kill -9 one agent during the RL stage: its engine restarts on the other agent with the
+    // current weights, the lost call is made again, and nothing about the run changes.
+    let (mut train, url, lines) = train_on_agents(&dir, &token);
+    let mut a1 = agent(&url, &token, "a1");
+    let _a2 = agent(&url, &token, "a2");
+    let t0 = Instant::now();
+    while !dir.join("run/checkpoints/rl").exists() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(120),
+            "the RL stage never started"
+        );
+        if let Some(status) = train.0.try_wait().unwrap() {
+            panic!("the run ended early: {status}");
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    a1.0.kill().unwrap();
+    a1.0.wait().unwrap();
+    let said = wait_ok(&mut train, &lines);
+    assert!(
+        said.iter()
+            .any(|l| l.contains("actor restarted") && l.contains("rollout-0")),
+        "the killed agent's engine was restarted:\n{}",
+        said.join("\n")
+    );
+    assert_eq!(rows(&dir.join("run")), reference);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
