@@ -8,7 +8,7 @@
 
 use crate::graph::{Op, StepGraph};
 use crate::train::{Run, RunError};
-use crate::workflow::{Data, FilterNode, ProgramNode, Stage, UserNode};
+use crate::workflow::{FilterNode, ProgramNode, Source, Stage, UserNode};
 use learner::critic::Critic;
 use learner::optim::{LrSchedule, Optimizer};
 use learner::rl::advantage::{AdvEstimator, AdvInput, compute};
@@ -253,7 +253,7 @@ impl Run<'_> {
     fn draw(
         &self,
         stage: &Stage,
-        data: &Data,
+        data: &Source,
         step: u64,
         round: usize,
         exclude: &HashSet<Problem>,
@@ -266,9 +266,7 @@ impl Run<'_> {
             1
         };
         let start = ((step - 1) * rounds as u64 + round as u64) * b as u64;
-        let problems = data
-            .arith
-            .train_batch(self.wf.seed ^ 0xA11CE, start, b, exclude);
+        let problems = data.train_batch(self.wf.seed ^ 0xA11CE, start, b, exclude);
         let mut reqs = Vec::with_capacity(problems.len());
         for (i, p) in problems.iter().enumerate() {
             let (prompt, _) = crate::train::encode(&self.tokenizer, p, self.eos)?;
@@ -317,7 +315,7 @@ impl Run<'_> {
     fn launch(
         &self,
         stage: &Stage,
-        data: &Data,
+        data: &Source,
         step: u64,
         exclude: &HashSet<Problem>,
     ) -> Result<Pending, RunError> {
@@ -340,7 +338,7 @@ impl Run<'_> {
     fn generate(
         &mut self,
         stage: &Stage,
-        data: &Data,
+        data: &Source,
         step: u64,
         st: &mut RlState,
         exclude: &HashSet<Problem>,
@@ -767,7 +765,7 @@ impl Run<'_> {
     pub(crate) fn rl_step(
         &mut self,
         stage: &Stage,
-        data: &Data,
+        data: &Source,
         step: u64,
         st: &mut RlState,
         exclude: &HashSet<Problem>,

@@ -480,7 +480,15 @@ impl Run<'_> {
     }
 
     fn stage(&mut self, stage: &Stage, data: &crate::workflow::Data) -> Result<(), RunError> {
-        let eval_set = data.arith.eval_set(self.wf.seed, data.eval_size);
+        let source = data.source(self.wf.seed).map_err(RunError::Other)?;
+        let eval_set = source.eval_set(self.wf.seed, data.eval_size);
+        // Greedy answers: a few tokens past the longest arithmetic answer, or the stage's
+        // response budget for a dataset.
+        let eval_tokens = if source.is_arith() {
+            eval_set.iter().map(|p| p.answer.len()).max().unwrap_or(1) + 2
+        } else {
+            stage.algorithm.max_response_length
+        };
         let exclude: HashSet<Problem> = eval_set.iter().cloned().collect();
         let resume_step = if self.state.stage.as_deref() == Some(&stage.id) {
             self.state.step
@@ -514,7 +522,7 @@ impl Run<'_> {
             _ => None,
         };
         if stage.kind == StageKind::Eval {
-            let (acc, reward) = self.evaluate(&eval_set, stage.reward)?;
+            let (acc, reward) = self.evaluate(&eval_set, &stage.reward, eval_tokens)?;
             let m: Metrics = [
                 ("eval/accuracy".to_string(), acc),
                 ("eval/reward_mean".to_string(), reward),
@@ -529,14 +537,14 @@ impl Run<'_> {
             for step in resume_step + 1..=total {
                 let mut m = match (&mut sft_opt, &mut rl) {
                     (Some(opt), _) => {
-                        self.sft_step(stage, data, step, opt, &mut grads, &exclude)?
+                        self.sft_step(stage, &source, step, opt, &mut grads, &exclude)?
                     }
-                    (None, Some(rl)) => self.rl_step(stage, data, step, rl, &exclude)?,
+                    (None, Some(rl)) => self.rl_step(stage, &source, step, rl, &exclude)?,
                     (None, None) => unreachable!("sft and rl stages have their state"),
                 };
                 let freq = stage.trainer.eval_freq;
                 if (freq > 0 && step % freq == 0) || step == total {
-                    let (acc, reward) = self.evaluate(&eval_set, stage.reward)?;
+                    let (acc, reward) = self.evaluate(&eval_set, &stage.reward, eval_tokens)?;
                     m.insert("eval/accuracy".into(), acc);
                     m.insert("eval/reward_mean".into(), reward);
                     self.summary.eval_accuracy.insert(stage.id.clone(), acc);
@@ -586,7 +594,7 @@ impl Run<'_> {
     fn sft_step(
         &mut self,
         stage: &Stage,
-        data: &crate::workflow::Data,
+        data: &crate::workflow::Source,
         step: u64,
         opt: &mut Optimizer,
         grads: &mut learner::Params,
@@ -594,9 +602,7 @@ impl Run<'_> {
     ) -> Result<Metrics, RunError> {
         let t = Instant::now();
         let bs = stage.sft.batch_size;
-        let problems = data
-            .arith
-            .train_batch(self.wf.seed, (step - 1) * bs as u64, bs, exclude);
+        let problems = data.train_batch(self.wf.seed, (step - 1) * bs as u64, bs, exclude);
         let mut seqs = Vec::with_capacity(bs);
         let mut answer_lens = Vec::with_capacity(bs);
         for p in &problems {
@@ -640,9 +646,9 @@ impl Run<'_> {
     fn evaluate(
         &mut self,
         set: &[Problem],
-        reward: rollout::reward::Reward,
+        reward: &rollout::reward::Reward,
+        max_answer: usize,
     ) -> Result<(f64, f64), RunError> {
-        let max_answer = set.iter().map(|p| p.answer.len()).max().unwrap_or(1) + 2;
         let mut reqs = Vec::with_capacity(set.len());
         for p in set {
             let (prompt, _) = encode(&self.tokenizer, p, self.eos)?;
@@ -660,7 +666,8 @@ impl Run<'_> {
             let text = self.tokenizer.decode(&c.token_ids)?;
             let s = reward.score(&text, &set[c.request].answer) as f64;
             total += s;
-            if text.trim() == set[c.request].answer && c.token_ids.last() == Some(&self.eos) {
+            // Correct: full marks, and the answer ended (not cut at the token budget).
+            if s >= 1.0 && c.token_ids.last() == Some(&self.eos) {
                 correct += 1.0;
             }
         }

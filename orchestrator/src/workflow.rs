@@ -3,7 +3,7 @@
 //! `docs/workflow.md`.
 
 use rollout::reward::Reward;
-use rollout::task::ArithTask;
+use rollout::task::{ArithTask, Problem};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
@@ -113,14 +113,101 @@ pub enum StageKind {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Data {
-    /// The task (`arith`).
+    /// The task: `arith` (built in, seeded) or `jsonl` (a JSON-lines file).
     pub task: String,
-    /// Task settings (flattened: `digits`, `ops`, `reverse_answer`).
+    /// `arith` settings (flattened: `digits`, `ops`, `reverse_answer`).
     #[serde(flatten)]
     pub arith: ArithTask,
-    /// Held-out problems for evaluation.
+    /// Held-out problems for evaluation (`jsonl` without `eval_path`: the last this-many rows of
+    /// a seeded shuffle).
     #[serde(default = "default_eval_size")]
     pub eval_size: usize,
+    /// `jsonl`: the training file (relative paths start at the workflow file's folder).
+    #[serde(default)]
+    pub path: Option<PathBuf>,
+    /// `jsonl`: a held-out file.
+    #[serde(default)]
+    pub eval_path: Option<PathBuf>,
+    /// `jsonl`: the key of the prompt.
+    #[serde(default = "default_prompt_key")]
+    pub prompt_key: String,
+    /// `jsonl`: the key of the answer.
+    #[serde(default = "default_answer_key")]
+    pub answer_key: String,
+}
+
+fn default_prompt_key() -> String {
+    "prompt".into()
+}
+fn default_answer_key() -> String {
+    "answer".into()
+}
+
+/// Where a stage's problems come from.
+#[derive(Clone, Debug)]
+pub enum Source {
+    /// The built-in arithmetic task.
+    Arith(ArithTask),
+    /// A JSON-lines dataset, read once.
+    Jsonl(std::sync::Arc<rollout::task::Dataset>),
+}
+
+impl Data {
+    /// Reads the stage's problems (errors name the file, line and key).
+    pub fn source(&self, seed: u64) -> Result<Source, String> {
+        match self.task.as_str() {
+            "arith" => Ok(Source::Arith(self.arith.clone())),
+            "jsonl" => {
+                let path = self
+                    .path
+                    .as_ref()
+                    .ok_or("data.path is required with task: jsonl")?;
+                let train = rollout::task::read_jsonl(path, &self.prompt_key, &self.answer_key)?;
+                let eval = match &self.eval_path {
+                    Some(p) => Some(rollout::task::read_jsonl(
+                        p,
+                        &self.prompt_key,
+                        &self.answer_key,
+                    )?),
+                    None => None,
+                };
+                Ok(Source::Jsonl(std::sync::Arc::new(
+                    rollout::task::Dataset::split(train, eval, self.eval_size, seed),
+                )))
+            }
+            other => Err(format!("data.task `{other}`: expected arith or jsonl")),
+        }
+    }
+}
+
+impl Source {
+    /// The held-out problems.
+    pub fn eval_set(&self, seed: u64, size: usize) -> Vec<Problem> {
+        match self {
+            Source::Arith(a) => a.eval_set(seed, size),
+            Source::Jsonl(d) => d.eval.clone(),
+        }
+    }
+
+    /// Training problems `start..start+count` (never one of `exclude`, for `arith`; a dataset's
+    /// split keeps its eval rows out by construction).
+    pub fn train_batch(
+        &self,
+        seed: u64,
+        start: u64,
+        count: usize,
+        exclude: &std::collections::HashSet<Problem>,
+    ) -> Vec<Problem> {
+        match self {
+            Source::Arith(a) => a.train_batch(seed, start, count, exclude),
+            Source::Jsonl(d) => d.train_batch(seed, start, count),
+        }
+    }
+
+    /// Whether answers are short arithmetic results (eval then needs only a few tokens).
+    pub fn is_arith(&self) -> bool {
+        matches!(self, Source::Arith(_))
+    }
 }
 
 fn default_eval_size() -> usize {
@@ -477,6 +564,18 @@ pub fn parse(text: &str, origin: &str, overrides: &[String]) -> Result<Workflow,
             ))
         })?;
     }
+    // Dataset paths are relative to the workflow file.
+    if let Some(base) = Path::new(origin).parent() {
+        for s in &mut wf.stages {
+            if let Some(d) = &mut s.data {
+                for p in [&mut d.path, &mut d.eval_path].into_iter().flatten() {
+                    if p.is_relative() {
+                        *p = base.join(&*p);
+                    }
+                }
+            }
+        }
+    }
     validate(&wf, origin)?;
     Ok(wf)
 }
@@ -626,15 +725,15 @@ pub fn validate(wf: &Workflow, origin: &str) -> Result<(), WorkflowError> {
         }
         seen.push(&s.id);
         if let Some(d) = &s.data {
-            if d.task != "arith" {
-                return bad(format!(
-                    "stages[{i}].data.task `{}`: the built-in tasks are: arith",
-                    d.task
-                ));
+            if d.task == "arith" {
+                d.arith
+                    .validate()
+                    .or_else(|m| bad(format!("stages[{i}].data: {m}")))?;
             }
-            d.arith
-                .validate()
-                .or_else(|m| bad(format!("stages[{i}].data: {m}")))?;
+            // Reads a dataset once now, so that a bad file stops the run before it starts.
+            if let Err(m) = d.source(wf.seed) {
+                return bad(format!("stages[{i}].data: {m}"));
+            }
         }
         if s.kind != StageKind::Eval && s.data.is_none() {
             return bad(format!(
@@ -669,6 +768,9 @@ pub fn validate(wf: &Workflow, origin: &str) -> Result<(), WorkflowError> {
                 .parse::<learner::rl::agg::LossAgg>()
                 .map_err(|e| err(format!("{origin}: stages[{i}].algorithm: {e}")))?;
         }
+        s.reward
+            .validate()
+            .or_else(|m| bad(format!("stages[{i}].reward: {m}")))?;
         if s.trainer.max_ckpt_to_keep == 0 {
             return bad(format!(
                 "stages[{i}].trainer.max_ckpt_to_keep is 0: at least the latest checkpoint is kept (resuming needs it)"

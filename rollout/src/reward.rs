@@ -1,22 +1,219 @@
-//! Reward functions over decoded responses.
+//! Reward functions over decoded responses (`reward: {type: ...}` in a workflow), with VeRL's
+//! semantics where VeRL has the reward:
+//!
+//! - `exact_match`: 1 when the trimmed response equals the trimmed answer.
+//! - `gsm8k`: the number after the last `#### ` in the response (commas and `$` dropped) equals
+//!   the answer's (an answer written `... #### 72` counts by its `#### ` part); `format_score`
+//!   when a `#### N` is there but wrong; 0 without one.
+//! - `math`: the content of the last `\boxed{...}` in the response equals the answer's (the
+//!   answer's own last `\boxed{}`, if it has one) after normalisation (spaces, `\left`/`\right`,
+//!   `\!`, `$`, `^\circ`, a trailing `.`, `dfrac`/`tfrac`, a leading `x =`); `format_score` when
+//!   boxed but wrong.
+//! - `regex`: the first capture group of `pattern` (the whole match without groups), searched in
+//!   the response, equals the answer; `format_score` when the pattern matches but the text differs.
+//! - `format`: `score` when the whole response matches `pattern`, else 0 (a format-only reward).
+//!
+//! Owns: scoring one response. Never: runs programs (a workflow's `program` node does).
 
 use serde::{Deserialize, Serialize};
 
 /// Which reward.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case", deny_unknown_fields, tag = "type")]
 pub enum Reward {
     /// 1 when the response (trimmed) equals the answer, else 0.
     ExactMatch,
+    /// GSM8K's `#### N` answer.
+    Gsm8k {
+        /// Score of a well-formed but wrong answer.
+        #[serde(default)]
+        format_score: f32,
+    },
+    /// The last `\boxed{}`.
+    Math {
+        /// Score of a boxed but wrong answer.
+        #[serde(default)]
+        format_score: f32,
+    },
+    /// An answer extracted by a regular expression.
+    Regex {
+        /// The expression (Rust `regex` syntax).
+        pattern: String,
+        /// Score when the pattern matches but the extracted text is wrong.
+        #[serde(default)]
+        format_score: f32,
+    },
+    /// The response's format alone.
+    Format {
+        /// The expression the whole response must match.
+        pattern: String,
+        /// Score when it does.
+        #[serde(default = "one")]
+        score: f32,
+    },
+}
+
+fn one() -> f32 {
+    1.0
 }
 
 impl Reward {
-    /// Scores one response against its answer.
-    pub fn score(&self, response: &str, answer: &str) -> f32 {
+    /// Refuses a reward that cannot score (a pattern that does not compile), naming it.
+    pub fn validate(&self) -> Result<(), String> {
         match self {
-            Reward::ExactMatch => f32::from(u8::from(response.trim() == answer.trim())),
+            Reward::Regex { pattern, .. } | Reward::Format { pattern, .. } => {
+                regex::Regex::new(pattern)
+                    .map(|_| ())
+                    .map_err(|e| format!("reward pattern `{pattern}`: {e}"))
+            }
+            _ => Ok(()),
         }
     }
+
+    /// Scores one response against its answer.
+    pub fn score(&self, response: &str, answer: &str) -> f32 {
+        let graded = |got: Option<String>, want: String, format_score: f32| match got {
+            Some(g) if g == want => 1.0,
+            Some(_) => format_score,
+            None => 0.0,
+        };
+        match self {
+            Reward::ExactMatch => f32::from(u8::from(response.trim() == answer.trim())),
+            Reward::Gsm8k { format_score } => {
+                let want = last_hash_answer(answer).unwrap_or_else(|| normalize_number(answer));
+                graded(last_hash_answer(response), want, *format_score)
+            }
+            Reward::Math { format_score } => {
+                let want = last_boxed(answer).unwrap_or(answer);
+                graded(
+                    last_boxed(response).map(normalize_math),
+                    normalize_math(want),
+                    *format_score,
+                )
+            }
+            Reward::Regex {
+                pattern,
+                format_score,
+            } => {
+                let got = with_regex(pattern, |re| {
+                    re.captures(response).map(|c| {
+                        c.get(1)
+                            .or_else(|| c.get(0))
+                            .map_or("", |m| m.as_str())
+                            .trim()
+                            .to_string()
+                    })
+                })
+                .flatten();
+                graded(got, answer.trim().to_string(), *format_score)
+            }
+            Reward::Format { pattern, score } => {
+                let anchored = format!("^(?:{pattern})$");
+                match with_regex(&anchored, |re| re.is_match(response.trim())) {
+                    Some(true) => *score,
+                    _ => 0.0,
+                }
+            }
+        }
+    }
+}
+
+/// Runs `f` with `pattern` compiled (once per thread); `None` when it does not compile
+/// (workflows validate patterns before running, see [`Reward::validate`]).
+fn with_regex<T>(pattern: &str, f: impl FnOnce(&regex::Regex) -> T) -> Option<T> {
+    use std::cell::RefCell;
+    use std::collections::HashMap;
+    thread_local! {
+        static CACHE: RefCell<HashMap<String, regex::Regex>> = RefCell::new(HashMap::new());
+    }
+    CACHE.with(|c| {
+        let mut c = c.borrow_mut();
+        if !c.contains_key(pattern) {
+            let re = regex::Regex::new(pattern).ok()?;
+            c.insert(pattern.to_string(), re);
+        }
+        c.get(pattern).map(f)
+    })
+}
+
+/// The number after the last `#### `, normalised.
+fn last_hash_answer(text: &str) -> Option<String> {
+    let (_, tail) = text.rsplit_once("####")?;
+    let token: String = tail
+        .trim_start()
+        .chars()
+        .take_while(|c| c.is_ascii_digit() || matches!(c, '-' | '.' | ',' | '$'))
+        .collect();
+    let n = normalize_number(&token);
+    (!n.is_empty() && n != "-").then_some(n)
+}
+
+/// Drops `,` and `$`, a trailing `.`, and a fractional part of zeros (`72.00` → `72`).
+fn normalize_number(s: &str) -> String {
+    let mut n: String = s
+        .trim()
+        .chars()
+        .filter(|c| !matches!(c, ',' | '$'))
+        .collect();
+    while n.ends_with('.') {
+        n.pop();
+    }
+    if let Some((int, frac)) = n.split_once('.')
+        && frac.chars().all(|c| c == '0')
+    {
+        n = int.to_string();
+    }
+    n
+}
+
+/// The content of the last `\boxed{...}` (or `\fbox{...}`), braces balanced.
+fn last_boxed(text: &str) -> Option<&str> {
+    let start = text.rfind("\\boxed").or_else(|| text.rfind("\\fbox"))?;
+    let open = start + text[start..].find('{')?;
+    let mut depth = 0usize;
+    for (i, c) in text[open..].char_indices() {
+        match c {
+            '{' => depth += 1,
+            '}' => {
+                depth -= 1;
+                if depth == 0 {
+                    return Some(&text[open + 1..open + i]);
+                }
+            }
+            _ => {}
+        }
+    }
+    None
+}
+
+/// A subset of VeRL's `strip_string`: what makes two renderings of one answer differ.
+fn normalize_math(s: &str) -> String {
+    let mut t = s.replace("\\left", "").replace("\\right", "");
+    for (from, to) in [
+        ("\\!", ""),
+        ("\\$", ""),
+        ("$", ""),
+        ("^\\circ", ""),
+        ("^{\\circ}", ""),
+        ("\\%", ""),
+        ("dfrac", "frac"),
+        ("tfrac", "frac"),
+        (" .", " 0."),
+        ("{.", "{0."),
+    ] {
+        t = t.replace(from, to);
+    }
+    let mut t: String = t.chars().filter(|c| !c.is_whitespace()).collect();
+    if let Some(rest) = t.strip_prefix("x=").or_else(|| t.strip_prefix("y=")) {
+        t = rest.to_string();
+    }
+    while t.ends_with('.') {
+        t.pop();
+    }
+    if t.starts_with('.') {
+        t.insert(0, '0');
+    }
+    t
 }
 
 #[cfg(test)]
@@ -27,5 +224,65 @@ mod tests {
     fn exact_match() {
         assert_eq!(Reward::ExactMatch.score(" 82", "82"), 1.0);
         assert_eq!(Reward::ExactMatch.score("820", "82"), 0.0);
+    }
+
+    #[test]
+    fn gsm8k_reads_the_last_hash_answer() {
+        let r = Reward::Gsm8k { format_score: 0.1 };
+        let answer = "Natalia sold 48/2 = 24 clips in May.\n#### 72";
+        assert_eq!(r.score("so 48 + 24 = 72\n#### 72", answer), 1.0);
+        assert_eq!(r.score("#### 1,000", "#### 1000"), 1.0);
+        assert_eq!(r.score("#### $72.00", "72"), 1.0);
+        assert_eq!(r.score("#### 12 then #### 72.", answer), 1.0);
+        assert_eq!(r.score("#### 71", answer), 0.1);
+        assert_eq!(r.score("the answer is 72", answer), 0.0);
+        assert_eq!(r.score("#### -3", "#### -3"), 1.0);
+    }
+
+    #[test]
+    fn math_compares_the_last_box_normalised() {
+        let r = Reward::Math { format_score: 0.0 };
+        assert_eq!(r.score("so \\boxed{\\dfrac{1}{2}}.", "\\frac{1}{2}"), 1.0);
+        assert_eq!(r.score("\\boxed{x = 5}", "The answer is $\\boxed{5}$"), 1.0);
+        assert_eq!(r.score("\\boxed{\\left( 1, 2 \\right)}", "(1,2)"), 1.0);
+        assert_eq!(r.score("\\boxed{1} then \\boxed{3}", "3"), 1.0);
+        assert_eq!(r.score("\\boxed{90^\\circ}", "90"), 1.0);
+        assert_eq!(r.score("\\boxed{4}", "5"), 0.0);
+        assert_eq!(r.score("no box: 5", "5"), 0.0);
+        assert_eq!(r.score("\\boxed{5", "5"), 0.0, "unbalanced braces");
+    }
+
+    #[test]
+    fn regex_and_format() {
+        let r = Reward::Regex {
+            pattern: r"answer:\s*(-?\d+)".into(),
+            format_score: 0.2,
+        };
+        assert_eq!(r.score("work... answer: 42", "42"), 1.0);
+        assert_eq!(r.score("answer: 41", "42"), 0.2);
+        assert_eq!(r.score("42", "42"), 0.0);
+        let f = Reward::Format {
+            pattern: r"<think>.*</think>\d+".into(),
+            score: 0.5,
+        };
+        assert_eq!(f.score("<think>hm</think>7", ""), 0.5);
+        assert_eq!(f.score("7 <think>hm</think>7", ""), 0.0);
+        assert!(
+            Reward::Format {
+                pattern: "(".into(),
+                score: 1.0
+            }
+            .validate()
+            .unwrap_err()
+            .contains("`(`")
+        );
+    }
+
+    #[test]
+    fn rewards_read_from_yaml_names() {
+        let r: Reward = serde_json::from_str(r#"{"type":"gsm8k","format_score":0.1}"#).unwrap();
+        assert_eq!(r, Reward::Gsm8k { format_score: 0.1 });
+        let r: Reward = serde_json::from_str(r#"{"type":"exact_match"}"#).unwrap();
+        assert_eq!(r, Reward::ExactMatch);
     }
 }

@@ -110,6 +110,111 @@ impl ArithTask {
     }
 }
 
+/// Problems read from a JSON-lines file: one object per line, the prompt and the answer under
+/// configurable keys (an answer that is a JSON number or other value counts by its JSON text).
+/// The held-out set is an eval file, or the last `eval_size` rows of a seeded shuffle.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Dataset {
+    /// Training problems, in file order.
+    pub train: Vec<Problem>,
+    /// Held-out problems.
+    pub eval: Vec<Problem>,
+}
+
+/// Reads the problems of `path` (errors name the file, the line and the key).
+pub fn read_jsonl(
+    path: &std::path::Path,
+    prompt_key: &str,
+    answer_key: &str,
+) -> Result<Vec<Problem>, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let mut out = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let at = || format!("{}:{}", path.display(), i + 1);
+        let v: serde_json::Value =
+            serde_json::from_str(line).map_err(|e| format!("{}: not JSON: {e}", at()))?;
+        let field = |k: &str| -> Result<String, String> {
+            match v.get(k) {
+                Some(serde_json::Value::String(s)) => Ok(s.clone()),
+                Some(serde_json::Value::Null) | None => Err(format!(
+                    "{}: no key `{k}` (keys: {})",
+                    at(),
+                    v.as_object()
+                        .map(|o| o.keys().cloned().collect::<Vec<_>>().join(", "))
+                        .unwrap_or_default()
+                )),
+                Some(other) => Ok(other.to_string()),
+            }
+        };
+        out.push(Problem {
+            prompt: field(prompt_key)?,
+            answer: field(answer_key)?,
+        });
+    }
+    if out.is_empty() {
+        return Err(format!("{}: no problems in the file", path.display()));
+    }
+    Ok(out)
+}
+
+/// A permutation of `0..n` drawn from `seed`.
+fn permutation(n: usize, seed: u64) -> Vec<usize> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let mut p: Vec<usize> = (0..n).collect();
+    for i in (1..n).rev() {
+        let j = (rng.next_u64() % (i as u64 + 1)) as usize;
+        p.swap(i, j);
+    }
+    p
+}
+
+impl Dataset {
+    /// Train and eval problems: `eval` when given, else the last `eval_size` of `train` shuffled
+    /// with `seed` (at least one problem stays for training).
+    pub fn split(
+        train: Vec<Problem>,
+        eval: Option<Vec<Problem>>,
+        eval_size: usize,
+        seed: u64,
+    ) -> Self {
+        match eval {
+            Some(mut eval) => {
+                eval.truncate(eval_size.max(1));
+                Self { train, eval }
+            }
+            None => {
+                let order = permutation(train.len(), seed ^ 0x5EED_5EED);
+                let keep = train.len().saturating_sub(eval_size).max(1);
+                let (t, e) = order.split_at(keep.min(order.len()));
+                Self {
+                    eval: e.iter().map(|&i| train[i].clone()).collect(),
+                    train: t.iter().map(|&i| train[i].clone()).collect(),
+                }
+            }
+        }
+    }
+
+    /// Training problems `start..start+count` of the run: epoch after epoch over the training
+    /// rows, each epoch in its own order drawn from `seed`.
+    pub fn train_batch(&self, seed: u64, start: u64, count: usize) -> Vec<Problem> {
+        let n = self.train.len() as u64;
+        let mut order: Option<(u64, Vec<usize>)> = None;
+        (start..start + count as u64)
+            .map(|i| {
+                let epoch = i / n;
+                if order.as_ref().is_none_or(|(e, _)| *e != epoch) {
+                    order = Some((epoch, permutation(n as usize, seed.wrapping_add(epoch))));
+                }
+                let p = &order.as_ref().expect("set above").1;
+                self.train[p[(i % n) as usize]].clone()
+            })
+            .collect()
+    }
+}
+
 /// Tokens of the `builtin:arith` tokenizer, by id.
 pub const ARITH_VOCAB: &[&str] = &[
     "<pad>", "<eos>", "0", "1", "2", "3", "4", "5", "6", "7", "8", "9", "+", "-", "*", "=", " ",
@@ -147,6 +252,55 @@ pub fn arith_tokenizer_json() -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn jsonl_datasets_split_shuffle_and_cycle() {
+        let dir = std::env::temp_dir().join(format!("trellis-jsonl-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let f = dir.join("d.jsonl");
+        let lines: Vec<String> = (0..10)
+            .map(|i| format!("{{\"q\": \"{i}+1=\", \"a\": {}}}", i + 1))
+            .collect();
+        std::fs::write(&f, lines.join("\n") + "\n\n").unwrap();
+        let rows = read_jsonl(&f, "q", "a").unwrap();
+        assert_eq!(
+            rows[3],
+            Problem {
+                prompt: "3+1=".into(),
+                answer: "4".into()
+            }
+        );
+        let d = Dataset::split(rows.clone(), None, 3, 7);
+        assert_eq!((d.train.len(), d.eval.len()), (7, 3));
+        assert!(d.eval.iter().all(|p| !d.train.contains(p)));
+        // Two epochs see every training row twice, in two different orders.
+        let b = d.train_batch(1, 0, 14);
+        assert_eq!(b, d.train_batch(1, 0, 14), "reproducible");
+        let (e0, e1) = (&b[..7], &b[7..]);
+        let sorted = |v: &[Problem]| {
+            let mut v = v.to_vec();
+            v.sort_by(|a, b| a.prompt.cmp(&b.prompt));
+            v
+        };
+        assert_eq!(sorted(e0), sorted(&d.train));
+        assert_eq!(sorted(e1), sorted(&d.train));
+        assert_ne!(e0, e1);
+        assert_eq!(
+            d.train_batch(1, 5, 4),
+            b[5..9].to_vec(),
+            "positions are absolute"
+        );
+        std::fs::write(&f, "{\"q\": \"1\"}\n").unwrap();
+        let e = read_jsonl(&f, "q", "a").unwrap_err();
+        assert!(e.contains("d.jsonl:1: no key `a` (keys: q)"), "{e}");
+        std::fs::write(&f, "{\"q\": \"1\", \"a\": 2}\nnot json\n").unwrap();
+        assert!(
+            read_jsonl(&f, "q", "a")
+                .unwrap_err()
+                .contains("d.jsonl:2: not JSON")
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[test]
     fn problems_are_seeded_and_correct() {

@@ -587,3 +587,68 @@ fn workflow_nodes_add_a_reward_program_and_a_filter() {
     std::fs::remove_dir_all(&dir2).unwrap();
     let _ = std::fs::remove_file(&scorer);
 }
+
+#[test]
+fn jsonl_datasets_train_and_bad_rows_are_named() {
+    let dir = run_dir("jsonl");
+    std::fs::create_dir_all(&dir).unwrap();
+    let data = dir.join("sums.jsonl");
+    let rows: Vec<String> = (0..100)
+        .map(|i| {
+            format!(
+                "{{\"q\": \"{}+{}=\", \"a\": {}}}",
+                i / 10,
+                i % 10,
+                i / 10 + i % 10
+            )
+        })
+        .collect();
+    std::fs::write(&data, rows.join("\n")).unwrap();
+    let spec = format!(
+        "{{task: jsonl, path: {}, prompt_key: q, answer_key: a, eval_size: 10}}",
+        data.display()
+    );
+    run_ok(
+        trellis()
+            .arg("train")
+            .arg(recipe())
+            .args(["--quiet", "-o", "stages.rl.trainer.steps=2"])
+            .args(["-o", &format!("stages.warmup.data={spec}")])
+            .args(["-o", &format!("stages.rl.data={spec}")])
+            .arg("--run-dir")
+            .arg(dir.join("run")),
+    );
+    let m = metrics(&dir.join("run"));
+    let loss = |s: u64| {
+        m.iter()
+            .find(|v| v["stage"] == "warmup" && v["step"] == s)
+            .unwrap()["sft/loss"]
+            .as_f64()
+            .unwrap()
+    };
+    assert!(
+        loss(30) < 0.8 * loss(1),
+        "sft/loss {} → {}",
+        loss(1),
+        loss(30)
+    );
+    assert!(
+        m.iter()
+            .any(|v| v["stage"] == "rl" && v.get("eval/accuracy").is_some())
+    );
+    // A row without the answer key stops the run before it starts, naming file:line and key.
+    std::fs::write(&data, format!("{}\n{{\"q\": \"1+1=\"}}\n", rows[0])).unwrap();
+    let out = trellis()
+        .arg("train")
+        .arg(recipe())
+        .args(["-o", &format!("stages.warmup.data={spec}")])
+        .arg("--run-dir")
+        .arg(dir.join("run2"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains("sums.jsonl:2: no key `a` (keys: q)"), "{err}");
+    assert!(!dir.join("run2").exists(), "nothing ran");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
