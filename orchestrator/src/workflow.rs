@@ -321,6 +321,9 @@ impl Default for Algorithm {
 pub struct Trainer {
     /// Steps of the stage.
     pub steps: u64,
+    /// Passes over a dataset's training rows; when set, it decides `steps` (rounded up; a step
+    /// takes `train_batch_size` prompts, or SFT's `batch_size` problems).
+    pub total_epochs: Option<f64>,
     /// Evaluate every this many steps (0: only at the end).
     pub eval_freq: u64,
     /// Checkpoint every this many steps (0: only at the end).
@@ -342,6 +345,7 @@ impl Default for Trainer {
     fn default() -> Self {
         Self {
             steps: 100,
+            total_epochs: None,
             eval_freq: 0,
             save_freq: 0,
             mode: "sync".into(),
@@ -576,8 +580,45 @@ pub fn parse(text: &str, origin: &str, overrides: &[String]) -> Result<Workflow,
             }
         }
     }
+    epochs_to_steps(&mut wf).map_err(|m| err(format!("{origin}: {m}")))?;
     validate(&wf, origin)?;
     Ok(wf)
+}
+
+/// Turns each stage's `total_epochs` into its `steps`.
+fn epochs_to_steps(wf: &mut Workflow) -> Result<(), String> {
+    let seed = wf.seed;
+    for (i, s) in wf.stages.iter_mut().enumerate() {
+        let Some(epochs) = s.trainer.total_epochs else {
+            continue;
+        };
+        if !(epochs > 0.0 && epochs.is_finite()) {
+            return Err(format!(
+                "stages[{i}].trainer.total_epochs must be positive, got {epochs}"
+            ));
+        }
+        let rows = match s.data.as_ref().map(|d| d.source(seed)) {
+            Some(Ok(Source::Jsonl(d))) => d.train.len(),
+            Some(Ok(Source::Arith(_))) => {
+                return Err(format!(
+                    "stages[{i}].trainer.total_epochs: the arith task is an endless stream of problems; count steps instead"
+                ));
+            }
+            Some(Err(m)) => return Err(format!("stages[{i}].data: {m}")),
+            None => {
+                return Err(format!(
+                    "stages[{i}].trainer.total_epochs needs the stage's own data"
+                ));
+            }
+        };
+        let per_step = match s.kind {
+            StageKind::Sft => s.sft.batch_size,
+            _ => s.algorithm.train_batch_size,
+        }
+        .max(1);
+        s.trainer.steps = ((epochs * rows as f64) / per_step as f64).ceil().max(1.0) as u64;
+    }
+    Ok(())
 }
 
 /// Rewrites serde's `unknown field `x`, expected one of a, b, ...` (or `unknown variant`) with
