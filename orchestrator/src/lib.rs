@@ -7,6 +7,7 @@
 //! Never: touches tensor contents (tensors move through the actors' data plane, not through job
 //! control), or opens engine-specific sockets (engines and their adapters own those).
 
+pub mod chat;
 pub mod graph;
 pub mod plot;
 pub mod pool;

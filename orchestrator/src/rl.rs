@@ -269,7 +269,7 @@ impl Run<'_> {
         let problems = data.train_batch(self.wf.seed ^ 0xA11CE, start, b, exclude);
         let mut reqs = Vec::with_capacity(problems.len());
         for (i, p) in problems.iter().enumerate() {
-            let (prompt, _) = crate::train::encode(&self.tokenizer, p, self.eos)?;
+            let (prompt, _) = self.encode(p)?;
             let seed = self.wf.seed.wrapping_mul(1_000_003)
                 ^ (step << 20)
                 ^ ((round as u64) << 40)

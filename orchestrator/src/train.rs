@@ -130,6 +130,10 @@ pub(crate) struct Run<'a> {
     store: &'a Store,
     job: u64,
     state: Progress,
+    /// The checkpoint's chat template, when a stage asks for one.
+    chat: Option<crate::chat::ChatTemplate>,
+    /// Whether the current stage renders prompts through it.
+    chat_active: bool,
     quiet: bool,
     summary: Summary,
 }
@@ -302,6 +306,17 @@ fn run_job(
         // Always said: where the engines run is the first thing to check on a cluster.
         eprintln!("rollout pool: {}", engine.locations().join(", "));
     }
+    let wants_chat = wf
+        .stages
+        .iter()
+        .any(|s| s.data.as_ref().is_some_and(|d| d.chat_template));
+    let chat = match (&wf.model.path, wants_chat) {
+        (Some(p), true) => Some(
+            crate::chat::ChatTemplate::from_tokenizer_config(&p.join("tokenizer_config.json"))
+                .map_err(RunError::Other)?,
+        ),
+        _ => None,
+    };
     let metrics_path = dir.join("metrics.jsonl");
     rewind_metrics(store, job, &state, &metrics_path)?;
     let metrics = std::fs::OpenOptions::new()
@@ -325,6 +340,8 @@ fn run_job(
         store,
         job,
         state,
+        chat,
+        chat_active: false,
         quiet,
         summary: Summary::default(),
     };
@@ -363,19 +380,21 @@ fn rewind_metrics(store: &Store, job: u64, state: &Progress, path: &Path) -> Res
     write_atomic(path, out.as_bytes())
 }
 
-/// Token ids of a problem's prompt, and of its answer followed by end-of-sequence.
-pub(crate) fn encode(
-    tok: &Tokenizer,
-    p: &Problem,
-    eos: u32,
-) -> Result<(Vec<u32>, Vec<u32>), RunError> {
-    let prompt = tok.encode(&p.prompt)?;
-    let mut answer = tok.encode(&p.answer)?;
-    answer.push(eos);
-    Ok((prompt, answer))
-}
-
 impl Run<'_> {
+    /// Token ids of a problem's prompt (through the chat template when the current stage asks
+    /// for it), and of its answer followed by end-of-sequence.
+    pub(crate) fn encode(&self, p: &Problem) -> Result<(Vec<u32>, Vec<u32>), RunError> {
+        let prompt = match (&self.chat, self.chat_active) {
+            (Some(t), true) => self
+                .tokenizer
+                .encode(&t.render_user(&p.prompt).map_err(RunError::Other)?)?,
+            _ => self.tokenizer.encode(&p.prompt)?,
+        };
+        let mut answer = self.tokenizer.encode(&p.answer)?;
+        answer.push(self.eos);
+        Ok((prompt, answer))
+    }
+
     fn log(&mut self, stage: &str, step: u64, m: &Metrics) -> Result<(), RunError> {
         let mut obj = serde_json::Map::new();
         obj.insert("stage".into(), stage.into());
@@ -481,6 +500,7 @@ impl Run<'_> {
 
     fn stage(&mut self, stage: &Stage, data: &crate::workflow::Data) -> Result<(), RunError> {
         let source = data.source(self.wf.seed).map_err(RunError::Other)?;
+        self.chat_active = data.chat_template;
         let eval_set = source.eval_set(self.wf.seed, data.eval_size);
         // Greedy answers: a few tokens past the longest arithmetic answer, or the stage's
         // response budget for a dataset.
@@ -606,7 +626,7 @@ impl Run<'_> {
         let mut seqs = Vec::with_capacity(bs);
         let mut answer_lens = Vec::with_capacity(bs);
         for p in &problems {
-            let (mut prompt, answer) = encode(&self.tokenizer, p, self.eos)?;
+            let (mut prompt, answer) = self.encode(p)?;
             answer_lens.push((prompt.len(), answer.len()));
             prompt.extend(answer);
             seqs.push(prompt);
@@ -651,7 +671,7 @@ impl Run<'_> {
     ) -> Result<(f64, f64), RunError> {
         let mut reqs = Vec::with_capacity(set.len());
         for p in set {
-            let (prompt, _) = encode(&self.tokenizer, p, self.eos)?;
+            let (prompt, _) = self.encode(p)?;
             let params = SamplingParams {
                 temperature: 0.0,
                 max_tokens: max_answer,

@@ -134,6 +134,10 @@ pub struct Data {
     /// `jsonl`: the key of the answer.
     #[serde(default = "default_answer_key")]
     pub answer_key: String,
+    /// Render each prompt as a user message through the checkpoint's chat template
+    /// (`tokenizer_config.json` of `model.path`).
+    #[serde(default)]
+    pub chat_template: bool,
 }
 
 fn default_prompt_key() -> String {
@@ -770,6 +774,18 @@ pub fn validate(wf: &Workflow, origin: &str) -> Result<(), WorkflowError> {
                 d.arith
                     .validate()
                     .or_else(|m| bad(format!("stages[{i}].data: {m}")))?;
+            }
+            if d.chat_template {
+                let Some(p) = &wf.model.path else {
+                    return bad(format!(
+                        "stages[{i}].data.chat_template needs model.path (a checkpoint whose tokenizer_config.json has a chat_template)"
+                    ));
+                };
+                if let Err(m) = crate::chat::ChatTemplate::from_tokenizer_config(
+                    &p.join("tokenizer_config.json"),
+                ) {
+                    return bad(format!("stages[{i}].data: {m}"));
+                }
             }
             // Reads a dataset once now, so that a bad file stops the run before it starts.
             if let Err(m) = d.source(wf.seed) {

@@ -658,3 +658,68 @@ fn jsonl_datasets_train_and_bad_rows_are_named() {
     assert!(!dir.join("run2").exists(), "nothing ran");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn chat_templates_render_prompts_from_the_checkpoint() {
+    let dir = run_dir("chat");
+    // A checkpoint to start from: the tiny recipe's SFT stage, briefly.
+    run_ok(
+        trellis()
+            .arg("train")
+            .arg(recipe())
+            .args(["--quiet", "-o", "stages.warmup.trainer.steps=3"])
+            .args(["-o", "stages.rl.trainer.steps=1", "--run-dir"])
+            .arg(dir.join("base")),
+    );
+    let out = run_ok(trellis().arg("status").arg(dir.join("base")).arg("--json")).stdout;
+    let status: Value = serde_json::from_slice(&out).unwrap();
+    let ck = dir
+        .join("base")
+        .join(status["job"]["progress"]["checkpoint"].as_str().unwrap());
+    // The first SFT loss under three templates: none, the identity, and one that prefixes "00".
+    let loss_with = |template: Option<&str>, tag: &str| -> f64 {
+        let cfg = match template {
+            Some(t) => serde_json::json!({"chat_template": t, "eos_token": "<eos>"}),
+            None => serde_json::json!({}),
+        };
+        std::fs::write(ck.join("tokenizer_config.json"), cfg.to_string()).unwrap();
+        let wf = format!(
+            "name: chat\nmodel: {{path: {}}}\nstages:\n  - id: sft\n    kind: sft\n    data: {{task: arith, digits: 1, eval_size: 5, chat_template: {}}}\n    sft: {{batch_size: 8}}\n    trainer: {{steps: 1}}\n",
+            ck.display(),
+            template.is_some()
+        );
+        let f = dir.join(format!("{tag}.yaml"));
+        std::fs::write(&f, wf).unwrap();
+        run_ok(
+            trellis()
+                .arg("train")
+                .arg(&f)
+                .args(["--quiet", "--run-dir"])
+                .arg(dir.join(tag)),
+        );
+        metrics(&dir.join(tag))[0]["sft/loss"].as_f64().unwrap()
+    };
+    let plain = loss_with(None, "plain");
+    let identity = loss_with(Some("{{ messages[0]['content'] }}"), "identity");
+    let prefixed = loss_with(
+        Some("{% for m in messages %}00{{ m.content.strip() }}{% endfor %}"),
+        "prefixed",
+    );
+    assert_eq!(plain, identity, "the identity template changes nothing");
+    assert_ne!(plain, prefixed, "the template's prefix reaches the model");
+    // Asking for a template the checkpoint lacks stops the run before it starts.
+    std::fs::write(ck.join("tokenizer_config.json"), "{}").unwrap();
+    let out = trellis()
+        .arg("train")
+        .arg(dir.join("identity.yaml"))
+        .arg("--run-dir")
+        .arg(dir.join("none"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("tokenizer_config.json: no chat_template"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}

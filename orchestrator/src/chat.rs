@@ -1,0 +1,151 @@
+//! Chat templates: a checkpoint's `tokenizer_config.json` `chat_template`, rendered with
+//! minijinja the way `transformers`' `apply_chat_template(messages, add_generation_prompt=True)`
+//! renders it (Python string methods through minijinja-contrib's `pycompat`,
+//! `raise_exception`, `bos_token`/`eos_token`), for stages whose data asks for it
+//! (`data.chat_template: true`): the prompt becomes one user message.
+//!
+//! Owns: reading and rendering the template. Never: tokenizes (the caller encodes the text).
+
+use minijinja::{Environment, Error, ErrorKind, context};
+use std::path::Path;
+
+/// A compiled chat template.
+pub struct ChatTemplate {
+    env: Environment<'static>,
+    bos: String,
+    eos: String,
+}
+
+/// A special token as `tokenizer_config.json` writes it: text, or `{"content": text}`.
+fn token_text(v: Option<&serde_json::Value>) -> String {
+    match v {
+        Some(serde_json::Value::String(s)) => s.clone(),
+        Some(serde_json::Value::Object(o)) => o
+            .get("content")
+            .and_then(|c| c.as_str())
+            .unwrap_or_default()
+            .to_string(),
+        _ => String::new(),
+    }
+}
+
+impl ChatTemplate {
+    /// Reads `chat_template` (a string, or the `default` of a list of named templates) from a
+    /// `tokenizer_config.json`.
+    pub fn from_tokenizer_config(path: &Path) -> Result<Self, String> {
+        let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+        let cfg: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+        let source = match cfg.get("chat_template") {
+            Some(serde_json::Value::String(s)) => s.clone(),
+            Some(serde_json::Value::Array(list)) => list
+                .iter()
+                .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
+                .and_then(|t| t.get("template"))
+                .and_then(|t| t.as_str())
+                .ok_or_else(|| {
+                    format!(
+                        "{}: chat_template lists no `default` template",
+                        path.display()
+                    )
+                })?
+                .to_string(),
+            _ => {
+                return Err(format!(
+                    "{}: no chat_template (the stage's data sets chat_template: true)",
+                    path.display()
+                ));
+            }
+        };
+        Self::new(
+            &source,
+            &token_text(cfg.get("bos_token")),
+            &token_text(cfg.get("eos_token")),
+        )
+        .map_err(|e| format!("{}: chat_template: {e}", path.display()))
+    }
+
+    /// Compiles `source`.
+    pub fn new(source: &str, bos: &str, eos: &str) -> Result<Self, String> {
+        let mut env = Environment::new();
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function("raise_exception", |msg: String| -> Result<String, Error> {
+            Err(Error::new(ErrorKind::InvalidOperation, msg))
+        });
+        env.add_template_owned("chat", source.to_string())
+            .map_err(|e| e.to_string())?;
+        Ok(Self {
+            env,
+            bos: bos.into(),
+            eos: eos.into(),
+        })
+    }
+
+    /// The text of one user message followed by the assistant's turn.
+    pub fn render_user(&self, prompt: &str) -> Result<String, String> {
+        let tmpl = self.env.get_template("chat").map_err(|e| e.to_string())?;
+        tmpl.render(context! {
+            messages => vec![context! { role => "user", content => prompt }],
+            add_generation_prompt => true,
+            bos_token => &self.bos,
+            eos_token => &self.eos,
+        })
+        .map_err(|e| format!("rendering the chat template: {e}"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Qwen2.5-Instruct's template (the branch without tools, as shipped).
+    const QWEN25: &str = "{%- if tools %}{{- '<|im_start|>system\\n' }}{%- else %}{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}{%- else %}{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}{%- endif %}{%- endif %}{%- for message in messages %}{%- if (message.role == \"user\") or (message.role == \"system\" and not loop.first) or (message.role == \"assistant\" and not message.tool_calls) %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}{%- endif %}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}";
+
+    #[test]
+    fn qwen_renders_as_transformers_does() {
+        let t = ChatTemplate::new(QWEN25, "", "<|im_end|>").unwrap();
+        assert_eq!(
+            t.render_user("What is 2+2?").unwrap(),
+            "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
+        );
+    }
+
+    #[test]
+    fn python_methods_bos_and_raise_exception_work() {
+        let t = ChatTemplate::new(
+            "{{ bos_token }}{% for m in messages %}{{ m['content'].strip().upper() }}{% endfor %}{% if not add_generation_prompt %}{{ raise_exception('no') }}{% endif %}",
+            "<s>",
+            "</s>",
+        )
+        .unwrap();
+        assert_eq!(t.render_user("  hi ").unwrap(), "<s>HI");
+        let t = ChatTemplate::new("{{ raise_exception('only system and user') }}", "", "").unwrap();
+        assert!(
+            t.render_user("x")
+                .unwrap_err()
+                .contains("only system and user")
+        );
+    }
+
+    #[test]
+    fn tokenizer_configs_are_read_with_clear_errors() {
+        let dir = std::env::temp_dir().join(format!("trellis-chat-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let f = dir.join("tokenizer_config.json");
+        std::fs::write(
+            &f,
+            r#"{"chat_template": [{"name": "default", "template": "[{{ messages[0].content }}]"}], "eos_token": {"content": "</s>"}}"#,
+        )
+        .unwrap();
+        let t = ChatTemplate::from_tokenizer_config(&f).unwrap();
+        assert_eq!(t.render_user("q").unwrap(), "[q]");
+        assert_eq!(t.eos, "</s>");
+        std::fs::write(&f, "{}").unwrap();
+        let e = ChatTemplate::from_tokenizer_config(&f).err().unwrap();
+        assert!(e.contains("tokenizer_config.json: no chat_template"), "{e}");
+        std::fs::write(&f, r#"{"chat_template": "{% for %}"}"#).unwrap();
+        let e = ChatTemplate::from_tokenizer_config(&f).err().unwrap();
+        assert!(e.contains("chat_template: "), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
