@@ -572,8 +572,13 @@ pub fn parse(text: &str, origin: &str, overrides: &[String]) -> Result<Workflow,
             ))
         })?;
     }
-    // Dataset paths are relative to the workflow file.
+    // Model and dataset paths are relative to the workflow file.
     if let Some(base) = Path::new(origin).parent() {
+        if let Some(p) = &mut wf.model.path
+            && p.is_relative()
+        {
+            *p = base.join(&*p);
+        }
         for s in &mut wf.stages {
             if let Some(d) = &mut s.data {
                 for p in [&mut d.path, &mut d.eval_path].into_iter().flatten() {
@@ -583,6 +588,14 @@ pub fn parse(text: &str, origin: &str, overrides: &[String]) -> Result<Workflow,
                 }
             }
         }
+    }
+    if let Some(p) = &wf.model.path
+        && !p.join("config.json").is_file()
+    {
+        return Err(err(format!(
+            "{origin}: model.path `{}` is not a Hugging Face checkpoint folder (no config.json there)",
+            p.display()
+        )));
     }
     epochs_to_steps(&mut wf).map_err(|m| err(format!("{origin}: {m}")))?;
     validate(&wf, origin)?;

@@ -723,3 +723,60 @@ fn chat_templates_render_prompts_from_the_checkpoint() {
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn every_recipe_resolves_and_the_gsm8k_one_finds_its_files() {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../recipes");
+    for entry in std::fs::read_dir(&root).unwrap() {
+        let f = entry.unwrap().path();
+        if f.extension().is_some_and(|e| e == "yaml") && !f.to_string_lossy().contains("gsm8k") {
+            run_ok(trellis().args(["config", "show"]).arg(&f));
+        }
+    }
+    // The GSM8K recipe, laid out as its header says: a model folder and JSON-lines data beside
+    // the recipes folder.
+    let dir = run_dir("gsm8k-layout");
+    std::fs::create_dir_all(dir.join("recipes")).unwrap();
+    let recipe = dir.join("recipes/grpo-gsm8k-qwen2.5-0.5b.yaml");
+    std::fs::copy(root.join("grpo-gsm8k-qwen2.5-0.5b.yaml"), &recipe).unwrap();
+    let missing = trellis()
+        .args(["config", "show"])
+        .arg(&recipe)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&missing.stderr);
+    assert!(
+        err.contains("Qwen2.5-0.5B-Instruct` is not a Hugging Face checkpoint folder"),
+        "{err}"
+    );
+    let model = dir.join("models/Qwen2.5-0.5B-Instruct");
+    std::fs::create_dir_all(&model).unwrap();
+    std::fs::write(model.join("config.json"), "{}").unwrap();
+    std::fs::write(
+        model.join("tokenizer_config.json"),
+        r#"{"chat_template": "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n"}"#,
+    )
+    .unwrap();
+    std::fs::create_dir_all(dir.join("data/gsm8k")).unwrap();
+    let row = serde_json::json!({
+        "prompt": "Natalia sold 48 clips. Let's think step by step and output the final answer after \"####\".",
+        "answer": "48 #### 48",
+    })
+    .to_string();
+    std::fs::write(
+        dir.join("data/gsm8k/train.jsonl"),
+        format!("{row}\n").repeat(100),
+    )
+    .unwrap();
+    std::fs::write(
+        dir.join("data/gsm8k/test.jsonl"),
+        format!("{row}\n").repeat(3),
+    )
+    .unwrap();
+    let out = run_ok(trellis().args(["config", "show"]).arg(&recipe)).stdout;
+    let v: Value = serde_json::from_slice(&out).unwrap();
+    // One epoch of 100 rows at 64 prompts a step.
+    assert_eq!(v["stages"][0]["trainer"]["steps"], 2);
+    assert_eq!(v["stages"][0]["reward"]["type"], "gsm8k");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
