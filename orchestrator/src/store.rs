@@ -28,6 +28,14 @@ pub enum StoreError {
         /// redb's message.
         msg: String,
     },
+    /// Another process (a running `trellis train` or server) holds the store.
+    #[error(
+        "job store {path} is in use by another process (a run in progress holds it until it stops)"
+    )]
+    Busy {
+        /// The store file.
+        path: PathBuf,
+    },
     /// A job id the store does not have.
     #[error("job store {path}: no job {id}")]
     NoJob {
@@ -125,9 +133,14 @@ fn now_ms() -> u64 {
 impl Store {
     /// Opens `path`, creating it when absent.
     pub fn open(path: &Path) -> Result<Self, StoreError> {
-        let db = Database::create(path).map_err(|e| StoreError::Db {
-            path: path.to_path_buf(),
-            msg: e.to_string(),
+        let db = Database::create(path).map_err(|e| match e {
+            redb::DatabaseError::DatabaseAlreadyOpen => StoreError::Busy {
+                path: path.to_path_buf(),
+            },
+            e => StoreError::Db {
+                path: path.to_path_buf(),
+                msg: e.to_string(),
+            },
         })?;
         let store = Self {
             db,
@@ -460,6 +473,7 @@ mod tests {
         let p = tmp("busy");
         let _s = Store::open(&p).unwrap();
         let e = Store::open(&p).err().expect("second open refused");
-        assert!(e.to_string().contains("store.redb"), "{e}");
+        assert!(matches!(e, StoreError::Busy { .. }), "{e}");
+        assert!(e.to_string().contains("store.redb is in use"), "{e}");
     }
 }

@@ -515,7 +515,11 @@ impl Run<'_> {
         } else {
             0
         };
-        let total = stage.trainer.steps;
+        // An eval stage has no steps; it is recorded as step 0.
+        let total = match stage.kind {
+            StageKind::Eval => 0,
+            _ => stage.trainer.steps,
+        };
         // Resuming inside this stage: the optimiser (and critic) come from its checkpoint.
         let ck_dir = match (&self.state.checkpoint, resume_step > 0) {
             (Some(ck), true) => Some(self.dir.join(ck)),
