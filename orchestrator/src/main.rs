@@ -292,6 +292,27 @@ fn bench_train(batch: usize, seq: usize, steps: usize, json: bool) -> Result<()>
     Ok(())
 }
 
+/// Ctrl-C or SIGTERM during `train`/`resume`: the first asks the run to stop after its current
+/// step (with a checkpoint); a second stops at once.
+fn stop_on_signals() {
+    extern "C" fn on_signal(_: libc::c_int) {
+        if orchestrator::train::stop_requested() {
+            // SAFETY: `_exit` is async-signal-safe.
+            unsafe { libc::_exit(130) };
+        }
+        orchestrator::train::request_stop();
+    }
+    for sig in [libc::SIGINT, libc::SIGTERM] {
+        // SAFETY: the handler only touches an atomic and calls `_exit`.
+        unsafe {
+            libc::signal(
+                sig,
+                on_signal as extern "C" fn(libc::c_int) as libc::sighandler_t,
+            );
+        }
+    }
+}
+
 /// Training allocates and frees hundreds of MB of activations every step. By default glibc hands
 /// freed memory back to the OS, so each step pays page faults, zeroing and TLB shootdowns on
 /// fresh pages (measured with `perf`: about a fifth of a training step). Keep it in the heap.
@@ -439,6 +460,7 @@ fn run() -> Result<()> {
         } => {
             let wf = orchestrator::workflow::load(&recipe, &overrides)?;
             let dir = run_dir.unwrap_or_else(|| PathBuf::from("runs").join(&wf.name));
+            stop_on_signals();
             let opts = orchestrator::train::RunOptions {
                 quiet,
                 cluster: cluster.cluster()?,
@@ -462,6 +484,7 @@ fn run() -> Result<()> {
                 quiet,
                 cluster: cluster.cluster()?,
             };
+            stop_on_signals();
             let summary = orchestrator::train::resume(&run_dir, &opts)?;
             print_summary(&run_dir, &summary);
             Ok(())

@@ -53,9 +53,34 @@ pub enum RunError {
         /// The OS error.
         source: std::io::Error,
     },
+    /// Stopped on request (Ctrl-C, SIGTERM) after checkpointing the step it was at.
+    #[error(
+        "stopped on request after {stage} step {step} (checkpointed): continue with `trellis resume {}`", dir.display()
+    )]
+    Stopped {
+        /// The run directory.
+        dir: PathBuf,
+        /// Stage it stopped in.
+        stage: String,
+        /// Last step done.
+        step: u64,
+    },
     /// Anything else, explained.
     #[error("{0}")]
     Other(String),
+}
+
+static STOP: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Asks running jobs to stop after their current step (with a checkpoint). Async-signal-safe:
+/// a signal handler may call it.
+pub fn request_stop() {
+    STOP.store(true, std::sync::atomic::Ordering::SeqCst);
+}
+
+/// Whether a stop was requested.
+pub fn stop_requested() -> bool {
+    STOP.load(std::sync::atomic::Ordering::SeqCst)
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> RunError + '_ {
@@ -203,6 +228,9 @@ fn execute(
     let out = run_job(wf, dir, &store, job, opts);
     let end = match &out {
         Ok(_) => store.set_state(job, JobState::Succeeded, None),
+        Err(e @ RunError::Stopped { .. }) => {
+            store.set_state(job, JobState::Cancelled, Some(e.to_string()))
+        }
         Err(e) => store.set_state(job, JobState::Failed, Some(e.to_string())),
     };
     let summary = out?;
@@ -599,7 +627,8 @@ impl Run<'_> {
                     keep,
                 );
                 let save = stage.trainer.save_freq;
-                if save > 0 && step % save == 0 && step < total {
+                let stop = stop_requested() && step < total;
+                if stop || (save > 0 && step % save == 0 && step < total) {
                     self.checkpoint(
                         &stage.id,
                         step,
@@ -607,6 +636,13 @@ impl Run<'_> {
                         rl.as_ref(),
                         stage.trainer.max_ckpt_to_keep,
                     )?;
+                }
+                if stop {
+                    return Err(RunError::Stopped {
+                        dir: self.dir.clone(),
+                        stage: stage.id.clone(),
+                        step,
+                    });
                 }
             }
         }

@@ -780,3 +780,41 @@ fn every_recipe_resolves_and_the_gsm8k_one_finds_its_files() {
     assert_eq!(v["stages"][0]["reward"]["type"], "gsm8k");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn ctrl_c_checkpoints_the_current_step_and_resume_finishes() {
+    let dir = run_dir("sigint");
+    let child = trellis()
+        .arg("train")
+        .arg(recipe())
+        .args(["--quiet", "-o", "stages.rl.trainer.steps=40", "--run-dir"])
+        .arg(&dir)
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t0 = Instant::now();
+    while !dir.join("checkpoints/rl").exists() {
+        assert!(t0.elapsed() < Duration::from_secs(120), "no RL checkpoint");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains("stopped on request after rl step"), "{err}");
+    let status: Value =
+        serde_json::from_slice(&run_ok(trellis().arg("status").arg(&dir).arg("--json")).stdout)
+            .unwrap();
+    assert_eq!(status["job"]["state"], "cancelled", "{status:#}");
+    let at = status["job"]["progress"]["step"].as_u64().unwrap();
+    assert_eq!(status["job"]["progress"]["stage"], "rl");
+    assert!(
+        err.contains(&format!("rl step {at} (checkpointed)")),
+        "{err}"
+    );
+    run_ok(trellis().arg("resume").arg(&dir).arg("--quiet"));
+    let m = metrics(&dir);
+    assert_eq!(steps_of(&m, "rl"), (1..=40).collect::<Vec<_>>());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
