@@ -107,6 +107,30 @@ fn gather(v: &[f32], slots: &[(usize, usize)], len: usize) -> Vec<f32> {
     out
 }
 
+/// `f`'s value at every position of the groups' rows, `per` rows a batch, gathered into the
+/// `[rows, cols]` response layout (the value that predicts each response token).
+fn per_response_token(
+    groups: &[Group],
+    per: usize,
+    f: impl Fn(&Batch) -> Result<Vec<f32>, RunError>,
+) -> Result<Vec<f32>, RunError> {
+    let rows = rows_of(groups);
+    let cols = rows.shape.cols;
+    let mut all = vec![0.0f32; rows.shape.len()];
+    for (k, chunk) in rows.seqs.chunks(per.max(1)).enumerate() {
+        let b = padded_rows(chunk);
+        let slots = response_slots(chunk, b.seq, cols);
+        let v = f(&b)?;
+        let r0 = k * per;
+        all[r0 * cols..(r0 + chunk.len()) * cols].copy_from_slice(&gather(
+            &v,
+            &slots,
+            chunk.len() * cols,
+        ));
+    }
+    Ok(all)
+}
+
 /// A step's artifacts.
 #[derive(Default)]
 struct Board {
@@ -506,21 +530,8 @@ impl Run<'_> {
                     .critic
                     .as_ref()
                     .ok_or_else(|| RunError::Other("no critic".into()))?;
-                let rows = rows_of(&board.groups);
-                let cols = rows.shape.cols;
-                let mut all = vec![0.0f32; rows.shape.len()];
                 let per = a.ppo_mini_batch_size * a.rollout_n;
-                for (k, chunk) in rows.seqs.chunks(per).enumerate() {
-                    let b = padded_rows(chunk);
-                    let slots = response_slots(chunk, b.seq, cols);
-                    let v = critic.values(&b)?;
-                    let r0 = k * per;
-                    all[r0 * cols..(r0 + chunk.len()) * cols].copy_from_slice(&gather(
-                        &v,
-                        &slots,
-                        chunk.len() * cols,
-                    ));
-                }
+                let all = per_response_token(&board.groups, per, |b| Ok(critic.values(b)?))?;
                 Out::Values(all)
             }
             Op::Advantage => {
@@ -573,22 +584,10 @@ impl Run<'_> {
         a: &crate::workflow::Algorithm,
         groups: &[Group],
     ) -> Result<Vec<f32>, RunError> {
-        let rows = rows_of(groups);
-        let cols = rows.shape.cols;
-        let mut all = vec![0.0f32; rows.shape.len()];
         let per = a.ppo_mini_batch_size * a.rollout_n;
-        for (k, chunk) in rows.seqs.chunks(per).enumerate() {
-            let b = padded_rows(chunk);
-            let slots = response_slots(chunk, b.seq, cols);
-            let sc = model.score(&b, a.temperature.max(1e-6))?;
-            let r0 = k * per;
-            all[r0 * cols..(r0 + chunk.len()) * cols].copy_from_slice(&gather(
-                &sc.logp,
-                &slots,
-                chunk.len() * cols,
-            ));
-        }
-        Ok(all)
+        per_response_token(groups, per, |b| {
+            Ok(model.score(b, a.temperature.max(1e-6))?.logp)
+        })
     }
 
     fn update_critic(
