@@ -260,6 +260,16 @@ impl RlState {
     }
 }
 
+/// Generation rounds a step may take: DAPO's dynamic sampling draws up to
+/// `max_num_gen_batches` batches of prompts, otherwise one.
+fn gen_rounds(a: &crate::workflow::Algorithm) -> usize {
+    if a.filter_groups {
+        a.max_num_gen_batches.max(1)
+    } else {
+        1
+    }
+}
+
 /// VeRL's timer name of a node.
 fn timer(name: &str) -> String {
     let verl = match name {
@@ -284,11 +294,7 @@ impl Run<'_> {
     ) -> Result<(Vec<Problem>, Vec<GenerateRequest>), RunError> {
         let a = &stage.algorithm;
         let b = a.train_batch_size;
-        let rounds = if a.filter_groups {
-            a.max_num_gen_batches.max(1)
-        } else {
-            1
-        };
+        let rounds = gen_rounds(a);
         let start = ((step - 1) * rounds as u64 + round as u64) * b as u64;
         let problems = data.train_batch(self.wf.seed ^ 0xA11CE, start, b, exclude);
         let mut reqs = Vec::with_capacity(problems.len());
@@ -438,11 +444,7 @@ impl Run<'_> {
         }
         // Dynamic sampling (DAPO): keep drawing prompts until `b` groups carry signal (scores
         // not all equal) or `max_num_gen_batches` rounds are spent. Without it: one round.
-        let rounds = if a.filter_groups {
-            a.max_num_gen_batches.max(1)
-        } else {
-            1
-        };
+        let rounds = gen_rounds(a);
         let mut kept = Vec::new();
         let mut generated = 0usize;
         let mut rounds_run = 0usize;

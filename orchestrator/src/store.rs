@@ -248,16 +248,7 @@ impl Store {
     /// Changes job `id` with `f` in one transaction.
     fn update(&self, id: u64, f: impl FnOnce(&mut Job)) -> Result<Job, StoreError> {
         let path = self.path.clone();
-        let res = self.write(|tx| {
-            let mut jobs = tx.open_table(JOBS)?;
-            let Some(mut job) = jobs.get(id)?.and_then(|v| from_json::<Job>(v.value()).ok()) else {
-                return Ok(None);
-            };
-            f(&mut job);
-            job.updated_ms = now_ms();
-            jobs.insert(id, to_json(&job).as_slice())?;
-            Ok(Some(job))
-        })?;
+        let res = self.write(|tx| update_in(tx, id, f))?;
         res.ok_or(StoreError::NoJob { path, id })
     }
 
@@ -278,11 +269,7 @@ impl Store {
     pub fn append_metrics(&self, id: u64, row: &serde_json::Value) -> Result<u64, StoreError> {
         self.write(|tx| {
             let mut t = tx.open_table(METRICS)?;
-            let seq = t
-                .range((id, 0)..=(id, u64::MAX))?
-                .next_back()
-                .transpose()?
-                .map_or(0, |(k, _)| k.value().1 + 1);
+            let seq = next_row(&t, id)?;
             t.insert((id, seq), to_json(row).as_slice())?;
             Ok(seq)
         })
@@ -316,19 +303,11 @@ impl Store {
     ) -> Result<Vec<CheckpointRecord>, StoreError> {
         let path = self.path.clone();
         let found = self.write(|tx| {
-            let mut jobs = tx.open_table(JOBS)?;
-            let Some(mut job) = jobs.get(id)?.and_then(|v| from_json::<Job>(v.value()).ok()) else {
+            if update_in(tx, id, |job| job.progress = progress.clone())?.is_none() {
                 return Ok(None);
-            };
-            job.progress = progress.clone();
-            job.updated_ms = now_ms();
-            jobs.insert(id, to_json(&job).as_slice())?;
+            }
             let mut ck = tx.open_table(CHECKPOINTS)?;
-            let seq = ck
-                .range((id, 0)..=(id, u64::MAX))?
-                .next_back()
-                .transpose()?
-                .map_or(0, |(k, _)| k.value().1 + 1);
+            let seq = next_row(&ck, id)?;
             ck.insert((id, seq), to_json(record).as_slice())?;
             let first_kept = (seq + 1).saturating_sub(keep.max(1) as u64);
             let mut forgotten = Vec::new();
@@ -374,6 +353,30 @@ impl Store {
             Ok(dropped)
         })
     }
+}
+
+/// Changes job `id` with `f` inside transaction `tx`; `None` when there is no such job.
+fn update_in(
+    tx: &redb::WriteTransaction,
+    id: u64,
+    f: impl FnOnce(&mut Job),
+) -> Result<Option<Job>, redb::Error> {
+    let mut jobs = tx.open_table(JOBS)?;
+    let Some(mut job) = jobs.get(id)?.and_then(|v| from_json::<Job>(v.value()).ok()) else {
+        return Ok(None);
+    };
+    f(&mut job);
+    job.updated_ms = now_ms();
+    jobs.insert(id, to_json(&job).as_slice())?;
+    Ok(Some(job))
+}
+
+/// The next free row number of job `id` in a `(job, row)`-keyed table.
+fn next_row(t: &redb::Table<'_, (u64, u64), &[u8]>, id: u64) -> Result<u64, redb::Error> {
+    Ok(t.range((id, 0)..=(id, u64::MAX))?
+        .next_back()
+        .transpose()?
+        .map_or(0, |(k, _)| k.value().1 + 1))
 }
 
 fn to_json<T: Serialize>(v: &T) -> Vec<u8> {

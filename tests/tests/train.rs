@@ -24,6 +24,15 @@ fn metrics(dir: &Path) -> Vec<Value> {
         .collect()
 }
 
+/// `sft/loss` of the `warmup` stage's step `step`.
+fn sft_loss(m: &[Value], step: u64) -> f64 {
+    m.iter()
+        .find(|v| v["stage"] == "warmup" && v["step"] == step)
+        .unwrap()["sft/loss"]
+        .as_f64()
+        .unwrap()
+}
+
 fn steps_of(m: &[Value], stage: &str) -> Vec<u64> {
     m.iter()
         .filter(|v| v["stage"] == stage)
@@ -47,13 +56,7 @@ fn a_recipe_runs_end_to_end_and_records_everything() {
     assert_eq!(steps_of(&m, "rl"), (1..=12).collect::<Vec<_>>());
     assert_eq!(steps_of(&m, "final-eval"), vec![0]);
     // SFT learns: the loss falls.
-    let loss = |s: u64| {
-        m.iter()
-            .find(|v| v["stage"] == "warmup" && v["step"] == s)
-            .unwrap()["sft/loss"]
-            .as_f64()
-            .unwrap()
-    };
+    let loss = |s: u64| sft_loss(&m, s);
     assert!(
         loss(30) < 0.8 * loss(1),
         "sft/loss {} → {}",
@@ -625,13 +628,7 @@ fn jsonl_datasets_train_and_bad_rows_are_named() {
             .arg(dir.join("run")),
     );
     let m = metrics(&dir.join("run"));
-    let loss = |s: u64| {
-        m.iter()
-            .find(|v| v["stage"] == "warmup" && v["step"] == s)
-            .unwrap()["sft/loss"]
-            .as_f64()
-            .unwrap()
-    };
+    let loss = |s: u64| sft_loss(&m, s);
     assert!(
         loss(30) < 0.8 * loss(1),
         "sft/loss {} → {}",
