@@ -23,6 +23,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     files.sort();
     let fds = protox::compile(&files, ["."])?;
+    // The encoded descriptors, for gRPC server reflection.
+    let out = PathBuf::from(std::env::var("OUT_DIR")?);
+    std::fs::write(
+        out.join("trellis_descriptor.bin"),
+        prost::Message::encode_to_vec(&fds),
+    )?;
     tonic_prost_build::configure()
         // `bytes::Bytes` for bytes fields: snapshot buckets are decoded without a copy.
         .bytes(".trellis.v1")

@@ -275,6 +275,17 @@ impl<A: Actor> ActorRef<A> {
         self.control.send_replace(true);
     }
 
+    /// Stops the actor and waits until it is down (a remote one's agent was told to stop it).
+    pub async fn stop_and_wait(&self) {
+        self.stop();
+        let mut link = self.link.clone();
+        while !matches!(*link.borrow_and_update(), Link::Down(_)) {
+            if link.changed().await.is_err() {
+                return;
+            }
+        }
+    }
+
     /// Waits until the actor is up (not restarting) or down for good.
     pub async fn ready(&self) -> Result<(), ActorError> {
         let mut link = self.link.clone();

@@ -47,6 +47,9 @@ pub struct AgentOptions {
     pub resources: Resources,
     pub labels: BTreeMap<String, String>,
     pub token: Token,
+    /// PEM certificate(s) to trust for a head served over TLS (`https://` URL); `None` for
+    /// plain HTTP/2.
+    pub tls_ca: Option<Vec<u8>>,
     pub registry: Registry,
     pub wire: Wire,
 }
@@ -403,7 +406,14 @@ async fn membership(
     advertise: &str,
     state: &Arc<State>,
 ) -> Result<(), AgentError> {
-    let endpoint = endpoint(&options.head).map_err(AgentError::Config)?;
+    let mut endpoint = endpoint(&options.head).map_err(AgentError::Config)?;
+    if let Some(ca) = &options.tls_ca {
+        let tls = tonic::transport::ClientTlsConfig::new()
+            .ca_certificate(tonic::transport::Certificate::from_pem(ca));
+        endpoint = endpoint
+            .tls_config(tls)
+            .map_err(|e| AgentError::Config(format!("TLS to {}: {e}", options.head)))?;
+    }
     let channel = endpoint.connect_lazy();
     let mut head = HeadClient::with_interceptor(channel, options.token.bearer());
     let register = RegisterRequest {

@@ -105,19 +105,31 @@ impl Token {
     }
 
     /// An interceptor that adds this token to outgoing calls.
-    pub(crate) fn bearer(&self) -> Bearer {
+    pub fn bearer(&self) -> Bearer {
         Bearer(self.header.clone())
     }
 
     /// An interceptor that refuses incoming calls without this token.
-    pub(crate) fn guard(&self) -> Guard {
-        Guard(self.secret.clone())
+    pub fn guard(&self) -> Guard {
+        Guard {
+            secret: self.secret.clone(),
+            required: true,
+        }
+    }
+
+    /// An interceptor that refuses calls with another token but lets calls without one through
+    /// (an API on loopback, where any local user may call).
+    pub fn guard_optional(&self) -> Guard {
+        Guard {
+            secret: self.secret.clone(),
+            required: false,
+        }
     }
 }
 
 /// Adds `authorization: Bearer <token>`.
 #[derive(Clone)]
-pub(crate) struct Bearer(MetadataValue<Ascii>);
+pub struct Bearer(MetadataValue<Ascii>);
 
 impl tonic::service::Interceptor for Bearer {
     fn call(&mut self, mut request: Request<()>) -> Result<Request<()>, Status> {
@@ -128,9 +140,13 @@ impl tonic::service::Interceptor for Bearer {
     }
 }
 
-/// Refuses calls whose bearer token differs, with UNAUTHENTICATED.
+/// Refuses calls whose bearer token differs (or is missing, when required), with
+/// UNAUTHENTICATED.
 #[derive(Clone)]
-pub(crate) struct Guard(Arc<str>);
+pub struct Guard {
+    secret: Arc<str>,
+    required: bool,
+}
 
 impl tonic::service::Interceptor for Guard {
     fn call(&mut self, request: Request<()>) -> Result<Request<()>, Status> {
@@ -140,8 +156,11 @@ impl tonic::service::Interceptor for Guard {
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.strip_prefix("Bearer "));
         match given {
-            Some(given) if constant_time_eq(given.as_bytes(), self.0.as_bytes()) => Ok(request),
+            Some(given) if constant_time_eq(given.as_bytes(), self.secret.as_bytes()) => {
+                Ok(request)
+            }
             Some(_) => Err(Status::unauthenticated("wrong cluster token")),
+            None if !self.required => Ok(request),
             None => Err(Status::unauthenticated(
                 "missing cluster token (authorization: Bearer …)",
             )),
@@ -171,6 +190,10 @@ mod tests {
         assert_eq!(e.message(), "wrong cluster token");
         let e = guard.call(Request::new(())).unwrap_err();
         assert!(e.message().contains("missing cluster token"));
+        let mut optional = token.guard_optional();
+        assert!(optional.call(Request::new(())).is_ok());
+        let forged = other.bearer().call(Request::new(())).expect("adds header");
+        assert!(optional.call(forged).is_err(), "a wrong token is refused");
     }
 
     #[test]

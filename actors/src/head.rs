@@ -23,6 +23,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 use tokio::sync::{oneshot, watch};
+use tonic::service::Routes;
 use tonic::service::interceptor::InterceptedService;
 use tonic::{Request, Response, Status};
 
@@ -78,6 +79,9 @@ struct Inner {
     deaths: Mutex<HashMap<String, oneshot::Sender<String>>>,
     next_agent: AtomicU64,
     stop: watch::Sender<bool>,
+    /// Tells this head's actor ids from those of an earlier head the same agents served (a
+    /// restarted server): a late death notice of an old actor never names a new one.
+    epoch: String,
 }
 
 /// The head's handle; cheap to clone.
@@ -113,6 +117,31 @@ impl Head {
     ) -> std::io::Result<Head> {
         let listener = tokio::net::TcpListener::bind(listen).await?;
         let address = listener.local_addr()?;
+        let (head, routes) = Head::new(address, token, config);
+        let incoming =
+            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+        let mut signal = head.inner.stop.subscribe();
+        tokio::spawn(async move {
+            let shutdown = async move {
+                let _ = signal.wait_for(|s| *s).await;
+            };
+            if let Err(e) = tonic::transport::Server::builder()
+                .add_routes(routes)
+                .serve_with_incoming_shutdown(incoming, shutdown)
+                .await
+            {
+                tracing::error!("head server ended: {e}");
+            }
+        });
+        tracing::info!(%address, "head listening for agents");
+        Ok(head)
+    }
+
+    /// A head whose `Head` service the caller serves, beside its own services on its own port
+    /// (`trellis serve`): returns the head, which agents reach at `address`, and the service's
+    /// routes (calls without the cluster token are refused). Must be called inside a tokio
+    /// runtime: it starts the heartbeat-expiry task.
+    pub fn new(address: SocketAddr, token: Token, config: HeadConfig) -> (Head, Routes) {
         let (stop, mut stopped) = watch::channel(false);
         let inner = Arc::new(Inner {
             config,
@@ -123,26 +152,17 @@ impl Head {
             deaths: Mutex::new(HashMap::new()),
             next_agent: AtomicU64::new(1),
             stop,
+            epoch: {
+                let ms = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_millis());
+                format!("{:x}.{:x}", std::process::id(), ms)
+            },
         });
         let service = InterceptedService::new(
             HeadServer::new(Service(Arc::downgrade(&inner))),
             inner.token.guard(),
         );
-        let incoming =
-            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
-        let mut signal = stopped.clone();
-        tokio::spawn(async move {
-            let shutdown = async move {
-                let _ = signal.wait_for(|s| *s).await;
-            };
-            if let Err(e) = tonic::transport::Server::builder()
-                .add_service(service)
-                .serve_with_incoming_shutdown(incoming, shutdown)
-                .await
-            {
-                tracing::error!("head server ended: {e}");
-            }
-        });
         let weak = Arc::downgrade(&inner);
         tokio::spawn(async move {
             loop {
@@ -156,8 +176,7 @@ impl Head {
                 }
             }
         });
-        tracing::info!(%address, "head listening for agents");
-        Ok(Head { inner, address })
+        (Head { inner, address }, Routes::new(service))
     }
 
     /// Where agents reach this head.
@@ -309,7 +328,13 @@ impl Head {
                     None => placement::pick(&format!("actor `{name}`"), &demand, &head.offers())?,
                 };
                 let (remote, death) = head
-                    .start_remote(&agent, format!("{name}#{n}"), config, mailbox, demand)
+                    .start_remote(
+                        &agent,
+                        format!("{name}#{n}@{}", head.inner.epoch),
+                        config,
+                        mailbox,
+                        demand,
+                    )
                     .await?;
                 Ok(Incarnation {
                     link: Link::Remote(remote),
@@ -585,6 +610,7 @@ mod tests {
             resources: Resources::parse("cpu=2").expect("valid"),
             labels: BTreeMap::new(),
             token: token.clone(),
+            tls_ca: None,
             registry: builtin::registry(),
             wire: config().wire,
         };

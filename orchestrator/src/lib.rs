@@ -8,10 +8,12 @@
 //! control), or opens engine-specific sockets (engines and their adapters own those).
 
 pub mod chat;
+pub mod client;
 pub mod graph;
 pub mod plot;
 pub mod pool;
 mod rl;
+pub mod server;
 pub mod store;
 pub mod tensorboard;
 pub mod train;

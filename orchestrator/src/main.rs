@@ -44,23 +44,102 @@ enum Command {
         /// The run directory.
         run_dir: PathBuf,
     },
-    /// Continue the run in RUN_DIR from its last checkpoint.
+    /// Continue a run from its last checkpoint: the run in a directory (in this process), or a
+    /// failed or cancelled job of a server (queued there again).
     Resume {
-        /// The run directory.
-        run_dir: PathBuf,
+        /// A run directory, or a job id of the server.
+        target: String,
         /// No progress lines.
         #[arg(long)]
         quiet: bool,
         #[command(flatten)]
         cluster: ClusterArgs,
+        #[command(flatten)]
+        server: ServerArgs,
     },
-    /// The state of the run in RUN_DIR: job state, stage, step, checkpoints (from its store).
+    /// The state of a run (from the store of its directory) or of a server's job.
     Status {
-        /// The run directory.
-        run_dir: PathBuf,
+        /// A run directory, or a job id of the server.
+        target: String,
         /// One JSON object instead of text.
         #[arg(long)]
         json: bool,
+        #[command(flatten)]
+        server: ServerArgs,
+        #[command(flatten)]
+        token: TokenArg,
+    },
+    /// Serve the job API and agent registration on one port (the head): submitted workflows
+    /// queue and run on the registered agents' pools.
+    Serve {
+        /// Address to listen on; a non-loopback address requires the token on every call.
+        #[arg(long, default_value = "127.0.0.1:7070")]
+        listen: std::net::SocketAddr,
+        /// Where the job store, the token and the jobs' run directories live.
+        #[arg(long, default_value = "trellis-data")]
+        data_dir: PathBuf,
+        /// Jobs run at once; the others wait in the queue.
+        #[arg(long, default_value_t = 1)]
+        max_running: usize,
+        /// Serve TLS with this PEM certificate chain (with --tls-key).
+        #[arg(long, requires = "tls_key")]
+        tls_cert: Option<PathBuf>,
+        /// The certificate's PEM private key.
+        #[arg(long, requires = "tls_cert")]
+        tls_key: Option<PathBuf>,
+        /// Seconds a job waits for agents that can take its pools.
+        #[arg(long, default_value_t = 120.0)]
+        agent_wait: f64,
+    },
+    /// Submit a workflow to a server; prints the job id.
+    Submit {
+        /// The recipe or workflow file.
+        file: PathBuf,
+        /// Override a field, as for `train`.
+        #[arg(short = 'o', long = "override")]
+        overrides: Vec<String>,
+        /// Follow the job's log until it ends (as `trellis logs -f`).
+        #[arg(short = 'f', long)]
+        follow: bool,
+        #[command(flatten)]
+        server: ServerArgs,
+        #[command(flatten)]
+        token: TokenArg,
+    },
+    /// List a server's jobs.
+    Jobs {
+        /// JSON lines instead of a table.
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        server: ServerArgs,
+        #[command(flatten)]
+        token: TokenArg,
+    },
+    /// Print a server job's log; with -f, follow it until the job ends (exit status 1 unless it
+    /// succeeded).
+    Logs {
+        /// The job id.
+        job: u64,
+        /// Follow until the job ends.
+        #[arg(short = 'f', long)]
+        follow: bool,
+        /// Also print each step's metric row (JSON).
+        #[arg(long)]
+        metrics: bool,
+        #[command(flatten)]
+        server: ServerArgs,
+        #[command(flatten)]
+        token: TokenArg,
+    },
+    /// Cancel a server's job: a running one stops after its current step, with a checkpoint.
+    Cancel {
+        /// The job id.
+        job: u64,
+        #[command(flatten)]
+        server: ServerArgs,
+        #[command(flatten)]
+        token: TokenArg,
     },
     /// Workflow files.
     Config {
@@ -132,6 +211,54 @@ struct ClusterArgs {
     agent_wait: f64,
 }
 
+/// Where the job API is.
+#[derive(Debug, clap::Args)]
+struct ServerArgs {
+    /// The server's URL (https:// for a server with TLS).
+    #[arg(long, env = "TRELLIS_SERVER", default_value = "http://127.0.0.1:7070")]
+    server: String,
+    /// PEM certificate to trust for https:// (a self-signed server's own certificate).
+    #[arg(long, env = "TRELLIS_TLS_CA")]
+    tls_ca: Option<PathBuf>,
+}
+
+/// The server's token.
+#[derive(Debug, clap::Args)]
+struct TokenArg {
+    /// File holding the server's token (its DATA_DIR/token); needed unless it listens on loopback.
+    #[arg(long, env = "TRELLIS_TOKEN_FILE")]
+    token_file: Option<PathBuf>,
+}
+
+impl ServerArgs {
+    fn client(&self, token_file: Option<&PathBuf>) -> Result<(tokio::runtime::Runtime, Client)> {
+        let token = token_file.map(|p| actors::Token::read(p)).transpose()?;
+        let tls_ca = match &self.tls_ca {
+            Some(p) => Some(std::fs::read(p).with_context(|| format!("--tls-ca {}", p.display()))?),
+            None => None,
+        };
+        let opts = orchestrator::client::ClientOptions {
+            server: self.server.clone(),
+            token,
+            tls_ca,
+        };
+        let rt = runtime()?;
+        let client = rt.block_on(orchestrator::client::connect(&opts))?;
+        Ok((rt, client))
+    }
+}
+
+type Client = orchestrator::client::Client;
+
+/// A failed call, with the server's message (the status code only when the message is empty).
+fn call_error(s: tonic::Status) -> anyhow::Error {
+    if s.message().is_empty() {
+        anyhow::anyhow!("the server answered {:?}", s.code())
+    } else {
+        anyhow::anyhow!("{}", s.message())
+    }
+}
+
 impl ClusterArgs {
     fn cluster(&self) -> Result<Option<orchestrator::pool::Cluster>> {
         let Some(listen) = self.listen else {
@@ -149,8 +276,7 @@ impl ClusterArgs {
             t
         };
         Ok(Some(orchestrator::pool::Cluster {
-            listen,
-            token,
+            head: orchestrator::pool::ClusterHead::Listen { listen, token },
             wait: std::time::Duration::from_secs_f64(self.agent_wait.max(0.0)),
         }))
     }
@@ -464,6 +590,7 @@ fn run() -> Result<()> {
             let opts = orchestrator::train::RunOptions {
                 quiet,
                 cluster: cluster.cluster()?,
+                ..Default::default()
             };
             let summary = orchestrator::train::start(&wf, &dir, &opts)?;
             print_summary(&dir, &summary);
@@ -476,20 +603,57 @@ fn run() -> Result<()> {
             Ok(())
         }
         Command::Resume {
-            run_dir,
+            target,
             quiet,
             cluster,
+            server,
         } => {
+            let run_dir = PathBuf::from(&target);
+            if !run_dir.is_dir() {
+                let job = job_id(&target)?;
+                let (rt, mut c) = server.client(cluster.token_file.as_ref())?;
+                let j = rt
+                    .block_on(c.resume_job(proto::v1::ResumeJobRequest { job_id: job }))
+                    .map_err(call_error)?
+                    .into_inner();
+                println!(
+                    "job {} `{}` queued again: it continues from {}",
+                    j.id,
+                    j.name,
+                    if j.checkpoint.is_empty() {
+                        "the start".to_string()
+                    } else {
+                        format!("{} step {}", j.checkpoint_stage, j.checkpoint_step)
+                    }
+                );
+                return Ok(());
+            }
             let opts = orchestrator::train::RunOptions {
                 quiet,
                 cluster: cluster.cluster()?,
+                ..Default::default()
             };
             stop_on_signals();
             let summary = orchestrator::train::resume(&run_dir, &opts)?;
             print_summary(&run_dir, &summary);
             Ok(())
         }
-        Command::Status { run_dir, json } => {
+        Command::Status {
+            target,
+            json,
+            server,
+            token,
+        } => {
+            let run_dir = PathBuf::from(&target);
+            if !run_dir.is_dir() {
+                let job = job_id(&target)?;
+                let (rt, mut c) = server.client(token.token_file.as_ref())?;
+                let j = rt
+                    .block_on(c.get_job(proto::v1::GetJobRequest { job_id: job }))
+                    .map_err(call_error)?
+                    .into_inner();
+                return print_job(&j, json);
+            }
             let st = orchestrator::train::status(&run_dir)?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&st)?);
@@ -516,6 +680,117 @@ fn run() -> Result<()> {
                 );
             }
             println!("  metric rows: {}", st.metric_rows);
+            Ok(())
+        }
+        Command::Serve {
+            listen,
+            data_dir,
+            max_running,
+            tls_cert,
+            tls_key,
+            agent_wait,
+        } => serve(orchestrator::server::ServeOptions {
+            listen,
+            data_dir,
+            max_running,
+            tls: tls_cert.zip(tls_key),
+            agent_wait: std::time::Duration::from_secs_f64(agent_wait.max(0.0)),
+        }),
+        Command::Submit {
+            file,
+            overrides,
+            follow,
+            server,
+            token,
+        } => {
+            let text = std::fs::read_to_string(&file)
+                .with_context(|| format!("cannot read {}", file.display()))?;
+            let abs = std::path::absolute(&file)
+                .with_context(|| format!("cannot resolve {}", file.display()))?;
+            let request = proto::v1::SubmitJobRequest {
+                workflow_yaml: text,
+                overrides,
+                file_name: file
+                    .file_name()
+                    .map(|n| n.to_string_lossy().into_owned())
+                    .unwrap_or_default(),
+                base_dir: abs
+                    .parent()
+                    .map(|p| p.display().to_string())
+                    .unwrap_or_default(),
+            };
+            let (rt, mut c) = server.client(token.token_file.as_ref())?;
+            let reply = rt
+                .block_on(c.submit_job(request))
+                .map_err(call_error)?
+                .into_inner();
+            let name = reply.job.map(|j| j.name).unwrap_or_default();
+            eprintln!(
+                "submitted `{name}` as job {id}: follow it with `trellis logs -f {id}`",
+                id = reply.job_id
+            );
+            println!("{}", reply.job_id);
+            if follow {
+                return rt.block_on(logs(&mut c, reply.job_id, true, false));
+            }
+            Ok(())
+        }
+        Command::Jobs {
+            json,
+            server,
+            token,
+        } => {
+            let (rt, mut c) = server.client(token.token_file.as_ref())?;
+            let jobs = rt
+                .block_on(c.list_jobs(proto::v1::ListJobsRequest {}))
+                .map_err(call_error)?
+                .into_inner()
+                .jobs;
+            if json {
+                for j in &jobs {
+                    println!("{}", job_json(j));
+                }
+                return Ok(());
+            }
+            println!(
+                "{:>5}  {:<10}  {:<24}  {:<10}  {:>6}  error",
+                "id", "state", "name", "stage", "step"
+            );
+            for j in &jobs {
+                println!(
+                    "{:>5}  {:<10}  {:<24}  {:<10}  {:>6}  {}",
+                    j.id,
+                    state_name(j.state),
+                    j.name,
+                    j.stage,
+                    j.step,
+                    j.error.lines().next().unwrap_or("")
+                );
+            }
+            Ok(())
+        }
+        Command::Logs {
+            job,
+            follow,
+            metrics,
+            server,
+            token,
+        } => {
+            let (rt, mut c) = server.client(token.token_file.as_ref())?;
+            rt.block_on(logs(&mut c, job, follow, metrics))
+        }
+        Command::Cancel { job, server, token } => {
+            let (rt, mut c) = server.client(token.token_file.as_ref())?;
+            let j = rt
+                .block_on(c.cancel_job(proto::v1::CancelJobRequest { job_id: job }))
+                .map_err(call_error)?
+                .into_inner();
+            match state_name(j.state) {
+                "running" => println!(
+                    "job {job} stops after its current step (checkpointed); `trellis resume {job}` continues it"
+                ),
+                s => println!("job {job} {s}"),
+            }
             Ok(())
         }
         Command::Config {
@@ -621,6 +896,9 @@ struct AgentArgs {
     /// Agent name (default: <hostname>-<pid>).
     #[arg(long)]
     name: Option<String>,
+    /// PEM certificate to trust when the head serves TLS (an https:// --head).
+    #[arg(long, env = "TRELLIS_TLS_CA")]
+    tls_ca: Option<PathBuf>,
 }
 
 fn runtime() -> Result<tokio::runtime::Runtime> {
@@ -670,10 +948,199 @@ fn agent(a: AgentArgs) -> Result<()> {
         resources,
         labels,
         token,
+        tls_ca: match &a.tls_ca {
+            Some(p) => Some(std::fs::read(p).with_context(|| format!("--tls-ca {}", p.display()))?),
+            None => None,
+        },
         registry: actors::builtin::registry().with::<orchestrator::pool::RolloutActor>(),
         wire: actors::Wire::default(),
     };
     runtime()?.block_on(actors::agent::run(options, terminated()))?;
+    Ok(())
+}
+
+fn job_id(target: &str) -> Result<u64> {
+    target.parse().map_err(|_| {
+        anyhow::anyhow!("`{target}` is neither a run directory nor a job id of the server")
+    })
+}
+
+fn state_name(state: i32) -> &'static str {
+    use proto::v1::JobState;
+    match JobState::try_from(state).unwrap_or(JobState::Unspecified) {
+        JobState::Unspecified => "unknown",
+        JobState::Pending => "pending",
+        JobState::Running => "running",
+        JobState::Succeeded => "succeeded",
+        JobState::Failed => "failed",
+        JobState::Cancelled => "cancelled",
+    }
+}
+
+fn job_json(j: &proto::v1::Job) -> serde_json::Value {
+    let workflow: serde_json::Value =
+        serde_json::from_str(&j.workflow_json).unwrap_or(serde_json::Value::Null);
+    serde_json::json!({
+        "id": j.id, "name": j.name, "state": state_name(j.state), "error": j.error,
+        "created_ms": j.created_ms, "updated_ms": j.updated_ms,
+        "stages_completed": j.stages_completed, "stage": j.stage, "step": j.step,
+        "checkpoint": j.checkpoint, "checkpoint_stage": j.checkpoint_stage,
+        "checkpoint_step": j.checkpoint_step, "weight_version": j.weight_version,
+        "run_dir": j.run_dir, "cancel_requested": j.cancel_requested, "workflow": workflow,
+    })
+}
+
+fn print_job(j: &proto::v1::Job, json: bool) -> Result<()> {
+    if json {
+        println!("{}", serde_json::to_string_pretty(&job_json(j))?);
+        return Ok(());
+    }
+    println!("job {} `{}`: {}", j.id, j.name, state_name(j.state));
+    if !j.error.is_empty() {
+        println!("  error: {}", j.error);
+    }
+    if j.cancel_requested {
+        println!("  cancel requested: stopping after the current step");
+    }
+    println!("  stages completed: {}", j.stages_completed.join(", "));
+    if !j.stage.is_empty() {
+        println!("  latest step: stage {} step {}", j.stage, j.step);
+    }
+    if !j.checkpoint.is_empty() {
+        println!(
+            "  last checkpoint: {} (stage {} step {}, weight version {})",
+            j.checkpoint, j.checkpoint_stage, j.checkpoint_step, j.weight_version
+        );
+    }
+    println!("  run directory (on the server): {}", j.run_dir);
+    Ok(())
+}
+
+/// Prints job `id`'s log (and metric rows); with `follow`, until the job ends, failing unless
+/// it succeeded.
+async fn logs(c: &mut Client, id: u64, follow: bool, metrics: bool) -> Result<()> {
+    use proto::v1::job_event::Event;
+    if !follow {
+        let mut stream = c
+            .watch_job(proto::v1::WatchJobRequest {
+                job_id: id,
+                ..Default::default()
+            })
+            .await
+            .map_err(call_error)?
+            .into_inner();
+        // Everything recorded so far arrives before the first wait: read until the first job
+        // event after the backlog.
+        while let Some(ev) = stream.message().await.map_err(call_error)? {
+            match ev.event {
+                Some(Event::Log(l)) => println!("{}", l.text),
+                Some(Event::Metrics(m)) if metrics => println!("{}", metric_json(&m)),
+                Some(Event::Job(_)) => return Ok(()),
+                _ => {}
+            }
+        }
+        return Ok(());
+    }
+    let (mut from_row, mut from_line) = (0, 0);
+    loop {
+        let stream = c
+            .watch_job(proto::v1::WatchJobRequest {
+                job_id: id,
+                from_row,
+                from_line,
+            })
+            .await;
+        let mut stream = match stream {
+            Ok(s) => s.into_inner(),
+            Err(s) if s.code() == tonic::Code::Unavailable => {
+                eprintln!("the server is unreachable ({}); retrying", s.message());
+                tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+                continue;
+            }
+            Err(s) => return Err(call_error(s)),
+        };
+        let mut last = None;
+        loop {
+            match stream.message().await {
+                Ok(Some(ev)) => match ev.event {
+                    Some(Event::Log(l)) => {
+                        from_line = l.line + 1;
+                        println!("{}", l.text);
+                    }
+                    Some(Event::Metrics(m)) => {
+                        from_row = m.row + 1;
+                        if metrics {
+                            println!("{}", metric_json(&m));
+                        }
+                    }
+                    Some(Event::Job(j)) => last = Some(j),
+                    None => {}
+                },
+                Ok(None) => break,
+                Err(s) => {
+                    // The server went away mid-watch (restarted?): watch again from here.
+                    eprintln!("the watch broke ({}); reconnecting", s.message());
+                    tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+                    break;
+                }
+            }
+        }
+        let Some(j) =
+            last.filter(|j| matches!(state_name(j.state), "succeeded" | "failed" | "cancelled"))
+        else {
+            continue;
+        };
+        return match state_name(j.state) {
+            "succeeded" => Ok(()),
+            s => bail!("job {id} {s}: {}", j.error),
+        };
+    }
+}
+
+fn metric_json(m: &proto::v1::MetricRow) -> serde_json::Value {
+    let mut obj = serde_json::Map::new();
+    obj.insert("stage".into(), m.stage.clone().into());
+    obj.insert("step".into(), m.step.into());
+    let mut keys: Vec<&String> = m.values.keys().collect();
+    keys.sort();
+    for k in keys {
+        obj.insert(k.clone(), m.values[k].into());
+    }
+    serde_json::Value::Object(obj)
+}
+
+/// `trellis serve`: prints where it listens, serves until Ctrl-C or SIGTERM (a second one exits
+/// at once).
+fn serve(opts: orchestrator::server::ServeOptions) -> Result<()> {
+    let rt = runtime()?;
+    let required = orchestrator::server::token_required(&opts.listen);
+    let token_path = opts.data_dir.join("token");
+    let scheme = if opts.tls.is_some() { "https" } else { "http" };
+    rt.block_on(orchestrator::server::serve(
+        opts,
+        |address| {
+            // One line a script can read, then how to use it.
+            println!("listening on {scheme}://{address}");
+            eprintln!(
+                "agents: trellis agent --head {scheme}://{address} --token-file {}",
+                token_path.display()
+            );
+            if required {
+                eprintln!(
+                    "clients must pass --token-file {} (the listener is not loopback)",
+                    token_path.display()
+                );
+            }
+        },
+        async {
+            terminated().await;
+            eprintln!("stopping: running jobs checkpoint after their current step (Ctrl-C again to exit now)");
+            tokio::spawn(async {
+                terminated().await;
+                std::process::exit(130);
+            });
+        },
+    ))?;
     Ok(())
 }
 

@@ -102,20 +102,42 @@ impl Actor for RolloutActor {
     }
 }
 
-/// Where a run's head listens for agents, when a pool is placed on them.
+/// Where a run meets agents, when a pool is placed on them.
 #[derive(Clone, Debug)]
 pub struct Cluster {
-    /// Address to listen on (port 0: any).
-    pub listen: SocketAddr,
-    /// The cluster token agents present.
-    pub token: Token,
+    /// The head agents register with.
+    pub head: ClusterHead,
     /// How long to wait for agents that can take the pool.
     pub wait: Duration,
+}
+
+/// The head of a [`Cluster`].
+#[derive(Clone)]
+pub enum ClusterHead {
+    /// The run starts its own head for the run's life (`trellis train --listen`).
+    Listen {
+        /// Address to listen on (port 0: any).
+        listen: SocketAddr,
+        /// The cluster token agents present.
+        token: Token,
+    },
+    /// A head that outlives the run (`trellis serve`'s): agents stay registered between jobs.
+    Shared(Head),
+}
+
+impl std::fmt::Debug for ClusterHead {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Listen { listen, .. } => write!(f, "Listen({listen})"),
+            Self::Shared(h) => write!(f, "Shared({})", h.address()),
+        }
+    }
 }
 
 /// The rollout actors of a run.
 pub(crate) struct RolloutPool {
     rt: tokio::runtime::Runtime,
+    /// The head this pool started (shut down with the pool).
     head: Option<Head>,
     actors: Vec<ActorRef<RolloutActor>>,
     /// The weights every actor serves (a restarted actor gets them back).
@@ -200,18 +222,23 @@ impl RolloutPool {
                 colocate: None,
             };
             let (head, actors) = rt.block_on(async {
-                let head =
-                    Head::serve(cluster.listen, cluster.token.clone(), HeadConfig::default())
-                        .await
-                        .map_err(|e| {
-                            RunError::Other(format!("cannot listen on {}: {e}", cluster.listen))
-                        })?;
-                // Always said, even with --quiet: agents need this address.
-                eprintln!(
-                    "rollout pool: waiting up to {:.0?} for agents to register at http://{}",
-                    cluster.wait,
-                    head.address()
-                );
+                let (head, owned) = match &cluster.head {
+                    ClusterHead::Listen { listen, token } => {
+                        let head = Head::serve(*listen, token.clone(), HeadConfig::default())
+                            .await
+                            .map_err(|e| {
+                                RunError::Other(format!("cannot listen on {listen}: {e}"))
+                            })?;
+                        // Always said, even with --quiet: agents need this address.
+                        eprintln!(
+                            "rollout pool: waiting up to {:.0?} for agents to register at http://{}",
+                            cluster.wait,
+                            head.address()
+                        );
+                        (head.clone(), Some(head))
+                    }
+                    ClusterHead::Shared(head) => (head.clone(), None),
+                };
                 let deadline = Instant::now() + cluster.wait;
                 loop {
                     match head.place(std::slice::from_ref(&spec)) {
@@ -223,9 +250,9 @@ impl RolloutPool {
                 let actors = head
                     .spawn_pool::<RolloutActor>(&spec, |_| config.clone(), options.clone())
                     .await?;
-                Ok((head, actors))
+                Ok((owned, actors))
             })?;
-            (Some(head), actors)
+            (head, actors)
         };
         // Every actor starts with the current weights.
         rt.block_on(async {
@@ -346,9 +373,22 @@ where
 
 impl Drop for RolloutPool {
     fn drop(&mut self) {
-        for a in &self.actors {
-            a.stop();
-        }
+        // Waited for: the runtime (and the supervisors' stop calls to agents) ends with the
+        // pool, and a shared head's agents must get their resources back for the next job.
+        self.rt.block_on(async {
+            let stops = self.actors.iter().map(|a| a.stop_and_wait());
+            let all = async {
+                for s in stops {
+                    s.await;
+                }
+            };
+            if tokio::time::timeout(Duration::from_secs(5), all)
+                .await
+                .is_err()
+            {
+                tracing::warn!("rollout actors did not stop within 5 s");
+            }
+        });
         // Agents stay up for the next run; they only lose this run's actors.
         if let Some(head) = self.head.take() {
             self.rt.block_on(head.shutdown(false));

@@ -16,6 +16,11 @@ const JOBS: TableDefinition<'_, u64, &[u8]> = TableDefinition::new("jobs");
 const METRICS: TableDefinition<'_, (u64, u64), &[u8]> = TableDefinition::new("metrics");
 /// (job id, row number) → one checkpoint record as JSON.
 const CHECKPOINTS: TableDefinition<'_, (u64, u64), &[u8]> = TableDefinition::new("checkpoints");
+/// (job id, line number) → one log line as JSON.
+const LOGS: TableDefinition<'_, (u64, u64), &[u8]> = TableDefinition::new("logs");
+/// (job id, table name) → the next row number of that job in that table. Row numbers are never
+/// reused, even for rows deleted by a rewind, so a reader's cursor never skips a new row.
+const NEXT_ROW: TableDefinition<'_, (u64, &str), u64> = TableDefinition::new("next_row");
 
 /// What can go wrong with the store.
 #[derive(Debug, thiserror::Error)]
@@ -118,10 +123,21 @@ pub struct CheckpointRecord {
     pub weight_version: u64,
 }
 
+/// A line of a job's log.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LogRecord {
+    /// Milliseconds since the Unix epoch.
+    pub time_ms: u64,
+    /// The line.
+    pub text: String,
+}
+
 /// An open store.
 pub struct Store {
     db: Database,
     path: PathBuf,
+    /// Bumped after every commit: readers that follow a job wait on it.
+    changes: tokio::sync::watch::Sender<u64>,
 }
 
 fn now_ms() -> u64 {
@@ -145,12 +161,15 @@ impl Store {
         let store = Self {
             db,
             path: path.to_path_buf(),
+            changes: tokio::sync::watch::Sender::new(0),
         };
         // Create the tables so that readers never meet a missing one.
         store.write(|tx| {
             tx.open_table(JOBS)?;
             tx.open_table(METRICS)?;
             tx.open_table(CHECKPOINTS)?;
+            tx.open_table(LOGS)?;
+            tx.open_table(NEXT_ROW)?;
             Ok(())
         })?;
         Ok(store)
@@ -159,6 +178,11 @@ impl Store {
     /// The store file.
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// A receiver that sees a change after every committed write (of any job).
+    pub fn subscribe(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.changes.subscribe()
     }
 
     fn db_err(&self, e: impl std::fmt::Display) -> StoreError {
@@ -176,6 +200,7 @@ impl Store {
         let tx = self.db.begin_write().map_err(|e| self.db_err(e))?;
         let out = f(&tx).map_err(|e| self.db_err(e))?;
         tx.commit().map_err(|e| self.db_err(e))?;
+        self.changes.send_modify(|n| *n += 1);
         Ok(out)
     }
 
@@ -269,26 +294,65 @@ impl Store {
     pub fn append_metrics(&self, id: u64, row: &serde_json::Value) -> Result<u64, StoreError> {
         self.write(|tx| {
             let mut t = tx.open_table(METRICS)?;
-            let seq = next_row(&t, id)?;
+            let seq = next_row(tx, &t, "metrics", id)?;
             t.insert((id, seq), to_json(row).as_slice())?;
             Ok(seq)
         })
     }
 
+    /// Appends a line to job `id`'s log; returns its line number.
+    pub fn append_log(&self, id: u64, text: &str) -> Result<u64, StoreError> {
+        let record = LogRecord {
+            time_ms: now_ms(),
+            text: text.to_string(),
+        };
+        self.write(|tx| {
+            let mut t = tx.open_table(LOGS)?;
+            let seq = next_row(tx, &t, "logs", id)?;
+            t.insert((id, seq), to_json(&record).as_slice())?;
+            Ok(seq)
+        })
+    }
+
+    /// Job `id`'s log lines from line `from` on, with their line numbers.
+    pub fn logs(&self, id: u64, from: u64) -> Result<Vec<(u64, LogRecord)>, StoreError> {
+        self.rows(LOGS, id, from)
+    }
+
     /// Job `id`'s metric rows from row `from` on, with their row numbers.
     pub fn metrics(&self, id: u64, from: u64) -> Result<Vec<(u64, serde_json::Value)>, StoreError> {
+        self.rows(METRICS, id, from)
+    }
+
+    /// Job `id`'s records of a `(job, row)`-keyed table from row `from` on.
+    fn rows<T: for<'de> Deserialize<'de>>(
+        &self,
+        table: TableDefinition<'_, (u64, u64), &[u8]>,
+        id: u64,
+        from: u64,
+    ) -> Result<Vec<(u64, T)>, StoreError> {
         let rows = self.read(|tx| {
-            let t = tx.open_table(METRICS)?;
+            let t = tx.open_table(table)?;
             let mut out = Vec::new();
             for row in t.range((id, from)..=(id, u64::MAX))? {
                 let (k, v) = row?;
-                out.push((k.value().1, from_json::<serde_json::Value>(v.value())));
+                out.push((k.value().1, from_json::<T>(v.value())));
             }
             Ok(out)
         })?;
         rows.into_iter()
             .map(|(s, r)| r.map(|v| (s, v)).map_err(|e| self.db_err(e)))
             .collect()
+    }
+
+    /// Job `id`'s latest metric row, if any.
+    pub fn last_metrics(&self, id: u64) -> Result<Option<serde_json::Value>, StoreError> {
+        let row = self.read(|tx| {
+            let t = tx.open_table(METRICS)?;
+            let last = t.range((id, 0)..=(id, u64::MAX))?.next_back().transpose()?;
+            Ok(last.map(|(_, v)| from_json::<serde_json::Value>(v.value())))
+        })?;
+        row.transpose().map_err(|e| self.db_err(e))
     }
 
     /// Records a checkpoint of job `id`, moves its progress there and forgets all but the
@@ -307,7 +371,7 @@ impl Store {
                 return Ok(None);
             }
             let mut ck = tx.open_table(CHECKPOINTS)?;
-            let seq = next_row(&ck, id)?;
+            let seq = next_row(tx, &ck, "checkpoints", id)?;
             ck.insert((id, seq), to_json(record).as_slice())?;
             let first_kept = (seq + 1).saturating_sub(keep.max(1) as u64);
             let mut forgotten = Vec::new();
@@ -322,17 +386,8 @@ impl Store {
 
     /// Job `id`'s checkpoints, oldest first.
     pub fn checkpoints(&self, id: u64) -> Result<Vec<CheckpointRecord>, StoreError> {
-        let rows = self.read(|tx| {
-            let t = tx.open_table(CHECKPOINTS)?;
-            let mut out = Vec::new();
-            for row in t.range((id, 0)..=(id, u64::MAX))? {
-                out.push(from_json::<CheckpointRecord>(row?.1.value()));
-            }
-            Ok(out)
-        })?;
-        rows.into_iter()
-            .map(|r| r.map_err(|e| self.db_err(e)))
-            .collect()
+        let rows = self.rows(CHECKPOINTS, id, 0)?;
+        Ok(rows.into_iter().map(|(_, r)| r).collect())
     }
 
     /// Deletes job `id`'s metric rows for which `keep` is false (the steps after the checkpoint
@@ -371,12 +426,24 @@ fn update_in(
     Ok(Some(job))
 }
 
-/// The next free row number of job `id` in a `(job, row)`-keyed table.
-fn next_row(t: &redb::Table<'_, (u64, u64), &[u8]>, id: u64) -> Result<u64, redb::Error> {
-    Ok(t.range((id, 0)..=(id, u64::MAX))?
+/// Takes the next row number of job `id` in the `(job, row)`-keyed table `t` named `name`: past
+/// every row it holds and every number handed out before (rows deleted by a rewind included).
+fn next_row(
+    tx: &redb::WriteTransaction,
+    t: &redb::Table<'_, (u64, u64), &[u8]>,
+    name: &str,
+    id: u64,
+) -> Result<u64, redb::Error> {
+    let past_last = t
+        .range((id, 0)..=(id, u64::MAX))?
         .next_back()
         .transpose()?
-        .map_or(0, |(k, _)| k.value().1 + 1))
+        .map_or(0, |(k, _)| k.value().1 + 1);
+    let mut counters = tx.open_table(NEXT_ROW)?;
+    let handed_out = counters.get((id, name))?.map_or(0, |v| v.value());
+    let seq = past_last.max(handed_out);
+    counters.insert((id, name), seq + 1)?;
+    Ok(seq)
 }
 
 fn to_json<T: Serialize>(v: &T) -> Vec<u8> {
@@ -466,8 +533,13 @@ mod tests {
         assert_eq!(dropped, 1);
         assert_eq!(s.metrics(1, 0).unwrap().len(), 2);
         assert_eq!(s.metrics(2, 0).unwrap().len(), 1, "other jobs untouched");
-        // Rows appended after a rewind continue the numbering without reusing a live one.
-        assert_eq!(s.append_metrics(1, &json!({"step": 3})).unwrap(), 2);
+        // Rows appended after a rewind continue the numbering without reusing a number, so a
+        // reader's cursor never skips them.
+        assert_eq!(s.append_metrics(1, &json!({"step": 3})).unwrap(), 3);
+        assert_eq!(s.append_log(1, "a").unwrap(), 0);
+        assert_eq!(s.append_log(1, "b").unwrap(), 1);
+        let logs = s.logs(1, 1).unwrap();
+        assert_eq!((logs.len(), logs[0].1.text.as_str()), (1, "b"));
         assert!(matches!(s.job(9), Err(StoreError::NoJob { id: 9, .. })));
     }
 

@@ -53,13 +53,13 @@ pub enum RunError {
         /// The OS error.
         source: std::io::Error,
     },
-    /// Stopped on request (Ctrl-C, SIGTERM) after checkpointing the step it was at.
+    /// Stopped on request (Ctrl-C, SIGTERM, a cancel) after checkpointing the step it was at.
     #[error(
-        "stopped on request after {stage} step {step} (checkpointed): continue with `trellis resume {}`", dir.display()
+        "stopped on request after {stage} step {step} (checkpointed): continue with `{resume}`"
     )]
     Stopped {
-        /// The run directory.
-        dir: PathBuf,
+        /// The command that continues the run.
+        resume: String,
         /// Stage it stopped in.
         stage: String,
         /// Last step done.
@@ -159,7 +159,7 @@ pub(crate) struct Run<'a> {
     chat: Option<crate::chat::ChatTemplate>,
     /// Whether the current stage renders prompts through it.
     chat_active: bool,
-    quiet: bool,
+    opts: &'a RunOptions,
     summary: Summary,
 }
 
@@ -177,10 +177,27 @@ pub fn store_path(dir: &Path) -> PathBuf {
 /// How a run is driven.
 #[derive(Clone, Debug, Default)]
 pub struct RunOptions {
-    /// No progress lines.
+    /// No progress lines on stderr.
     pub quiet: bool,
     /// Where to meet agents, for pools placed on them.
     pub cluster: Option<crate::pool::Cluster>,
+    /// Stops this run after its current step (with a checkpoint) once set, like
+    /// [`request_stop`] does for every run of the process.
+    pub stop: Option<Arc<std::sync::atomic::AtomicBool>>,
+    /// Also record progress lines in the store, as the job's log.
+    pub log_to_store: bool,
+    /// The command that continues this run, for messages (default `trellis resume RUN_DIR`).
+    pub resume_hint: Option<String>,
+}
+
+impl RunOptions {
+    fn stop_requested(&self) -> bool {
+        stop_requested()
+            || self
+                .stop
+                .as_ref()
+                .is_some_and(|s| s.load(std::sync::atomic::Ordering::SeqCst))
+    }
 }
 
 /// Starts a run of `wf` in `dir` (which must not hold another run).
@@ -199,7 +216,7 @@ pub fn start(wf: &Workflow, dir: &Path, opts: &RunOptions) -> Result<Summary, Ru
     let _ = std::fs::remove_file(dir.join("metrics.jsonl"));
     let store = Store::open(&store_path(dir))?;
     let job = store.create_job(&wf.name, spec, JobState::Running)?;
-    execute(wf, dir, store, job, opts)
+    execute(wf, dir, &store, job, opts)
 }
 
 /// Continues the run in `dir` from its last checkpoint.
@@ -214,18 +231,18 @@ pub fn resume(dir: &Path, opts: &RunOptions) -> Result<Summary, RunError> {
     let wf: Workflow = serde_json::from_value(job.spec.clone())
         .map_err(|e| RunError::Other(format!("{}: job {}: {e}", store.path().display(), job.id)))?;
     store.set_state(job.id, JobState::Running, None)?;
-    execute(&wf, dir, store, job.id, opts)
+    execute(&wf, dir, &store, job.id, opts)
 }
 
 /// Runs the job and records how it ended: `Succeeded`, or `Failed` with the error (resumable).
 fn execute(
     wf: &Workflow,
     dir: &Path,
-    store: Store,
+    store: &Store,
     job: u64,
     opts: &RunOptions,
 ) -> Result<Summary, RunError> {
-    let out = run_job(wf, dir, &store, job, opts);
+    let out = run_job(wf, dir, store, job, opts);
     let end = match &out {
         Ok(_) => store.set_state(job, JobState::Succeeded, None),
         Err(e @ RunError::Stopped { .. }) => {
@@ -290,14 +307,15 @@ fn initial_model(wf: &Workflow, tok: &Tokenizer) -> Result<Checkpoint, RunError>
     })
 }
 
-fn run_job(
+/// Runs job `job` of `store` (its workflow `wf`) with its files in `dir`, from its last
+/// checkpoint when it has one; leaves recording how it ended to the caller.
+pub fn run_job(
     wf: &Workflow,
     dir: &Path,
     store: &Store,
     job: u64,
     opts: &RunOptions,
 ) -> Result<Summary, RunError> {
-    let quiet = opts.quiet;
     let state = store.job(job)?.progress;
     let (tokenizer, tokenizer_json) = tokenizer_for(wf)?;
     let Checkpoint {
@@ -370,7 +388,7 @@ fn run_job(
         state,
         chat,
         chat_active: false,
-        quiet,
+        opts,
         summary: Summary::default(),
     };
     let order = crate::workflow::order(wf).map_err(RunError::Other)?;
@@ -447,10 +465,13 @@ impl Run<'_> {
 
     /// A progress line: on a terminal, one bar redrawn in place (kept when `done`); otherwise
     /// one line per call.
-    fn progress(&self, line: String, done: bool) {
+    fn progress(&self, line: String, done: bool) -> Result<(), RunError> {
         use std::io::IsTerminal;
-        if self.quiet {
-            return;
+        if self.opts.log_to_store {
+            self.store.append_log(self.job, &line)?;
+        }
+        if self.opts.quiet {
+            return Ok(());
         }
         let mut err = std::io::stderr().lock();
         let _ = if !err.is_terminal() {
@@ -460,6 +481,7 @@ impl Run<'_> {
         } else {
             write!(err, "\r\x1b[2K{line}").and_then(|_| err.flush())
         };
+        Ok(())
     }
 
     fn checkpoint(
@@ -582,7 +604,7 @@ impl Run<'_> {
             .into();
             self.log(&stage.id, 0, &m)?;
             self.summary.eval_accuracy.insert(stage.id.clone(), acc);
-            self.progress(format!("[{}] eval accuracy {:.3}", stage.id, acc), true);
+            self.progress(format!("[{}] eval accuracy {:.3}", stage.id, acc), true)?;
         } else {
             let started = Instant::now();
             let mut grads = self.model.params.zeros_like();
@@ -625,9 +647,9 @@ impl Run<'_> {
                         show("perf/throughput", "tokens/s", 0),
                     ),
                     keep,
-                );
+                )?;
                 let save = stage.trainer.save_freq;
-                let stop = stop_requested() && step < total;
+                let stop = self.opts.stop_requested() && step < total;
                 if stop || (save > 0 && step % save == 0 && step < total) {
                     self.checkpoint(
                         &stage.id,
@@ -639,7 +661,11 @@ impl Run<'_> {
                 }
                 if stop {
                     return Err(RunError::Stopped {
-                        dir: self.dir.clone(),
+                        resume: self
+                            .opts
+                            .resume_hint
+                            .clone()
+                            .unwrap_or_else(|| format!("trellis resume {}", self.dir.display())),
                         stage: stage.id.clone(),
                         step,
                     });

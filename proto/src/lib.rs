@@ -5,12 +5,17 @@
 //! Never: business logic, I/O, or conversions that need another Trellis crate. Those live in the
 //! crates that use these types (`actors`, `orchestrator`).
 
-/// Version 1 of the protocol (`package trellis.v1`): tensors and weight snapshots, and the head ↔ agent
-/// protocol (`Head` and `Agent` services).
+/// Version 1 of the protocol (`package trellis.v1`): tensors and weight snapshots, the head ↔ agent
+/// protocol (`Head` and `Agent` services) and the job API (`JobService`).
 pub mod v1 {
     #![allow(missing_docs, clippy::all, rust_2018_idioms)]
     include!(concat!(env!("OUT_DIR"), "/trellis.v1.rs"));
 }
+
+/// The encoded `FileDescriptorSet` of every `.proto` here (with their imports), for gRPC server
+/// reflection.
+pub const FILE_DESCRIPTOR_SET: &[u8] =
+    include_bytes!(concat!(env!("OUT_DIR"), "/trellis_descriptor.bin"));
 
 /// TensorBoard's event records (scalars only), for metrics that TensorBoard reads directly.
 pub mod tensorboard {

@@ -1,0 +1,694 @@
+//! `trellis serve`: the long-running head. One port serves the job API (`JobService`), agent
+//! registration (`Head`), the standard health service and server reflection; submitted
+//! workflows queue in the durable store of the data dir and run, `max_running` at a time, with
+//! their pools on the registered agents (or in this process, for `placement: local`).
+//!
+//! Data dir: `store.redb` (every job, its state, progress, checkpoint index, metric rows and log
+//! lines), `token` (mode 0600: the bearer token of the API and the cluster token agents
+//! present), and `jobs/<id>/` (each job's run directory: checkpoints, `metrics.jsonl`,
+//! `tensorboard/`, `plot.png`).
+//!
+//! Restart safety: a job is marked running in the store before it starts; a server that finds
+//! running jobs at start (it was killed) queues them again, and they continue from their last
+//! checkpoint (the steps after it are run again; their earlier rows are replaced). Ctrl-C stops
+//! running jobs after their current step with a checkpoint and leaves them queued for the next
+//! start.
+//!
+//! Owns: the job queue, job control (cancel, resume), the API's wire types and authentication.
+//! Never: runs a step itself (that is [`crate::train::run_job`]'s), touches tensors, or
+//! deletes a job's files.
+
+use crate::pool::{Cluster, ClusterHead};
+use crate::store::{Job, JobState, Store, StoreError};
+use crate::train::{RunError, RunOptions};
+use crate::workflow::Workflow;
+use actors::{Head, HeadConfig, Token};
+use proto::v1 as pb;
+use proto::v1::job_service_server::{JobService, JobServiceServer};
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::{Notify, mpsc};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::service::interceptor::InterceptedService;
+use tonic::{Request, Response, Status};
+
+/// The largest request the API accepts (a workflow's YAML and overrides).
+pub const MAX_REQUEST_BYTES: usize = 1 << 20;
+
+/// How to run a server.
+#[derive(Clone, Debug)]
+pub struct ServeOptions {
+    /// Address of the one port (API, agents, health, reflection).
+    pub listen: SocketAddr,
+    /// Where the store, the token and the jobs' run directories live.
+    pub data_dir: PathBuf,
+    /// Jobs run at once; the others wait in the queue.
+    pub max_running: usize,
+    /// PEM certificate chain and private key: serve TLS.
+    pub tls: Option<(PathBuf, PathBuf)>,
+    /// How long a job waits for agents that can take its pools.
+    pub agent_wait: Duration,
+}
+
+/// Why a server could not start or stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    /// The data dir, the token or a TLS file.
+    #[error("{path}: {message}")]
+    File {
+        /// The file or folder.
+        path: PathBuf,
+        /// What went wrong.
+        message: String,
+    },
+    /// The store.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// The listening socket or the server.
+    #[error("cannot serve on {listen}: {message}")]
+    Listen {
+        /// The address.
+        listen: SocketAddr,
+        /// What went wrong.
+        message: String,
+    },
+}
+
+/// Whether the API must be called with the token: always, unless only this host can reach it.
+pub fn token_required(listen: &SocketAddr) -> bool {
+    !listen.ip().is_loopback()
+}
+
+/// Reads the token of `data_dir`, creating it (mode 0600) when absent.
+pub fn data_dir_token(data_dir: &Path) -> Result<Token, ServeError> {
+    let path = data_dir.join("token");
+    let file = |e: actors::TokenError| ServeError::File {
+        path: path.clone(),
+        message: e.to_string(),
+    };
+    if path.exists() {
+        return Token::read(&path).map_err(file);
+    }
+    let token = Token::generate().map_err(file)?;
+    token.write(&path).map_err(file)?;
+    Ok(token)
+}
+
+/// Serves until `shutdown` resolves, then stops running jobs after their current step (they
+/// stay queued for the next start) and returns. `ready` gets the bound address once listening.
+pub async fn serve(
+    opts: ServeOptions,
+    ready: impl FnOnce(SocketAddr),
+    shutdown: impl std::future::Future<Output = ()>,
+) -> Result<(), ServeError> {
+    let dir = &opts.data_dir;
+    let file = |path: &Path, e: std::io::Error| ServeError::File {
+        path: path.to_path_buf(),
+        message: e.to_string(),
+    };
+    std::fs::create_dir_all(dir.join("jobs")).map_err(|e| file(dir, e))?;
+    let token = data_dir_token(dir)?;
+    let store = Arc::new(Store::open(&dir.join("store.redb"))?);
+    // Jobs the last server left running were cut short: queue them again.
+    for job in store.jobs()? {
+        if job.state == JobState::Running {
+            store.append_log(
+                job.id,
+                "the server stopped while this job ran; continuing from its last checkpoint",
+            )?;
+            store.set_state(job.id, JobState::Pending, None)?;
+        }
+    }
+    let tls = match &opts.tls {
+        Some((cert, key)) => {
+            let cert_pem = std::fs::read(cert).map_err(|e| file(cert, e))?;
+            let key_pem = std::fs::read(key).map_err(|e| file(key, e))?;
+            Some(
+                tonic::transport::ServerTlsConfig::new()
+                    .identity(tonic::transport::Identity::from_pem(cert_pem, key_pem)),
+            )
+        }
+        None => None,
+    };
+    let listen_err = |message: String| ServeError::Listen {
+        listen: opts.listen,
+        message,
+    };
+    let listener = tokio::net::TcpListener::bind(opts.listen)
+        .await
+        .map_err(|e| listen_err(e.to_string()))?;
+    let address = listener
+        .local_addr()
+        .map_err(|e| listen_err(e.to_string()))?;
+    let (head, routes) = Head::new(address, token.clone(), HeadConfig::default());
+    let jobs = Arc::new(Jobs {
+        store,
+        data_dir: dir.clone(),
+        head: head.clone(),
+        agent_wait: opts.agent_wait,
+        max_running: opts.max_running.max(1),
+        running: Mutex::new(HashMap::new()),
+        wake: Notify::new(),
+        stopping: AtomicBool::new(false),
+    });
+    let guard = if token_required(&opts.listen) {
+        token.guard()
+    } else {
+        token.guard_optional()
+    };
+    let api = InterceptedService::new(
+        JobServiceServer::new(Api(jobs.clone())).max_decoding_message_size(MAX_REQUEST_BYTES),
+        guard,
+    );
+    let (health, health_service) = tonic_health::server::health_reporter();
+    health.set_serving::<JobServiceServer<Api>>().await;
+    let reflection = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(proto::FILE_DESCRIPTOR_SET)
+        .build_v1()
+        .map_err(|e| listen_err(format!("reflection: {e}")))?;
+    let reflection_alpha = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(proto::FILE_DESCRIPTOR_SET)
+        .build_v1alpha()
+        .map_err(|e| listen_err(format!("reflection: {e}")))?;
+    let routes = routes
+        .add_service(api)
+        .add_service(health_service)
+        .add_service(reflection)
+        .add_service(reflection_alpha);
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(tls) = tls {
+        builder = builder
+            .tls_config(tls)
+            .map_err(|e| listen_err(format!("TLS: {e}")))?;
+    }
+    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+    let (stop_tx, mut stop_rx) = tokio::sync::watch::channel(false);
+    let server = tokio::spawn(builder.add_routes(routes).serve_with_incoming_shutdown(
+        incoming,
+        async move {
+            let _ = stop_rx.wait_for(|s| *s).await;
+        },
+    ));
+    let scheduler = tokio::spawn(schedule(jobs.clone()));
+    tracing::info!(%address, data_dir = %dir.display(), "serving");
+    ready(address);
+    shutdown.await;
+    tracing::info!("stopping: running jobs finish their current step and checkpoint");
+    jobs.stopping.store(true, Ordering::SeqCst);
+    jobs.wake.notify_one();
+    for control in lock(&jobs.running).values() {
+        control.stop.store(true, Ordering::SeqCst);
+    }
+    let _ = scheduler.await;
+    while !lock(&jobs.running).is_empty() {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    health.set_not_serving::<JobServiceServer<Api>>().await;
+    // Agents stay up: they register again with the next server.
+    head.shutdown(false).await;
+    stop_tx.send_replace(true);
+    match tokio::time::timeout(Duration::from_secs(2), server).await {
+        Ok(Ok(Err(e))) => Err(listen_err(e.to_string())),
+        _ => Ok(()),
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// How a running job is stopped.
+#[derive(Default)]
+struct Control {
+    /// Stop after the current step (cancel or server shutdown).
+    stop: Arc<AtomicBool>,
+    /// The stop is a cancel: the job ends cancelled, not queued.
+    cancel: AtomicBool,
+}
+
+/// The job queue and what runs it.
+struct Jobs {
+    store: Arc<Store>,
+    data_dir: PathBuf,
+    head: Head,
+    agent_wait: Duration,
+    max_running: usize,
+    /// Jobs running now. Held while a job moves between pending, running and cancelled, so the
+    /// scheduler and the API never both move one.
+    running: Mutex<HashMap<u64, Arc<Control>>>,
+    wake: Notify,
+    stopping: AtomicBool,
+}
+
+impl Jobs {
+    fn run_dir(&self, id: u64) -> PathBuf {
+        self.data_dir.join("jobs").join(id.to_string())
+    }
+
+    /// Starts pending jobs, oldest first, while slots are free.
+    fn start_pending(self: &Arc<Self>) -> Result<(), StoreError> {
+        let mut running = lock(&self.running);
+        let free = self.max_running.saturating_sub(running.len());
+        if free == 0 {
+            return Ok(());
+        }
+        let pending: Vec<Job> = self
+            .store
+            .jobs()?
+            .into_iter()
+            .filter(|j| j.state == JobState::Pending && !running.contains_key(&j.id))
+            .take(free)
+            .collect();
+        for job in pending {
+            let id = job.id;
+            self.store.set_state(id, JobState::Running, None)?;
+            let control = Arc::new(Control::default());
+            running.insert(id, control.clone());
+            let jobs = self.clone();
+            let spawned = std::thread::Builder::new()
+                .name(format!("job-{id}"))
+                .spawn(move || jobs.run(job, &control));
+            if let Err(e) = spawned {
+                running.remove(&id);
+                let why = format!("cannot start a thread for the job: {e}");
+                self.store.set_state(id, JobState::Failed, Some(why))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs one job on this thread and records how it ended.
+    fn run(self: &Arc<Self>, job: Job, control: &Control) {
+        let id = job.id;
+        let dir = self.run_dir(id);
+        let opts = RunOptions {
+            quiet: true,
+            cluster: Some(Cluster {
+                head: ClusterHead::Shared(self.head.clone()),
+                wait: self.agent_wait,
+            }),
+            stop: Some(control.stop.clone()),
+            log_to_store: true,
+            resume_hint: Some(format!("trellis resume {id}")),
+        };
+        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let wf: Workflow = serde_json::from_value(job.spec.clone())
+                .map_err(|e| RunError::Other(format!("job {id}'s stored workflow: {e}")))?;
+            std::fs::create_dir_all(&dir).map_err(|source| RunError::Io {
+                path: dir.clone(),
+                source,
+            })?;
+            crate::train::run_job(&wf, &dir, &self.store, id, &opts)
+        }));
+        let (state, error) = match outcome {
+            Ok(Ok(_)) => (JobState::Succeeded, None),
+            Ok(Err(e @ RunError::Stopped { .. })) if control.cancel.load(Ordering::SeqCst) => {
+                (JobState::Cancelled, Some(format!("cancelled: {e}")))
+            }
+            // The server is stopping: the job waits in the queue for the next start.
+            Ok(Err(RunError::Stopped { .. })) => (JobState::Pending, None),
+            Ok(Err(e)) => (JobState::Failed, Some(e.to_string())),
+            Err(panic) => {
+                let what = panic
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_default();
+                (JobState::Failed, Some(format!("the job panicked: {what}")))
+            }
+        };
+        let line = match (&state, &error) {
+            (JobState::Succeeded, _) => format!("job {id} succeeded"),
+            (JobState::Pending, _) => format!("job {id} stopped with the server; queued"),
+            (s, e) => format!(
+                "job {id} {}: {}",
+                state_name(*s),
+                e.as_deref().unwrap_or("")
+            ),
+        };
+        // The last line goes in before the final state: a watcher that sees the state has
+        // every line.
+        let recorded = self
+            .store
+            .append_log(id, &line)
+            .and_then(|_| self.store.set_state(id, state, error));
+        if let Err(e) = recorded {
+            tracing::error!(job = id, "cannot record how the job ended: {e}");
+        }
+        tracing::info!(job = id, "{line}");
+        lock(&self.running).remove(&id);
+        self.wake.notify_one();
+    }
+
+    fn proto_job(&self, job: &Job, with_workflow: bool) -> Result<pb::Job, StoreError> {
+        let last = self.store.last_metrics(job.id)?;
+        let cancel_requested = lock(&self.running)
+            .get(&job.id)
+            .is_some_and(|c| c.cancel.load(Ordering::SeqCst));
+        Ok(pb::Job {
+            id: job.id,
+            name: job.name.clone(),
+            state: proto_state(job.state) as i32,
+            error: job.error.clone().unwrap_or_default(),
+            created_ms: job.created_ms,
+            updated_ms: job.updated_ms,
+            stages_completed: job.progress.completed.clone(),
+            checkpoint_stage: job.progress.stage.clone().unwrap_or_default(),
+            checkpoint_step: job.progress.step,
+            checkpoint: job.progress.checkpoint.clone().unwrap_or_default(),
+            weight_version: job.progress.weight_version,
+            stage: last
+                .as_ref()
+                .and_then(|r| r.get("stage")?.as_str().map(str::to_string))
+                .unwrap_or_default(),
+            step: last
+                .as_ref()
+                .and_then(|r| r.get("step")?.as_u64())
+                .unwrap_or(0),
+            run_dir: self.run_dir(job.id).display().to_string(),
+            workflow_json: if with_workflow {
+                job.spec.to_string()
+            } else {
+                String::new()
+            },
+            cancel_requested,
+        })
+    }
+
+    fn job(&self, id: u64) -> Result<Job, Status> {
+        self.store.job(id).map_err(status)
+    }
+}
+
+/// Starts queued jobs whenever something may have freed a slot or queued a job.
+async fn schedule(jobs: Arc<Jobs>) {
+    while !jobs.stopping.load(Ordering::SeqCst) {
+        if let Err(e) = jobs.start_pending() {
+            tracing::error!("cannot start queued jobs: {e}");
+        }
+        tokio::select! {
+            _ = jobs.wake.notified() => {}
+            _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+        }
+    }
+}
+
+fn state_name(s: JobState) -> &'static str {
+    match s {
+        JobState::Pending => "pending",
+        JobState::Running => "running",
+        JobState::Succeeded => "succeeded",
+        JobState::Failed => "failed",
+        JobState::Cancelled => "cancelled",
+    }
+}
+
+fn proto_state(s: JobState) -> pb::JobState {
+    match s {
+        JobState::Pending => pb::JobState::Pending,
+        JobState::Running => pb::JobState::Running,
+        JobState::Succeeded => pb::JobState::Succeeded,
+        JobState::Failed => pb::JobState::Failed,
+        JobState::Cancelled => pb::JobState::Cancelled,
+    }
+}
+
+fn status(e: StoreError) -> Status {
+    match e {
+        StoreError::NoJob { id, .. } => Status::not_found(format!("no job {id}")),
+        e => Status::internal(e.to_string()),
+    }
+}
+
+/// A stored metric row on the wire: `stage`, `step`, and the numeric values.
+pub fn metric_row(row: u64, v: &serde_json::Value) -> pb::MetricRow {
+    let mut out = pb::MetricRow {
+        row,
+        ..Default::default()
+    };
+    if let Some(obj) = v.as_object() {
+        for (k, v) in obj {
+            match (k.as_str(), v) {
+                ("stage", v) => out.stage = v.as_str().unwrap_or_default().to_string(),
+                ("step", v) => out.step = v.as_u64().unwrap_or(0),
+                (k, v) => {
+                    if let Some(x) = v.as_f64() {
+                        out.values.insert(k.to_string(), x);
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+/// The `JobService` implementation.
+struct Api(Arc<Jobs>);
+
+type Watch = ReceiverStream<Result<pb::JobEvent, Status>>;
+
+#[tonic::async_trait]
+impl JobService for Api {
+    async fn submit_job(
+        &self,
+        request: Request<pb::SubmitJobRequest>,
+    ) -> Result<Response<pb::SubmitJobReply>, Status> {
+        let r = request.into_inner();
+        if self.0.stopping.load(Ordering::SeqCst) {
+            return Err(Status::unavailable("the server is stopping"));
+        }
+        let name = if r.file_name.is_empty() {
+            "workflow.yaml".to_string()
+        } else {
+            r.file_name
+        };
+        let origin = if r.base_dir.is_empty() {
+            PathBuf::from(name)
+        } else {
+            Path::new(&r.base_dir).join(name)
+        };
+        // Validation may read datasets and checkpoints' config.json: off the async threads.
+        let wf = tokio::task::spawn_blocking(move || {
+            crate::workflow::parse(
+                &r.workflow_yaml,
+                &origin.display().to_string(),
+                &r.overrides,
+            )
+        })
+        .await
+        .map_err(|e| Status::internal(e.to_string()))?
+        .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let spec = serde_json::to_value(&wf).map_err(|e| Status::internal(e.to_string()))?;
+        let store = &self.0.store;
+        let id = store
+            .create_job(&wf.name, spec, JobState::Pending)
+            .map_err(status)?;
+        let job = store.job(id).map_err(status)?;
+        self.0.wake.notify_one();
+        tracing::info!(job = id, name = %wf.name, "job submitted");
+        Ok(Response::new(pb::SubmitJobReply {
+            job_id: id,
+            job: Some(self.0.proto_job(&job, true).map_err(status)?),
+        }))
+    }
+
+    async fn get_job(
+        &self,
+        request: Request<pb::GetJobRequest>,
+    ) -> Result<Response<pb::Job>, Status> {
+        let job = self.0.job(request.into_inner().job_id)?;
+        Ok(Response::new(self.0.proto_job(&job, true).map_err(status)?))
+    }
+
+    async fn list_jobs(
+        &self,
+        _: Request<pb::ListJobsRequest>,
+    ) -> Result<Response<pb::ListJobsReply>, Status> {
+        let jobs = self.0.store.jobs().map_err(status)?;
+        let jobs = jobs
+            .iter()
+            .map(|j| self.0.proto_job(j, false))
+            .collect::<Result<_, _>>()
+            .map_err(status)?;
+        Ok(Response::new(pb::ListJobsReply { jobs }))
+    }
+
+    async fn cancel_job(
+        &self,
+        request: Request<pb::CancelJobRequest>,
+    ) -> Result<Response<pb::Job>, Status> {
+        let id = request.into_inner().job_id;
+        {
+            let running = lock(&self.0.running);
+            let job = self.0.job(id)?;
+            if let Some(control) = running.get(&id) {
+                control.cancel.store(true, Ordering::SeqCst);
+                control.stop.store(true, Ordering::SeqCst);
+                drop(running);
+                self.0
+                    .store
+                    .append_log(id, "cancel requested: stopping after the current step")
+                    .map_err(status)?;
+            } else if job.state == JobState::Pending {
+                self.0
+                    .store
+                    .set_state(
+                        id,
+                        JobState::Cancelled,
+                        Some("cancelled before it ran".into()),
+                    )
+                    .map_err(status)?;
+            } else {
+                return Err(Status::failed_precondition(format!(
+                    "job {id} is {}: only a pending or running job can be cancelled",
+                    state_name(job.state)
+                )));
+            }
+        }
+        let job = self.0.job(id)?;
+        Ok(Response::new(
+            self.0.proto_job(&job, false).map_err(status)?,
+        ))
+    }
+
+    async fn resume_job(
+        &self,
+        request: Request<pb::ResumeJobRequest>,
+    ) -> Result<Response<pb::Job>, Status> {
+        let id = request.into_inner().job_id;
+        {
+            let running = lock(&self.0.running);
+            let job = self.0.job(id)?;
+            match job.state {
+                JobState::Failed | JobState::Cancelled if !running.contains_key(&id) => {
+                    self.0
+                        .store
+                        .set_state(id, JobState::Pending, None)
+                        .map_err(status)?;
+                    self.0
+                        .store
+                        .append_log(id, "resumed: continuing from the last checkpoint")
+                        .map_err(status)?;
+                }
+                JobState::Succeeded => {
+                    return Err(Status::failed_precondition(format!(
+                        "job {id} has finished: nothing to resume"
+                    )));
+                }
+                s => {
+                    return Err(Status::failed_precondition(format!(
+                        "job {id} is {}: only a failed or cancelled job can be resumed",
+                        if running.contains_key(&id) {
+                            "still running"
+                        } else {
+                            state_name(s)
+                        }
+                    )));
+                }
+            }
+        }
+        self.0.wake.notify_one();
+        let job = self.0.job(id)?;
+        Ok(Response::new(
+            self.0.proto_job(&job, false).map_err(status)?,
+        ))
+    }
+
+    type WatchJobStream = Watch;
+
+    async fn watch_job(
+        &self,
+        request: Request<pb::WatchJobRequest>,
+    ) -> Result<Response<Watch>, Status> {
+        let r = request.into_inner();
+        self.0.job(r.job_id)?;
+        let (tx, rx) = mpsc::channel(256);
+        tokio::spawn(watch(self.0.clone(), r, tx));
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+
+    async fn get_metrics(
+        &self,
+        request: Request<pb::GetMetricsRequest>,
+    ) -> Result<Response<pb::GetMetricsReply>, Status> {
+        let r = request.into_inner();
+        self.0.job(r.job_id)?;
+        let rows = self.0.store.metrics(r.job_id, r.from_row).map_err(status)?;
+        Ok(Response::new(pb::GetMetricsReply {
+            rows: rows.iter().map(|(i, v)| metric_row(*i, v)).collect(),
+        }))
+    }
+}
+
+/// Sends job `r.job_id`'s events to `tx` until the job ends or the watcher goes away.
+async fn watch(
+    jobs: Arc<Jobs>,
+    r: pb::WatchJobRequest,
+    tx: mpsc::Sender<Result<pb::JobEvent, Status>>,
+) {
+    use pb::job_event::Event;
+    let (id, mut row, mut line) = (r.job_id, r.from_row, r.from_line);
+    let mut changes = jobs.store.subscribe();
+    let mut last_sent = None;
+    loop {
+        changes.borrow_and_update();
+        // The state is read first: once it is final, every row and line was written before it.
+        let round = (|| {
+            let job = jobs.store.job(id)?;
+            // A job's last write is its final state, after its last row and line.
+            let done = matches!(
+                job.state,
+                JobState::Succeeded | JobState::Failed | JobState::Cancelled
+            );
+            let mut events = Vec::new();
+            for (i, v) in jobs.store.metrics(id, row)? {
+                row = i + 1;
+                events.push(Event::Metrics(metric_row(i, &v)));
+            }
+            for (i, l) in jobs.store.logs(id, line)? {
+                line = i + 1;
+                events.push(Event::Log(pb::LogLine {
+                    line: i,
+                    time_ms: l.time_ms,
+                    text: l.text,
+                }));
+            }
+            let p = jobs.proto_job(&job, false)?;
+            let key = (
+                p.state,
+                p.error.clone(),
+                p.checkpoint.clone(),
+                p.cancel_requested,
+            );
+            if last_sent.as_ref() != Some(&key) {
+                last_sent = Some(key);
+                events.push(Event::Job(p));
+            }
+            Ok::<_, StoreError>((events, done))
+        })();
+        let (events, done) = match round {
+            Ok(x) => x,
+            Err(e) => {
+                let _ = tx.send(Err(status(e))).await;
+                return;
+            }
+        };
+        for e in events {
+            if tx.send(Ok(pb::JobEvent { event: Some(e) })).await.is_err() {
+                return;
+            }
+        }
+        if done {
+            return;
+        }
+        tokio::select! {
+            _ = changes.changed() => {}
+            _ = tokio::time::sleep(Duration::from_secs(2)) => {}
+            _ = tx.closed() => return,
+        }
+    }
+}
