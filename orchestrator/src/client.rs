@@ -71,12 +71,18 @@ pub async fn connect(opts: &ClientOptions) -> Result<Client, ClientError> {
         let mut msg = e.to_string();
         let mut source = std::error::Error::source(&e);
         while let Some(s) = source {
-            msg = format!("{msg}: {s}");
+            let text = s.to_string();
+            if !msg.contains(&text) {
+                msg = format!("{msg}: {text}");
+            }
             source = s.source();
         }
-        err(format!(
-            "cannot connect ({msg}); is `trellis serve` running there?"
-        ))
+        let hint = if msg.contains("UnknownIssuer") {
+            "; pass --tls-ca CERT to trust a certificate no public CA signed"
+        } else {
+            "; is `trellis serve` running there?"
+        };
+        err(format!("cannot connect ({msg}){hint}"))
     })?;
     let auth = Auth(opts.token.as_ref().map(Token::bearer));
     Ok(JobServiceClient::with_interceptor(channel, auth).max_decoding_message_size(64 << 20))

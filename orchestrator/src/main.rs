@@ -250,13 +250,27 @@ impl ServerArgs {
 
 type Client = orchestrator::client::Client;
 
-/// A failed call, with the server's message (the status code only when the message is empty).
+/// A failed call, with the server's message (the status code only when the message is empty),
+/// and the transport's causes when the call never reached the server.
 fn call_error(s: tonic::Status) -> anyhow::Error {
-    if s.message().is_empty() {
-        anyhow::anyhow!("the server answered {:?}", s.code())
+    let mut msg = if s.message().is_empty() {
+        format!("the server answered {:?}", s.code())
     } else {
-        anyhow::anyhow!("{}", s.message())
+        s.message().to_string()
+    };
+    let mut source = std::error::Error::source(&s);
+    let transport = source.is_some();
+    while let Some(e) = source {
+        let text = e.to_string();
+        if !msg.contains(&text) {
+            msg = format!("{msg}: {text}");
+        }
+        source = e.source();
     }
+    if transport {
+        msg.push_str(" (is the URL's scheme, http:// or https://, the one the server serves?)");
+    }
+    anyhow::anyhow!("{msg}")
 }
 
 impl ClusterArgs {

@@ -350,7 +350,12 @@ pub fn run_job(
     )?);
     if wf.pools.rollout.placement != "local" {
         // Always said: where the engines run is the first thing to check on a cluster.
-        eprintln!("rollout pool: {}", engine.locations().join(", "));
+        let line = format!("rollout pool: {}", engine.locations().join(", "));
+        if opts.log_to_store {
+            store.append_log(job, &line)?;
+        } else {
+            eprintln!("{line}");
+        }
     }
     let wants_chat = wf
         .stages

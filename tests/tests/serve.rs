@@ -1,0 +1,547 @@
+//! `trellis serve` and its clients, with real processes on loopback: the CLI and a Python client
+//! submit and watch jobs that run on an agent's pool; a running job is cancelled and resumed; a
+//! server killed with -9 mid-job is restarted and finishes it with every step recorded once;
+//! calls without the token are refused off loopback; TLS; health and reflection answer; 50
+//! concurrent submissions all finish.
+
+use serde_json::Value;
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+use trellis_tests::{run_ok, trellis};
+
+fn recipe() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data/tiny-arith.yaml")
+}
+
+fn tls_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data/tls")
+}
+
+fn scratch(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("trellis-serve-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// A child process killed (-9) when dropped.
+struct Killed(Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A running `trellis serve`.
+struct Server {
+    process: Killed,
+    /// `http://127.0.0.1:PORT` (or https://localhost:PORT with TLS).
+    url: String,
+    data: PathBuf,
+}
+
+impl Server {
+    fn start(data: &Path, extra: &[&str]) -> Server {
+        let mut child = trellis()
+            .args(["--log", "warn", "serve", "--listen", "127.0.0.1:0"])
+            .arg("--data-dir")
+            .arg(data)
+            .args(["--agent-wait", "60"])
+            .args(extra)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("start trellis serve");
+        let out = child.stdout.take().unwrap();
+        let mut line = String::new();
+        BufReader::new(out)
+            .read_line(&mut line)
+            .expect("trellis serve says where it listens");
+        let url = line
+            .trim()
+            .strip_prefix("listening on ")
+            .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
+            .to_string();
+        Server {
+            process: Killed(child),
+            url,
+            data: data.to_path_buf(),
+        }
+    }
+
+    fn port(&self) -> &str {
+        self.url.rsplit(':').next().unwrap()
+    }
+
+    /// `trellis ARGS --server URL`.
+    fn cli(&self, args: &[&str]) -> Command {
+        let mut c = trellis();
+        c.args(args).args(["--server", &self.url]);
+        c
+    }
+
+    fn job(&self, id: u64) -> Value {
+        let out = run_ok(&mut self.cli(&["status", &id.to_string(), "--json"]));
+        serde_json::from_slice(&out.stdout).unwrap()
+    }
+
+    /// Waits until job `id` satisfies `done`.
+    fn wait_for(&self, id: u64, what: &str, done: impl Fn(&Value) -> bool) -> Value {
+        let t0 = Instant::now();
+        loop {
+            let j = self.job(id);
+            if done(&j) {
+                return j;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(180),
+                "job {id} never {what}: {j:#}"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Every metric row of job `id`, without timings.
+    fn metrics(&self, id: u64) -> Vec<Value> {
+        let out = run_ok(&mut self.cli(&["logs", &id.to_string(), "--metrics"]));
+        String::from_utf8(out.stdout)
+            .unwrap()
+            .lines()
+            .filter(|l| l.starts_with('{'))
+            .map(|l| without_timings(serde_json::from_str(l).unwrap()))
+            .collect()
+    }
+}
+
+fn without_timings(mut v: Value) -> Value {
+    v.as_object_mut()
+        .unwrap()
+        .retain(|k, _| !k.starts_with("timing_s/") && !k.starts_with("perf/"));
+    v
+}
+
+fn submit(server: &Server, overrides: &[&str]) -> u64 {
+    let mut c = server.cli(&["submit"]);
+    c.arg(recipe());
+    for o in overrides {
+        c.args(["-o", o]);
+    }
+    let out = run_ok(&mut c);
+    String::from_utf8(out.stdout)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+fn agent(server: &Server, name: &str) -> Killed {
+    Killed(
+        trellis()
+            .args(["--log", "warn", "agent", "--head", &server.url])
+            .args(["--resources", "cpu=2", "--name", name])
+            .arg("--token-file")
+            .arg(server.data.join("token"))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start trellis agent"),
+    )
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+#[test]
+fn jobs_from_the_cli_run_on_an_agent_and_can_be_cancelled_and_resumed() {
+    let dir = scratch("cli");
+    let server = Server::start(&dir.join("data"), &[]);
+    let _agent = agent(&server, "a1");
+    let short = [
+        "stages.rl.trainer.steps=4",
+        "pools.rollout.placement=spread",
+    ];
+
+    // Submit and follow to the end: the job's engine runs on the agent.
+    let mut c = server.cli(&["submit", "-f"]);
+    c.arg(recipe());
+    for o in short {
+        c.args(["-o", o]);
+    }
+    let out = run_ok(&mut c);
+    let log = text(&out);
+    assert!(log.contains("rollout pool: a1"), "{log}");
+    assert!(log.contains("job 1 succeeded"), "{log}");
+    let j = server.job(1);
+    assert_eq!(j["state"], "succeeded", "{j:#}");
+    assert_eq!(
+        j["stages_completed"],
+        serde_json::json!(["warmup", "rl", "final-eval"])
+    );
+    assert!(j["workflow"]["name"] == "tiny-arith", "{j:#}");
+
+    // The server's job computes what `trellis train` computes in one process.
+    let local = dir.join("local");
+    let mut t = trellis();
+    t.arg("train")
+        .arg(recipe())
+        .arg("--quiet")
+        .arg("--run-dir")
+        .arg(&local);
+    t.args(["-o", short[0]]);
+    run_ok(&mut t);
+    let local_rows: Vec<Value> = std::fs::read_to_string(local.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| without_timings(serde_json::from_str(l).unwrap()))
+        .collect();
+    assert_eq!(server.metrics(1), local_rows);
+
+    // A workflow that does not validate is refused with where and why; nothing is queued.
+    let bad = dir.join("bad.yaml");
+    std::fs::write(
+        &bad,
+        "name: bad\nmodel: {init: {hidden_size: 8}, tokenizer: builtin:arith}\nstages:\n  - id: a\n    kind: sft\n    trainer: {stepz: 3}\n",
+    )
+    .unwrap();
+    let out = server.cli(&["submit"]).arg(&bad).output().unwrap();
+    assert!(!out.status.success());
+    let msg = text(&out);
+    assert!(
+        msg.contains("bad.yaml:6:") && msg.contains("steps"),
+        "{msg}"
+    );
+    let jobs = run_ok(&mut server.cli(&["jobs", "--json"]));
+    assert_eq!(String::from_utf8_lossy(&jobs.stdout).lines().count(), 1);
+
+    // Cancel a running job: it checkpoints its step and ends cancelled; resume finishes it.
+    let id = submit(
+        &server,
+        &[
+            "stages.rl.trainer.steps=100",
+            "pools.rollout.placement=spread",
+        ],
+    );
+    server.wait_for(id, "reached RL", |j| {
+        j["stage"] == "rl" && j["step"].as_u64() >= Some(2)
+    });
+    let out = run_ok(&mut server.cli(&["cancel", &id.to_string()]));
+    assert!(text(&out).contains("stops after its current step"));
+    let j = server.wait_for(id, "was cancelled", |j| j["state"] == "cancelled");
+    assert_eq!(j["checkpoint_stage"], "rl", "{j:#}");
+    let at = j["checkpoint_step"].as_u64().unwrap();
+    assert!((2..100).contains(&at), "{j:#}");
+    let out = server.cli(&["cancel", &id.to_string()]).output().unwrap();
+    assert!(
+        !out.status.success() && text(&out).contains("only a pending or running job"),
+        "{}",
+        text(&out)
+    );
+    run_ok(&mut server.cli(&["resume", &id.to_string()]));
+    let out = run_ok(&mut server.cli(&["logs", "-f", &id.to_string()]));
+    assert!(text(&out).contains(&format!("job {id} succeeded")));
+    let rows = server.metrics(id);
+    let rl: Vec<u64> = rows
+        .iter()
+        .filter(|r| r["stage"] == "rl")
+        .map(|r| r["step"].as_u64().unwrap())
+        .collect();
+    assert_eq!(rl, (1..=100).collect::<Vec<_>>(), "every RL step once");
+    drop(server);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_server_killed_mid_job_finishes_it_after_a_restart_losing_nothing() {
+    let dir = scratch("kill");
+    let data = dir.join("data");
+    let server = Server::start(&data, &[]);
+    let id = submit(
+        &server,
+        &[
+            "stages.rl.trainer.steps=60",
+            "stages.rl.trainer.save_freq=5",
+        ],
+    );
+    server.wait_for(id, "checkpointed in RL", |j| {
+        j["checkpoint_stage"] == "rl" && j["checkpoint_step"].as_u64() >= Some(5)
+    });
+    let before = server.metrics(id);
+    let Server { mut process, .. } = server;
+    process.0.kill().unwrap();
+    process.0.wait().unwrap();
+
+    let server = Server::start(&data, &[]);
+    let out = run_ok(&mut server.cli(&["logs", "-f", &id.to_string()]));
+    let log = text(&out);
+    assert!(
+        log.contains("the server stopped while this job ran"),
+        "{log}"
+    );
+    let after = server.metrics(id);
+    let steps = |stage: &str| -> Vec<u64> {
+        after
+            .iter()
+            .filter(|r| r["stage"] == stage)
+            .map(|r| r["step"].as_u64().unwrap())
+            .collect()
+    };
+    assert_eq!(steps("warmup"), (1..=30).collect::<Vec<_>>());
+    assert_eq!(
+        steps("rl"),
+        (1..=60).collect::<Vec<_>>(),
+        "none lost or doubled"
+    );
+    assert_eq!(steps("final-eval"), vec![0]);
+    // Every row written before the kill is there, unchanged (steps after the checkpoint were run
+    // again and gave the same numbers: a run is a pure function of its seed).
+    for row in &before {
+        assert!(after.contains(row), "lost or changed: {row}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn off_loopback_calls_need_the_token_and_tls_health_and_reflection_work() {
+    let dir = scratch("auth");
+    let data = dir.join("data");
+    // Every interface, so the token is required; the test still only talks to 127.0.0.1.
+    let mut child = trellis()
+        .args(["--log", "warn", "serve", "--listen", "0.0.0.0:0"])
+        .arg("--data-dir")
+        .arg(&data)
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let _server = Killed(child);
+    let port = line.trim().rsplit(':').next().unwrap().to_string();
+    let url = format!("http://127.0.0.1:{port}");
+    let token = data.join("token");
+    let mode = std::fs::metadata(&token).map(|m| {
+        use std::os::unix::fs::PermissionsExt;
+        m.permissions().mode() & 0o777
+    });
+    assert_eq!(mode.unwrap(), 0o600, "the token is for its owner only");
+    let out = trellis()
+        .args(["jobs", "--server", &url])
+        .env_remove("TRELLIS_TOKEN_FILE")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        text(&out).contains("missing cluster token"),
+        "{}",
+        text(&out)
+    );
+    let wrong = dir.join("wrong-token");
+    std::fs::write(&wrong, "0123456789abcdef0123456789abcdef\n").unwrap();
+    let out = trellis()
+        .args(["jobs", "--server", &url, "--token-file"])
+        .arg(&wrong)
+        .output()
+        .unwrap();
+    assert!(text(&out).contains("wrong cluster token"), "{}", text(&out));
+    run_ok(
+        trellis()
+            .args(["jobs", "--server", &url, "--token-file"])
+            .arg(&token),
+    );
+
+    // Standard gRPC tooling: the health service and reflection answer without a token.
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let channel = tonic::transport::Endpoint::from_shared(url.clone())
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+        let mut health = tonic_health::pb::health_client::HealthClient::new(channel.clone());
+        let r = health
+            .check(tonic_health::pb::HealthCheckRequest {
+                service: "trellis.v1.JobService".into(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(
+            r.status,
+            tonic_health::pb::health_check_response::ServingStatus::Serving as i32
+        );
+        use tonic_reflection::pb::v1::ServerReflectionRequest;
+        use tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient;
+        use tonic_reflection::pb::v1::server_reflection_request::MessageRequest;
+        use tonic_reflection::pb::v1::server_reflection_response::MessageResponse;
+        let mut reflection = ServerReflectionClient::new(channel);
+        let request = ServerReflectionRequest {
+            host: String::new(),
+            message_request: Some(MessageRequest::ListServices(String::new())),
+        };
+        let mut replies = reflection
+            .server_reflection_info(tokio_stream::once(request))
+            .await
+            .unwrap()
+            .into_inner();
+        let reply = replies.message().await.unwrap().unwrap();
+        let Some(MessageResponse::ListServicesResponse(list)) = reply.message_response else {
+            panic!("not a service list: {reply:?}");
+        };
+        let names: Vec<String> = list.service.into_iter().map(|s| s.name).collect();
+        for want in ["trellis.v1.JobService", "trellis.v1.Head"] {
+            assert!(names.iter().any(|n| n == want), "{names:?}");
+        }
+    });
+
+    // TLS: a client trusting the certificate gets through; one that does not is told why.
+    let tls = Server::start(
+        &dir.join("tls-data"),
+        &[
+            "--tls-cert",
+            tls_dir().join("cert.pem").to_str().unwrap(),
+            "--tls-key",
+            tls_dir().join("key.pem").to_str().unwrap(),
+        ],
+    );
+    assert!(tls.url.starts_with("https://"), "{}", tls.url);
+    let https = format!("https://localhost:{}", tls.port());
+    let out = trellis()
+        .args(["jobs", "--server", &https])
+        .env_remove("TRELLIS_TLS_CA")
+        .output()
+        .unwrap();
+    assert!(
+        !out.status.success() && text(&out).contains("--tls-ca"),
+        "{}",
+        text(&out)
+    );
+    run_ok(
+        trellis()
+            .args(["jobs", "--server", &https, "--tls-ca"])
+            .arg(tls_dir().join("cert.pem")),
+    );
+    drop(tls);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn fifty_concurrent_submissions_all_get_ids_and_all_finish() {
+    let dir = scratch("fifty");
+    let server = Server::start(&dir.join("data"), &["--max-running", "2"]);
+    let tiny = dir.join("tiny.yaml");
+    std::fs::write(
+        &tiny,
+        "name: tiny\nseed: 1\nmodel:\n  init: {arch: qwen2, hidden_size: 16, num_hidden_layers: 1, num_attention_heads: 2, intermediate_size: 32, max_position_embeddings: 32}\n  tokenizer: builtin:arith\nstages:\n  - id: warmup\n    kind: sft\n    data: {task: arith, digits: 1, ops: \"+\", eval_size: 4}\n    sft: {batch_size: 4}\n    trainer: {steps: 2}\n",
+    )
+    .unwrap();
+    let ids: Vec<u64> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..50)
+            .map(|_| {
+                s.spawn(|| {
+                    let out = run_ok(server.cli(&["submit"]).arg(&tiny));
+                    String::from_utf8(out.stdout)
+                        .unwrap()
+                        .trim()
+                        .parse::<u64>()
+                        .unwrap()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let mut sorted = ids.clone();
+    sorted.sort_unstable();
+    assert_eq!(
+        sorted,
+        (1..=50).collect::<Vec<_>>(),
+        "one id each, none lost"
+    );
+    let t0 = Instant::now();
+    loop {
+        let out = run_ok(&mut server.cli(&["jobs", "--json"]));
+        let jobs: Vec<Value> = String::from_utf8(out.stdout)
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        assert_eq!(jobs.len(), 50);
+        assert!(
+            jobs.iter().all(|j| j["state"] != "failed"),
+            "{:#}",
+            Value::Array(jobs.clone())
+        );
+        if jobs.iter().all(|j| j["state"] == "succeeded") {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(300),
+            "jobs never finished"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    drop(server);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The Python interpreter with grpcio: `TRELLIS_PYTHON`, or the venv `.ci/run` makes
+/// (`target/pyenv`). `None` (the test is skipped, loudly) unless `TRELLIS_REQUIRE_PYTHON` is set,
+/// as CI sets it.
+fn python() -> Option<PathBuf> {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    let candidates = [
+        std::env::var_os("TRELLIS_PYTHON").map(PathBuf::from),
+        Some(root.join("target/pyenv/bin/python")),
+    ];
+    for p in candidates.into_iter().flatten() {
+        let ok = Command::new(&p)
+            .args(["-c", "import grpc, grpc_tools"])
+            .output()
+            .is_ok_and(|o| o.status.success());
+        if ok {
+            return Some(p);
+        }
+    }
+    assert!(
+        std::env::var_os("TRELLIS_REQUIRE_PYTHON").is_none(),
+        "no Python with grpcio: run `python3 -m venv target/pyenv && target/pyenv/bin/pip install -r examples/python/requirements.txt`"
+    );
+    eprintln!(
+        "\n*** SKIPPED the Python client test: no Python with grpcio (see examples/python/README.md) ***\n"
+    );
+    None
+}
+
+#[test]
+fn a_python_grpcio_client_submits_and_watches_a_job() {
+    let Some(python) = python() else { return };
+    let dir = scratch("python");
+    let server = Server::start(&dir.join("data"), &[]);
+    let client =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../examples/python/trellis_client.py");
+    let out = Command::new(python)
+        .arg(&client)
+        .args(["--server", &format!("127.0.0.1:{}", server.port())])
+        .arg("submit")
+        .arg(recipe())
+        .args(["-o", "stages.rl.trainer.steps=2", "--watch"])
+        .output()
+        .unwrap();
+    let log = text(&out);
+    assert!(out.status.success(), "{log}");
+    assert!(log.contains("submitted job 1"), "{log}");
+    assert!(log.contains("metrics rl step 2"), "{log}");
+    assert!(log.contains("job 1: succeeded"), "{log}");
+    assert_eq!(server.job(1)["state"], "succeeded");
+    let _ = std::fs::remove_dir_all(&dir);
+}
