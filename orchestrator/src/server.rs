@@ -692,3 +692,51 @@ async fn watch(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tonic::service::Interceptor;
+
+    #[test]
+    fn metric_rows_keep_stage_step_and_numbers() {
+        let v = serde_json::json!({"stage": "rl", "step": 3, "critic/score/mean": 0.5,
+            "eval/accuracy": 1, "note": "text"});
+        let m = metric_row(7, &v);
+        assert_eq!((m.row, m.stage.as_str(), m.step), (7, "rl", 3));
+        assert_eq!(m.values.len(), 2, "{m:?}");
+        assert_eq!(m.values["eval/accuracy"], 1.0);
+    }
+
+    #[test]
+    fn only_loopback_listeners_may_skip_the_token() {
+        for (addr, required) in [
+            ("127.0.0.1:7070", false),
+            ("[::1]:7070", false),
+            ("0.0.0.0:7070", true),
+            ("10.1.2.3:7070", true),
+        ] {
+            let a: SocketAddr = addr.parse().unwrap();
+            assert_eq!(token_required(&a), required, "{addr}");
+        }
+    }
+
+    #[test]
+    fn the_data_dir_token_is_made_once_for_its_owner_only() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = std::env::temp_dir().join(format!("trellis-token-dd-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let a = data_dir_token(&dir).unwrap();
+        let b = data_dir_token(&dir).unwrap();
+        // The second read is the same token: b's bearer passes a's guard.
+        let signed = b.bearer().call(Request::new(())).unwrap();
+        assert!(a.guard().call(signed).is_ok());
+        let mode = std::fs::metadata(dir.join("token"))
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o600);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

@@ -272,6 +272,18 @@ fn a_server_killed_mid_job_finishes_it_after_a_restart_losing_nothing() {
             "stages.rl.trainer.save_freq=5",
         ],
     );
+    // SIGTERM: the job checkpoints its current step and waits in the queue for the next start.
+    server.wait_for(id, "started", |j| j["state"] == "running");
+    let Server { mut process, .. } = server;
+    // SAFETY: signalling a child process we own.
+    unsafe { libc::kill(process.0.id() as i32, libc::SIGTERM) };
+    let status = process.0.wait().unwrap();
+    assert!(
+        status.success(),
+        "a stopped server exits cleanly: {status:?}"
+    );
+
+    let server = Server::start(&data, &[]);
     server.wait_for(id, "checkpointed in RL", |j| {
         j["checkpoint_stage"] == "rl" && j["checkpoint_step"].as_u64() >= Some(5)
     });
@@ -343,6 +355,20 @@ fn off_loopback_calls_need_the_token_and_tls_health_and_reflection_work() {
     assert!(!out.status.success());
     assert!(
         text(&out).contains("missing cluster token"),
+        "{}",
+        text(&out)
+    );
+    // Requests are bounded.
+    let big = dir.join("big.yaml");
+    std::fs::write(&big, format!("name: big\n# {}\n", "x".repeat(2 << 20))).unwrap();
+    let out = trellis()
+        .args(["submit", "--server", &url, "--token-file"])
+        .arg(&token)
+        .arg(&big)
+        .output()
+        .unwrap();
+    assert!(
+        !out.status.success() && text(&out).contains("too large"),
         "{}",
         text(&out)
     );
