@@ -344,9 +344,12 @@ pub async fn run(
     let advertise = match &options.advertise {
         Some(a) => a.clone(),
         None if bound.ip().is_unspecified() => {
-            return Err(AgentError::Config(format!(
-                "listening on {bound}: pass --advertise with the URL the head can reach this agent at"
-            )));
+            let ip = route_to(&options.head).await.map_err(|e| {
+                AgentError::Config(format!(
+                    "listening on {bound}: cannot tell which address the head reaches this agent at ({e}); pass --advertise URL"
+                ))
+            })?;
+            format!("http://{}", SocketAddr::new(ip, bound.port()))
         }
         None => format!("http://{bound}"),
     };
@@ -397,6 +400,32 @@ pub async fn run(
     }
     tracing::info!("agent stopped");
     result
+}
+
+/// This host's address on the route to the head at `url` (the source address the kernel picks
+/// for it): where the head can reach an agent listening on every interface.
+async fn route_to(url: &str) -> Result<std::net::IpAddr, String> {
+    let uri: tonic::codegen::http::Uri = url.parse().map_err(|e| format!("{url}: {e}"))?;
+    let host = uri.host().ok_or_else(|| format!("{url} names no host"))?;
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    let port = uri.port_u16().unwrap_or(80);
+    let head = tokio::net::lookup_host((host, port))
+        .await
+        .map_err(|e| format!("{host}: {e}"))?
+        .next()
+        .ok_or_else(|| format!("{host} resolves to no address"))?;
+    let any: SocketAddr = if head.is_ipv4() {
+        (std::net::Ipv4Addr::UNSPECIFIED, 0).into()
+    } else {
+        (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
+    };
+    // Connecting a UDP socket sends nothing: it only picks the route and source address.
+    let socket = std::net::UdpSocket::bind(any).map_err(|e| e.to_string())?;
+    socket.connect(head).map_err(|e| format!("{head}: {e}"))?;
+    socket
+        .local_addr()
+        .map(|a| a.ip())
+        .map_err(|e| e.to_string())
 }
 
 /// Registers, heartbeats, and registers again when the head forgets this agent; returns only
@@ -460,7 +489,11 @@ async fn membership(
                 agent_id: reply.agent_id.clone(),
                 died: died.clone(),
             };
-            match head.heartbeat(beat).await {
+            // Bounded: a heartbeat lost on a dead link must not stall the next ones.
+            let reply = tokio::time::timeout(interval * 4, head.heartbeat(beat))
+                .await
+                .unwrap_or_else(|_| Err(tonic::Status::deadline_exceeded("no answer")));
+            match reply {
                 Ok(r) if r.get_ref().known => {}
                 Ok(_) => {
                     tracing::warn!(
@@ -469,6 +502,14 @@ async fn membership(
                     state.stop_all();
                     lock(&state.died).clear();
                     break;
+                }
+                // A head that no longer takes this agent's token (it was restarted with a new
+                // one) will never take it: stop, as a refused registration does.
+                Err(s) if s.code() == tonic::Code::Unauthenticated => {
+                    return Err(AgentError::Refused {
+                        head: options.head.clone(),
+                        message: s.message().to_string(),
+                    });
                 }
                 Err(s) => {
                     tracing::warn!("heartbeat failed: {}", s.message());

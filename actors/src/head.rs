@@ -78,9 +78,10 @@ struct Inner {
     membership: watch::Sender<u64>,
     deaths: Mutex<HashMap<String, oneshot::Sender<String>>>,
     next_agent: AtomicU64,
+    next_actor: AtomicU64,
     stop: watch::Sender<bool>,
     /// Tells this head's actor ids from those of an earlier head the same agents served (a
-    /// restarted server): a late death notice of an old actor never names a new one.
+    /// restarted server).
     epoch: String,
 }
 
@@ -151,6 +152,7 @@ impl Head {
             membership: watch::channel(0).0,
             deaths: Mutex::new(HashMap::new()),
             next_agent: AtomicU64::new(1),
+            next_actor: AtomicU64::new(1),
             stop,
             epoch: {
                 let ms = std::time::SystemTime::now()
@@ -314,6 +316,9 @@ impl Head {
         let head = self.clone();
         let actor_name = name.to_string();
         let mailbox = options.mailbox as u32;
+        // Ids name one incarnation of one spawn of one head: a late death notice of an actor of
+        // an earlier job (same name) or an earlier head never names this one.
+        let serial = self.inner.next_actor.fetch_add(1, Ordering::Relaxed);
         let starter: Starter<A> = Arc::new(move |n| {
             let (head, demand, config, name) = (
                 head.clone(),
@@ -330,7 +335,7 @@ impl Head {
                 let (remote, death) = head
                     .start_remote(
                         &agent,
-                        format!("{name}#{n}@{}", head.inner.epoch),
+                        format!("{name}#{n}@{}.{serial}", head.inner.epoch),
                         config,
                         mailbox,
                         demand,

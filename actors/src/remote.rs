@@ -59,6 +59,10 @@ pub(crate) fn endpoint(address: &str) -> Result<Endpoint, String> {
         .map_err(|e| format!("`{address}` is not a URL such as http://10.0.0.2:7171: {e}"))?
         .connect_timeout(Duration::from_secs(5))
         .tcp_nodelay(true)
+        // A connection whose peer vanished (a cut link sends no reset) is noticed and redialled.
+        .http2_keep_alive_interval(Duration::from_secs(2))
+        .keep_alive_timeout(Duration::from_secs(5))
+        .keep_alive_while_idle(true)
         .initial_stream_window_size(Some(32 << 20))
         .initial_connection_window_size(Some(64 << 20))
         .max_frame_size(MAX_FRAME))
@@ -231,7 +235,21 @@ impl AgentConn {
             .unwrap_or_else(|_| Err(lost("the connection to its agent is closed")))
     }
 
+    /// A failed push: the agent's refusal, or — when the connection itself broke (a cut link,
+    /// a killed agent) — the agent's loss, which callers treat like a call lost with its actor:
+    /// the actor restarts elsewhere with the current weights, and the push can be made again.
     fn refused(&self, actor_id: &str, status: &tonic::Status) -> ActorError {
+        let transport = std::error::Error::source(status).is_some()
+            || status.code() == tonic::Code::Unavailable;
+        if transport || self.closed.load(Ordering::SeqCst) {
+            return ActorError::Agent {
+                agent: self.name.clone(),
+                message: format!(
+                    "the connection broke during a weight push to `{actor_id}`: {}",
+                    status.message()
+                ),
+            };
+        }
         ActorError::Snapshot {
             actor: actor_id.to_string(),
             message: format!("agent `{}` refused it: {}", self.name, status.message()),

@@ -9,6 +9,7 @@
 
 pub mod chat;
 pub mod client;
+pub mod doctor;
 pub mod graph;
 pub mod plot;
 pub mod pool;

@@ -90,6 +90,47 @@ enum Command {
         /// Seconds a job waits for agents that can take its pools.
         #[arg(long, default_value_t = 120.0)]
         agent_wait: f64,
+        /// The token of the API and the cluster (default DATA_DIR/token); created, mode 0600,
+        /// when missing.
+        #[arg(long)]
+        token_file: Option<PathBuf>,
+    },
+    /// List the agents registered with a server.
+    Agents {
+        /// Print only how many there are.
+        #[arg(long)]
+        count: bool,
+        /// JSON lines instead of a table.
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        server: ServerArgs,
+        #[command(flatten)]
+        token: TokenArg,
+    },
+    /// Check this host before it joins a cluster: cores, memory, CPU features, /dev/shm, open
+    /// files, PJRT plugins, TPU/GPU devices, and the head (reachable, version, clock skew).
+    /// Exit status 1 when a check fails.
+    Doctor {
+        /// The head to check (its URL); without it the head is not checked.
+        #[arg(long)]
+        head: Option<String>,
+        /// File holding the head's token.
+        #[arg(long, env = "TRELLIS_TOKEN_FILE")]
+        token_file: Option<PathBuf>,
+        /// PEM certificate to trust for an https:// head.
+        #[arg(long, env = "TRELLIS_TLS_CA")]
+        tls_ca: Option<PathBuf>,
+        /// A PJRT plugin to probe, besides those found where pip installs them (repeatable).
+        #[arg(long)]
+        pjrt: Vec<PathBuf>,
+        /// What the agent will announce (as `trellis agent --resources`), checked against the
+        /// devices visible.
+        #[arg(long)]
+        resources: Option<String>,
+        /// One JSON object per check.
+        #[arg(long)]
+        json: bool,
     },
     /// Submit a workflow to a server; prints the job id.
     Submit {
@@ -588,6 +629,7 @@ fn run() -> Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_new(&cli.log)?)
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     kernels::threads::init(cli.threads);
     match cli.command {
@@ -703,12 +745,68 @@ fn run() -> Result<()> {
             tls_cert,
             tls_key,
             agent_wait,
+            token_file,
         } => serve(orchestrator::server::ServeOptions {
             listen,
             data_dir,
             max_running,
             tls: tls_cert.zip(tls_key),
             agent_wait: std::time::Duration::from_secs_f64(agent_wait.max(0.0)),
+            token_file,
+        }),
+        Command::Agents {
+            count,
+            json,
+            server,
+            token,
+        } => {
+            let (rt, mut c) = server.client(token.token_file.as_ref())?;
+            let info = rt
+                .block_on(c.get_cluster(proto::v1::GetClusterRequest {}))
+                .map_err(call_error)?
+                .into_inner();
+            if count {
+                println!("{}", info.agents.len());
+                return Ok(());
+            }
+            for a in &info.agents {
+                let r = a.resources.unwrap_or_default();
+                let mut labels: Vec<String> =
+                    a.labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
+                labels.sort();
+                if json {
+                    let v = serde_json::json!({"id": a.id, "name": a.name, "address": a.address,
+                        "cpu": r.cpu, "gpu": r.gpu, "tpu": r.tpu, "memory_bytes": r.memory_bytes,
+                        "labels": a.labels, "kinds": a.kinds});
+                    println!("{v}");
+                } else {
+                    println!(
+                        "{:<20} {:<28} cpu={} gpu={} tpu={}  {}",
+                        a.name,
+                        a.address,
+                        r.cpu,
+                        r.gpu,
+                        r.tpu,
+                        labels.join(",")
+                    );
+                }
+            }
+            Ok(())
+        }
+        Command::Doctor {
+            head,
+            token_file,
+            tls_ca,
+            pjrt,
+            resources,
+            json,
+        } => doctor(DoctorArgs {
+            head,
+            token_file,
+            tls_ca,
+            pjrt,
+            resources,
+            json,
         }),
         Command::Submit {
             file,
@@ -970,6 +1068,69 @@ fn agent(a: AgentArgs) -> Result<()> {
         wire: actors::Wire::default(),
     };
     runtime()?.block_on(actors::agent::run(options, terminated()))?;
+    Ok(())
+}
+
+struct DoctorArgs {
+    head: Option<String>,
+    token_file: Option<PathBuf>,
+    tls_ca: Option<PathBuf>,
+    pjrt: Vec<PathBuf>,
+    resources: Option<String>,
+    json: bool,
+}
+
+fn doctor(a: DoctorArgs) -> Result<()> {
+    use orchestrator::doctor::Level;
+    let head = match a.head {
+        Some(server) => Some(orchestrator::client::ClientOptions {
+            server,
+            token: a
+                .token_file
+                .as_deref()
+                .map(actors::Token::read)
+                .transpose()?,
+            tls_ca: match &a.tls_ca {
+                Some(p) => {
+                    Some(std::fs::read(p).with_context(|| format!("--tls-ca {}", p.display()))?)
+                }
+                None => None,
+            },
+        }),
+        None => None,
+    };
+    let resources = match &a.resources {
+        Some(r) => {
+            Some(actors::Resources::parse(r).map_err(|e| anyhow::anyhow!("--resources {r}: {e}"))?)
+        }
+        None => None,
+    };
+    let opts = orchestrator::doctor::DoctorOptions {
+        head,
+        pjrt: a.pjrt,
+        resources,
+    };
+    let checks = runtime()?.block_on(orchestrator::doctor::run(&opts));
+    for c in &checks {
+        if a.json {
+            println!("{}", serde_json::to_string(c)?);
+            continue;
+        }
+        let tag = match c.level {
+            Level::Ok => "ok",
+            Level::Info => "info",
+            Level::Warn => "WARN",
+            Level::Fail => "FAIL",
+        };
+        println!("{tag:<5} {:<14} {}", c.name, c.detail);
+        if let Some(fix) = &c.fix {
+            println!("{:<20} fix: {fix}", "");
+        }
+    }
+    let failed = checks.iter().filter(|c| c.level == Level::Fail).count();
+    if failed > 0 {
+        bail!("{failed} check(s) failed");
+    }
     Ok(())
 }
 

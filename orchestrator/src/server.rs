@@ -52,6 +52,8 @@ pub struct ServeOptions {
     pub tls: Option<(PathBuf, PathBuf)>,
     /// How long a job waits for agents that can take its pools.
     pub agent_wait: Duration,
+    /// The token file (default `DATA_DIR/token`); created, mode 0600, when missing.
+    pub token_file: Option<PathBuf>,
 }
 
 /// Why a server could not start or stopped with an error.
@@ -83,9 +85,9 @@ pub fn token_required(listen: &SocketAddr) -> bool {
     !listen.ip().is_loopback()
 }
 
-/// Reads the token of `data_dir`, creating it (mode 0600) when absent.
-pub fn data_dir_token(data_dir: &Path) -> Result<Token, ServeError> {
-    let path = data_dir.join("token");
+/// Reads the token file at `path`, creating it (mode 0600) when absent.
+pub fn token_at(path: &Path) -> Result<Token, ServeError> {
+    let path = path.to_path_buf();
     let file = |e: actors::TokenError| ServeError::File {
         path: path.clone(),
         message: e.to_string(),
@@ -111,7 +113,8 @@ pub async fn serve(
         message: e.to_string(),
     };
     std::fs::create_dir_all(dir.join("jobs")).map_err(|e| file(dir, e))?;
-    let token = data_dir_token(dir)?;
+    let token_path = opts.token_file.clone().unwrap_or_else(|| dir.join("token"));
+    let token = token_at(&token_path)?;
     let store = Arc::new(Store::open(&dir.join("store.redb"))?);
     // Jobs the last server left running were cut short: queue them again.
     for job in store.jobs()? {
@@ -622,6 +625,38 @@ impl JobService for Api {
             rows: rows.iter().map(|(i, v)| metric_row(*i, v)).collect(),
         }))
     }
+
+    async fn get_cluster(
+        &self,
+        _: Request<pb::GetClusterRequest>,
+    ) -> Result<Response<pb::ClusterInfo>, Status> {
+        let time_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64);
+        Ok(Response::new(pb::ClusterInfo {
+            version: env!("CARGO_PKG_VERSION").to_string(),
+            time_ms,
+            protocol_version: actors::head::PROTOCOL_VERSION,
+            agents: self
+                .0
+                .head
+                .agents()
+                .into_iter()
+                .map(cluster_agent)
+                .collect(),
+        }))
+    }
+}
+
+fn cluster_agent(a: actors::AgentInfo) -> pb::ClusterAgent {
+    pb::ClusterAgent {
+        id: a.id,
+        name: a.name,
+        address: a.address,
+        resources: Some(a.resources.into()),
+        labels: a.labels.into_iter().collect(),
+        kinds: a.kinds,
+    }
 }
 
 /// Sends job `r.job_id`'s events to `tx` until the job ends or the watcher goes away.
@@ -727,8 +762,8 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("trellis-token-dd-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
-        let a = data_dir_token(&dir).unwrap();
-        let b = data_dir_token(&dir).unwrap();
+        let a = token_at(&dir.join("token")).unwrap();
+        let b = token_at(&dir.join("token")).unwrap();
         // The second read is the same token: b's bearer passes a's guard.
         let signed = b.bearer().call(Request::new(())).unwrap();
         assert!(a.guard().call(signed).is_ok());

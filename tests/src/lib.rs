@@ -25,6 +25,27 @@ pub fn trellis_bin() -> PathBuf {
         if let Ok(cargo) = std::env::var("CARGO") {
             let mut cmd = Command::new(cargo);
             cmd.args(["build", "--quiet", "-p", "orchestrator", "--bin", "trellis"]);
+            // Cargo sets these for the running test; build scripts that track them (ring's
+            // tracks CARGO_MANIFEST_DIR) would see a change and rebuild half the graph, and the
+            // next plain `cargo build` would rebuild it back.
+            for (key, _) in std::env::vars_os() {
+                let k = key.to_string_lossy();
+                if k.starts_with("CARGO_PKG_")
+                    || matches!(
+                        k.as_ref(),
+                        "CARGO_MANIFEST_DIR"
+                            | "CARGO_MANIFEST_PATH"
+                            | "CARGO_CRATE_NAME"
+                            | "CARGO_BIN_NAME"
+                            | "CARGO_PRIMARY_PACKAGE"
+                            | "CARGO_TARGET_TMPDIR"
+                            | "CARGO_RUSTC_CURRENT_DIR"
+                            | "OUT_DIR"
+                    )
+                {
+                    cmd.env_remove(&key);
+                }
+            }
             if profile_dir.file_name().is_some_and(|n| n == "release") {
                 cmd.arg("--release");
             }
