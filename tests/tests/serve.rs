@@ -571,3 +571,56 @@ fn a_python_grpcio_client_submits_and_watches_a_job() {
     assert_eq!(server.job(1)["state"], "succeeded");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn doctor_checks_the_host_and_the_head_and_names_what_fails() {
+    let dir = scratch("doctor");
+    let server = Server::start(&dir.join("data"), &[]);
+    let token = server.data.join("token");
+    let out = run_ok(
+        trellis()
+            .args(["doctor", "--json", "--head", &server.url, "--token-file"])
+            .arg(&token),
+    );
+    let checks: Vec<Value> = String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let find = |name: &str| -> &Value {
+        checks
+            .iter()
+            .find(|c| c["name"] == name)
+            .unwrap_or_else(|| panic!("no {name} check: {checks:#?}"))
+    };
+    for name in [
+        "cores",
+        "memory",
+        "/dev/shm",
+        "head",
+        "version",
+        "clock skew",
+    ] {
+        assert_ne!(find(name)["level"], "fail", "{:#}", find(name));
+    }
+    assert!(find("head")["detail"].as_str().unwrap().contains("answers"));
+    // What fails is named, with the fix, and the exit status says so.
+    let out = trellis()
+        .args([
+            "doctor",
+            "--head",
+            "http://127.0.0.1:9",
+            "--resources",
+            "cpu=1,tpu=64",
+        ])
+        .args(["--pjrt", "/nonexistent/libtpu.so"])
+        .output()
+        .unwrap();
+    let t = text(&out);
+    assert!(!out.status.success(), "{t}");
+    assert!(t.contains("FAIL  head") && t.contains("127.0.0.1:9"), "{t}");
+    assert!(t.contains("/nonexistent/libtpu.so"), "{t}");
+    assert!(t.contains("tpu=64") && t.contains("fix:"), "{t}");
+    drop(server);
+    let _ = std::fs::remove_dir_all(&dir);
+}
