@@ -154,6 +154,7 @@ impl RolloutPool {
         kv_cache_bytes: usize,
         version: u64,
         cluster: Option<&Cluster>,
+        stop: &(dyn Fn() -> bool + Sync),
     ) -> Result<Self, RunError> {
         let count = pool.count.max(1);
         let rt = tokio::runtime::Builder::new_multi_thread()
@@ -244,6 +245,12 @@ impl RolloutPool {
                     match head.place(std::slice::from_ref(&spec)) {
                         Ok(_) => break,
                         Err(e) if Instant::now() >= deadline => return Err(RunError::Actor(e)),
+                        // Waiting can be long (agents still starting): a stop ends it.
+                        Err(_) if stop() => {
+                            return Err(RunError::StoppedWaiting {
+                                resume: String::new(),
+                            });
+                        }
                         Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
                     }
                 }
@@ -424,8 +431,8 @@ mod tests {
             count,
             ..Default::default()
         };
-        let one = RolloutPool::new(&model, &pool(1), 8 << 20, 0, None).unwrap();
-        let three = RolloutPool::new(&model, &pool(3), 8 << 20, 0, None).unwrap();
+        let one = RolloutPool::new(&model, &pool(1), 8 << 20, 0, None, &|| false).unwrap();
+        let three = RolloutPool::new(&model, &pool(3), 8 << 20, 0, None, &|| false).unwrap();
         assert_eq!(three.len(), 3);
         let a = one.generate_blocking(reqs.clone()).unwrap();
         let b = three.generate_blocking(reqs).unwrap();

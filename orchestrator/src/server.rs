@@ -309,11 +309,12 @@ impl Jobs {
         }));
         let (state, error) = match outcome {
             Ok(Ok(_)) => (JobState::Succeeded, None),
-            Ok(Err(e @ RunError::Stopped { .. })) if control.cancel.load(Ordering::SeqCst) => {
+            // Asked to cancel: cancelled, whatever the run ended with.
+            Ok(Err(e)) if control.cancel.load(Ordering::SeqCst) => {
                 (JobState::Cancelled, Some(format!("cancelled: {e}")))
             }
             // The server is stopping: the job waits in the queue for the next start.
-            Ok(Err(RunError::Stopped { .. })) => (JobState::Pending, None),
+            Ok(Err(e)) if e.is_stop() => (JobState::Pending, None),
             Ok(Err(e)) => (JobState::Failed, Some(e.to_string())),
             Err(panic) => {
                 let what = panic

@@ -65,9 +65,24 @@ pub enum RunError {
         /// Last step done.
         step: u64,
     },
+    /// Stopped on request before its first step, while waiting for agents for its pools.
+    #[error(
+        "stopped on request while waiting for agents that can take the rollout pool: continue with `{resume}`"
+    )]
+    StoppedWaiting {
+        /// The command that continues the run.
+        resume: String,
+    },
     /// Anything else, explained.
     #[error("{0}")]
     Other(String),
+}
+
+impl RunError {
+    /// Whether the run stopped because it was asked to (it can be resumed as it is).
+    pub fn is_stop(&self) -> bool {
+        matches!(self, Self::Stopped { .. } | Self::StoppedWaiting { .. })
+    }
 }
 
 static STOP: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
@@ -191,7 +206,15 @@ pub struct RunOptions {
 }
 
 impl RunOptions {
-    fn stop_requested(&self) -> bool {
+    /// The command that continues the run in `dir`.
+    fn resume_command(&self, dir: &Path) -> String {
+        self.resume_hint
+            .clone()
+            .unwrap_or_else(|| format!("trellis resume {}", dir.display()))
+    }
+
+    /// Whether this run was asked to stop.
+    pub fn stop_requested(&self) -> bool {
         stop_requested()
             || self
                 .stop
@@ -245,9 +268,7 @@ fn execute(
     let out = run_job(wf, dir, store, job, opts);
     let end = match &out {
         Ok(_) => store.set_state(job, JobState::Succeeded, None),
-        Err(e @ RunError::Stopped { .. }) => {
-            store.set_state(job, JobState::Cancelled, Some(e.to_string()))
-        }
+        Err(e) if e.is_stop() => store.set_state(job, JobState::Cancelled, Some(e.to_string())),
         Err(e) => store.set_state(job, JobState::Failed, Some(e.to_string())),
     };
     let summary = out?;
@@ -341,13 +362,22 @@ pub fn run_job(
                 "the model config has no eos_token_id and the tokenizer no <eos>".into(),
             )
         })?;
-    let engine = Arc::new(RolloutPool::new(
-        &model,
-        &wf.pools.rollout,
-        256 << 20,
-        version,
-        opts.cluster.as_ref(),
-    )?);
+    let engine = Arc::new(
+        RolloutPool::new(
+            &model,
+            &wf.pools.rollout,
+            256 << 20,
+            version,
+            opts.cluster.as_ref(),
+            &|| opts.stop_requested(),
+        )
+        .map_err(|e| match e {
+            RunError::StoppedWaiting { .. } => RunError::StoppedWaiting {
+                resume: opts.resume_command(dir),
+            },
+            e => e,
+        })?,
+    );
     if wf.pools.rollout.placement != "local" {
         // Always said: where the engines run is the first thing to check on a cluster.
         let line = format!("rollout pool: {}", engine.locations().join(", "));
@@ -666,11 +696,7 @@ impl Run<'_> {
                 }
                 if stop {
                     return Err(RunError::Stopped {
-                        resume: self
-                            .opts
-                            .resume_hint
-                            .clone()
-                            .unwrap_or_else(|| format!("trellis resume {}", self.dir.display())),
+                        resume: self.opts.resume_command(&self.dir),
                         stage: stage.id.clone(),
                         step,
                     });

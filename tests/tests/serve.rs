@@ -624,3 +624,25 @@ fn doctor_checks_the_host_and_the_head_and_names_what_fails() {
     drop(server);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn a_job_waiting_for_agents_is_cancelled_at_once() {
+    let dir = scratch("waiting");
+    let server = Server::start(&dir.join("data"), &[]);
+    let id = submit(&server, &["pools.rollout.placement=spread"]);
+    server.wait_for(id, "started waiting", |j| j["state"] == "running");
+    std::thread::sleep(Duration::from_millis(300));
+    let t0 = Instant::now();
+    run_ok(&mut server.cli(&["cancel", &id.to_string()]));
+    let j = server.wait_for(id, "was cancelled", |j| j["state"] == "cancelled");
+    assert!(
+        t0.elapsed() < Duration::from_secs(20),
+        "the 60 s wait for agents was cut short"
+    );
+    assert!(
+        j["error"].as_str().unwrap().contains("waiting for agents"),
+        "{j:#}"
+    );
+    drop(server);
+    let _ = std::fs::remove_dir_all(&dir);
+}
