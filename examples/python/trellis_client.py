@@ -23,7 +23,7 @@ PROTO_ROOT = Path(__file__).resolve().parents[2] / "proto"
 
 
 def load_stubs():
-    """Generates `trellis.v1.job_pb2(_grpc)` from proto/ into a temporary folder and imports them."""
+    """Generates the `trellis.v1` modules from proto/ into a temporary folder and imports the job API's."""
     import grpc_tools
     from grpc_tools import protoc
 
@@ -36,7 +36,8 @@ def load_stubs():
             f"-I{include}",
             f"--python_out={out}",
             f"--grpc_python_out={out}",
-            str(PROTO_ROOT / "trellis" / "v1" / "job.proto"),
+            # job.proto imports the others (agent.proto for Resources, which imports tensor.proto).
+            *sorted(str(p) for p in (PROTO_ROOT / "trellis" / "v1").glob("*.proto")),
         ]
     )
     if rc != 0:
