@@ -274,10 +274,7 @@ struct TokenArg {
 impl ServerArgs {
     fn client(&self, token_file: Option<&PathBuf>) -> Result<(tokio::runtime::Runtime, Client)> {
         let token = token_file.map(|p| actors::Token::read(p)).transpose()?;
-        let tls_ca = match &self.tls_ca {
-            Some(p) => Some(std::fs::read(p).with_context(|| format!("--tls-ca {}", p.display()))?),
-            None => None,
-        };
+        let tls_ca = read_tls_ca(self.tls_ca.as_ref())?;
         let opts = orchestrator::client::ClientOptions {
             server: self.server.clone(),
             token,
@@ -290,6 +287,12 @@ impl ServerArgs {
 }
 
 type Client = orchestrator::client::Client;
+
+/// The PEM certificate(s) of `--tls-ca`, when given.
+fn read_tls_ca(path: Option<&PathBuf>) -> Result<Option<Vec<u8>>> {
+    path.map(|p| std::fs::read(p).with_context(|| format!("--tls-ca {}", p.display())))
+        .transpose()
+}
 
 /// A failed call, with the server's message (the status code only when the message is empty),
 /// and the transport's causes when the call never reached the server.
@@ -1060,10 +1063,7 @@ fn agent(a: AgentArgs) -> Result<()> {
         resources,
         labels,
         token,
-        tls_ca: match &a.tls_ca {
-            Some(p) => Some(std::fs::read(p).with_context(|| format!("--tls-ca {}", p.display()))?),
-            None => None,
-        },
+        tls_ca: read_tls_ca(a.tls_ca.as_ref())?,
         registry: actors::builtin::registry().with::<orchestrator::pool::RolloutActor>(),
         wire: actors::Wire::default(),
     };
@@ -1090,12 +1090,7 @@ fn doctor(a: DoctorArgs) -> Result<()> {
                 .as_deref()
                 .map(actors::Token::read)
                 .transpose()?,
-            tls_ca: match &a.tls_ca {
-                Some(p) => {
-                    Some(std::fs::read(p).with_context(|| format!("--tls-ca {}", p.display()))?)
-                }
-                None => None,
-            },
+            tls_ca: read_tls_ca(a.tls_ca.as_ref())?,
         }),
         None => None,
     };

@@ -386,6 +386,12 @@ impl Jobs {
     fn job(&self, id: u64) -> Result<Job, Status> {
         self.store.job(id).map_err(status)
     }
+
+    /// Job `id` as an answer (without its workflow).
+    fn reply(&self, id: u64) -> Result<Response<pb::Job>, Status> {
+        let job = self.job(id)?;
+        Ok(Response::new(self.proto_job(&job, false).map_err(status)?))
+    }
 }
 
 /// Starts queued jobs whenever something may have freed a slot or queued a job.
@@ -553,10 +559,7 @@ impl JobService for Api {
                 )));
             }
         }
-        let job = self.0.job(id)?;
-        Ok(Response::new(
-            self.0.proto_job(&job, false).map_err(status)?,
-        ))
+        self.0.reply(id)
     }
 
     async fn resume_job(
@@ -596,10 +599,7 @@ impl JobService for Api {
             }
         }
         self.0.wake.notify_one();
-        let job = self.0.job(id)?;
-        Ok(Response::new(
-            self.0.proto_job(&job, false).map_err(status)?,
-        ))
+        self.0.reply(id)
     }
 
     type WatchJobStream = Watch;
