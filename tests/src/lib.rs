@@ -81,3 +81,31 @@ pub fn run_ok(cmd: &mut Command) -> std::process::Output {
 pub fn trellis() -> Command {
     Command::new(trellis_bin())
 }
+
+/// A child process, killed (-9) and reaped when dropped, so a failing test leaves none behind.
+pub struct Killed(pub std::process::Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A metric row without its timings (`timing_s/…`, `perf/…`), which differ run to run.
+pub fn without_timings(mut row: serde_json::Value) -> serde_json::Value {
+    if let Some(obj) = row.as_object_mut() {
+        obj.retain(|k, _| !k.starts_with("timing_s/") && !k.starts_with("perf/"));
+    }
+    row
+}
+
+/// The rows of `dir/metrics.jsonl`, without timings.
+pub fn metric_rows(dir: &std::path::Path) -> Vec<serde_json::Value> {
+    let path = dir.join("metrics.jsonl");
+    std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+        .lines()
+        .map(|l| without_timings(serde_json::from_str(l).expect("a JSON metric row")))
+        .collect()
+}

@@ -11,11 +11,11 @@
 
 use serde_json::Value;
 use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
-use trellis_tests::{run_ok, trellis, trellis_bin};
+use trellis_tests::{Killed, metric_rows, run_ok, trellis, trellis_bin};
 
 fn recipe() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data/tiny-arith.yaml")
@@ -136,22 +136,6 @@ impl Drop for Net {
             let _ = Command::new("ip").args(["netns", "del", ns]).output();
         }
     }
-}
-
-struct Killed(Child);
-
-impl Drop for Killed {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn without_timings(mut v: Value) -> Value {
-    v.as_object_mut()
-        .unwrap()
-        .retain(|k, _| !k.starts_with("timing_s/") && !k.starts_with("perf/"));
-    v
 }
 
 #[test]
@@ -323,14 +307,10 @@ fn a_job_across_namespaces_survives_a_cut_link_and_the_agent_rejoins() {
     t.arg("train").arg(recipe()).args(overrides);
     t.args(["--quiet", "--run-dir"]).arg(&local);
     run_ok(&mut t);
-    let rows = |p: &Path| -> Vec<Value> {
-        std::fs::read_to_string(p.join("metrics.jsonl"))
-            .unwrap()
-            .lines()
-            .map(|l| without_timings(serde_json::from_str(l).unwrap()))
-            .collect()
-    };
-    assert_eq!(rows(&data.join("jobs").join(job.to_string())), rows(&local));
+    assert_eq!(
+        metric_rows(&data.join("jobs").join(job.to_string())),
+        metric_rows(&local)
+    );
 
     mark("in-process run compared");
     // The link comes back: host0 registers again.

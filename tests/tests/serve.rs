@@ -7,9 +7,9 @@
 use serde_json::Value;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
-use trellis_tests::{run_ok, trellis};
+use trellis_tests::{Killed, metric_rows, run_ok, trellis, without_timings};
 
 fn recipe() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data/tiny-arith.yaml")
@@ -24,16 +24,6 @@ fn scratch(tag: &str) -> PathBuf {
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
     d
-}
-
-/// A child process killed (-9) when dropped.
-struct Killed(Child);
-
-impl Drop for Killed {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }
 
 /// A running `trellis serve`.
@@ -117,13 +107,6 @@ impl Server {
     }
 }
 
-fn without_timings(mut v: Value) -> Value {
-    v.as_object_mut()
-        .unwrap()
-        .retain(|k, _| !k.starts_with("timing_s/") && !k.starts_with("perf/"));
-    v
-}
-
 fn submit(server: &Server, overrides: &[&str]) -> u64 {
     let mut c = server.cli(&["submit"]);
     c.arg(recipe());
@@ -199,12 +182,7 @@ fn jobs_from_the_cli_run_on_an_agent_and_can_be_cancelled_and_resumed() {
         .arg(&local);
     t.args(["-o", short[0]]);
     run_ok(&mut t);
-    let local_rows: Vec<Value> = std::fs::read_to_string(local.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| without_timings(serde_json::from_str(l).unwrap()))
-        .collect();
-    assert_eq!(server.metrics(1), local_rows);
+    assert_eq!(server.metrics(1), metric_rows(&local));
 
     // A workflow that does not validate is refused with where and why; nothing is queued.
     let bad = dir.join("bad.yaml");

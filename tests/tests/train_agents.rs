@@ -2,13 +2,12 @@
 //! results equal an in-process run's, and an agent killed with -9 mid-run costs nothing but a
 //! restart of its engine on the other agent.
 
-use serde_json::Value;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Stdio};
+use std::process::Stdio;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
-use trellis_tests::{run_ok, trellis};
+use trellis_tests::{Killed, metric_rows, run_ok, trellis};
 
 fn recipe() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data/tiny-arith.yaml")
@@ -19,30 +18,6 @@ fn scratch(tag: &str) -> PathBuf {
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
     d
-}
-
-/// Metric rows without timings (which differ run to run).
-fn rows(dir: &Path) -> Vec<Value> {
-    std::fs::read_to_string(dir.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| {
-            let mut v: Value = serde_json::from_str(l).unwrap();
-            v.as_object_mut()
-                .unwrap()
-                .retain(|k, _| !k.starts_with("timing_s/") && !k.starts_with("perf/"));
-            v
-        })
-        .collect()
-}
-
-struct Killed(Child);
-
-impl Drop for Killed {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }
 
 fn agent(url: &str, token: &Path, name: &str) -> Killed {
@@ -143,7 +118,7 @@ fn a_rollout_pool_on_two_agents_trains_like_one_in_process_and_survives_a_killed
             .args(["--quiet", "--run-dir"])
             .arg(dir.join("local")),
     );
-    let reference = rows(&dir.join("local"));
+    let reference = metric_rows(&dir.join("local"));
     let token = dir.join("cluster.token");
 
     // Two agents, one engine on each (spread); the run is step for step the in-process one.
@@ -159,7 +134,7 @@ fn a_rollout_pool_on_two_agents_trains_like_one_in_process_and_survives_a_killed
         placed.contains("a1") && placed.contains("a2"),
         "spread over both agents: {placed}"
     );
-    assert_eq!(rows(&dir.join("run")), reference);
+    assert_eq!(metric_rows(&dir.join("run")), reference);
     std::fs::remove_dir_all(dir.join("run")).unwrap();
 
     // kill -9 one agent during the RL stage: its engine restarts on the other agent with the
@@ -187,6 +162,6 @@ fn a_rollout_pool_on_two_agents_trains_like_one_in_process_and_survives_a_killed
         "the killed agent's engine was restarted:\n{}",
         said.join("\n")
     );
-    assert_eq!(rows(&dir.join("run")), reference);
+    assert_eq!(metric_rows(&dir.join("run")), reference);
     std::fs::remove_dir_all(&dir).unwrap();
 }
