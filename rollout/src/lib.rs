@@ -1,17 +1,24 @@
-//! Rollout: the [`InferenceEngine`] trait, its request and completion types, and the native CPU
+//! Rollout: the [`InferenceEngine`] trait, its request and completion types, the native CPU
 //! engine (`native`: paged KV cache, continuous batching, shared prefill for `n` samples,
-//! sampling, versioned weight swaps).
+//! sampling, versioned weight swaps), the adapters for external engines (`vllm`, `sglang`, over
+//! `http`, with weight folders from `external`) and the prefix-aware `router` that picks an
+//! engine for each prompt.
 //!
 //! Owns: turning token ids into sampled continuations with log-probs and weight versions.
-//! Never: trains, computes rewards, or talks to other engines; the native engine never opens a
-//! socket.
+//! Never: trains, computes rewards, or serves HTTP (the engine server is the binary's); the
+//! native engine never opens a socket.
 
 pub mod bench;
+pub mod external;
+pub mod http;
 pub mod kv;
 pub mod native;
 pub mod reward;
+pub mod router;
 pub mod sampling;
+pub mod sglang;
 pub mod task;
+pub mod vllm;
 
 use learner::snapshot::WeightSnapshot;
 pub use sampling::SamplingParams;
@@ -82,6 +89,14 @@ pub enum EngineError {
     /// The engine stopped.
     #[error("the engine has shut down")]
     Closed,
+    /// An external engine that does not answer (refused, reset, timed out, or a 5xx): a router
+    /// takes it out of service and retries it later. The message names its URL.
+    #[error("{0}")]
+    Unavailable(String),
+    /// An external engine that answers, but not as the adapter needs (a malformed body, missing
+    /// routes, another model): a configuration error, not retried. The message names its URL.
+    #[error("{0}")]
+    Protocol(String),
 }
 
 /// An inference engine that rollout actors own (native, PJRT, or an external server).

@@ -74,6 +74,12 @@ pub struct Stats {
     pub decode_tokens: AtomicU64,
     /// Decode steps run.
     pub decode_steps: AtomicU64,
+    /// Sequences decoding now (a gauge).
+    pub running: AtomicU64,
+    /// Requests waiting for KV-cache blocks or batch room (a gauge).
+    pub waiting: AtomicU64,
+    /// KV-cache blocks held by sequences (a gauge).
+    pub blocks_used: AtomicU64,
 }
 
 /// A point-in-time copy of [`Stats`].
@@ -85,6 +91,19 @@ pub struct StatsSnapshot {
     pub decode_tokens: u64,
     /// See [`Stats::decode_steps`].
     pub decode_steps: u64,
+    /// See [`Stats::running`].
+    pub running: u64,
+    /// See [`Stats::waiting`].
+    pub waiting: u64,
+    /// See [`Stats::blocks_used`].
+    pub blocks_used: u64,
+}
+
+impl StatsSnapshot {
+    /// Share of the KV pool in use, 0..=1 (`num_blocks` from [`NativeEngine::kv_shape`]).
+    pub fn kv_usage(&self, num_blocks: usize) -> f64 {
+        self.blocks_used as f64 / num_blocks.max(1) as f64
+    }
 }
 
 /// Handle to a native engine; dropping it stops the worker once its work is done.
@@ -147,6 +166,9 @@ impl NativeEngine {
             prefill_tokens: self.stats.prefill_tokens.load(Ordering::Relaxed),
             decode_tokens: self.stats.decode_tokens.load(Ordering::Relaxed),
             decode_steps: self.stats.decode_steps.load(Ordering::Relaxed),
+            running: self.stats.running.load(Ordering::Relaxed),
+            waiting: self.stats.waiting.load(Ordering::Relaxed),
+            blocks_used: self.stats.blocks_used.load(Ordering::Relaxed),
         }
     }
 
@@ -345,10 +367,20 @@ impl Worker {
                 self.handle(cmd);
             }
             self.admit();
+            self.publish_gauges();
             if !self.running.is_empty() {
                 self.decode_step();
             }
+            self.publish_gauges();
         }
+    }
+
+    fn publish_gauges(&self) {
+        let s = &self.stats;
+        s.running.store(self.running.len() as u64, Ordering::Relaxed);
+        s.waiting.store(self.waiting.len() as u64, Ordering::Relaxed);
+        let used = self.pool.shape().num_blocks - self.pool.free_blocks();
+        s.blocks_used.store(used as u64, Ordering::Relaxed);
     }
 
     fn handle(&mut self, cmd: Cmd) {

@@ -1,0 +1,273 @@
+//! What the external engine adapters share: the weight folders they reload from, the load they
+//! report to a router, and [`External`], one type over both adapters.
+//!
+//! A weight push to an external engine is a **new folder per version** (`ROOT/v00000012/`:
+//! `config.json` + one `model.safetensors`), written once and reloaded by every engine that can
+//! see `ROOT`: reusing a folder can serve stale weights. A tied model's folder still holds
+//! `lm_head.weight` (a copy of the embedding), because a real vLLM given a tied folder serves a
+//! model that is neither the old nor the new one (see `shared/reference/engine-apis.md`).
+//!
+//! Owns: the folder layout and its cleanup. Never: decides when to push (the pool does).
+
+use crate::http::HttpClient;
+use crate::sglang::SglangEngine;
+use crate::vllm::VllmEngine;
+use crate::{Completion, EngineError, GenerateRequest};
+use learner::ModelConfig;
+use learner::params::{Params, Tensor};
+use learner::snapshot::WeightSnapshot;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// Versioned weight folders under one root that the engines can read.
+#[derive(Clone, Debug)]
+pub struct WeightFolders {
+    root: PathBuf,
+}
+
+impl WeightFolders {
+    /// Folders under `root` (made on first write).
+    pub fn new(root: impl Into<PathBuf>) -> Self {
+        Self { root: root.into() }
+    }
+
+    /// The folder of `version`.
+    pub fn dir(&self, version: u64) -> PathBuf {
+        self.root.join(format!("v{version:08}"))
+    }
+
+    /// Writes `snapshot` as a checkpoint folder of `config` (atomically: a temporary folder
+    /// renamed into place) and removes the folders of versions before the previous one, which
+    /// no engine reloads any more. Returns the folder.
+    pub fn write(
+        &self,
+        snapshot: &WeightSnapshot,
+        config: &ModelConfig,
+    ) -> Result<PathBuf, EngineError> {
+        let io = |p: &Path, e: std::io::Error| {
+            EngineError::BadWeights(format!("cannot write {}: {e}", p.display()))
+        };
+        let dir = self.dir(snapshot.version);
+        if dir.is_dir() {
+            return Ok(dir);
+        }
+        let tmp = self.root.join(format!(".v{:08}.tmp", snapshot.version));
+        let _ = std::fs::remove_dir_all(&tmp);
+        std::fs::create_dir_all(&tmp).map_err(|e| io(&tmp, e))?;
+        let cfg = tmp.join("config.json");
+        let text = serde_json::to_string_pretty(&config.to_hf_json()).expect("JSON serialises");
+        std::fs::write(&cfg, text).map_err(|e| io(&cfg, e))?;
+        let file = tmp.join("model.safetensors");
+        let saved = if config.tie_word_embeddings {
+            with_explicit_head(&snapshot.params)
+        } else {
+            None
+        };
+        saved
+            .as_ref()
+            .unwrap_or(&snapshot.params)
+            .save(&file)
+            .map_err(|e| EngineError::BadWeights(e.to_string()))?;
+        std::fs::rename(&tmp, &dir).map_err(|e| io(&dir, e))?;
+        self.prune(snapshot.version);
+        Ok(dir)
+    }
+
+    fn prune(&self, version: u64) {
+        let Ok(entries) = std::fs::read_dir(&self.root) else {
+            return;
+        };
+        for e in entries.flatten() {
+            let name = e.file_name();
+            let Some(v) = name
+                .to_str()
+                .and_then(|n| n.strip_prefix('v'))
+                .and_then(|n| n.parse::<u64>().ok())
+            else {
+                continue;
+            };
+            if v + 1 < version {
+                let _ = std::fs::remove_dir_all(e.path());
+            }
+        }
+    }
+}
+
+/// The parameters plus `lm_head.weight` = the embedding, for a tied model.
+fn with_explicit_head(params: &Params) -> Option<Params> {
+    if params.tensors.iter().any(|t| t.name == "lm_head.weight") {
+        return None;
+    }
+    let embed = params
+        .tensors
+        .iter()
+        .find(|t| t.name == "model.embed_tokens.weight")?;
+    let mut out = params.clone();
+    out.tensors.push(Tensor {
+        name: "lm_head.weight".into(),
+        ..embed.clone()
+    });
+    Some(out)
+}
+
+/// How busy an engine is, as a router scores it.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Load {
+    /// Requests running plus waiting.
+    pub queue: f64,
+    /// Share of the KV cache in use, 0..=1.
+    pub kv_usage: f64,
+}
+
+/// Sums every sample of the Prometheus metric `name` (any labels) in `text`; `None` when absent.
+pub fn prometheus_sum(text: &str, name: &str) -> Option<f64> {
+    let mut found = None;
+    for line in text.lines() {
+        let Some(rest) = line.strip_prefix(name) else {
+            continue;
+        };
+        let rest = match rest.chars().next() {
+            Some('{') => rest.split_once('}').map(|(_, r)| r),
+            Some(' ') => Some(rest),
+            _ => None,
+        };
+        if let Some(v) = rest.and_then(|r| r.split_whitespace().next()?.parse::<f64>().ok()) {
+            *found.get_or_insert(0.0) += v;
+        }
+    }
+    found
+}
+
+/// How to reach an external engine.
+#[derive(Clone, Debug)]
+pub struct ExternalConfig {
+    /// Base URL (`http://host:port`).
+    pub url: String,
+    /// The model the recipe expects the server to serve (its served name or path); `None`:
+    /// whatever it serves.
+    pub model: Option<String>,
+    /// Deadline of one HTTP request (a generation call included).
+    pub timeout: Duration,
+}
+
+impl ExternalConfig {
+    pub(crate) fn client(&self) -> Result<HttpClient, EngineError> {
+        HttpClient::new(&self.url, self.timeout)
+    }
+}
+
+/// An external engine of either API.
+#[derive(Debug)]
+pub enum External {
+    /// vLLM's API (also `trellis engine serve`'s).
+    Vllm(VllmEngine),
+    /// SGLang's API.
+    Sglang(SglangEngine),
+}
+
+impl External {
+    /// Connects to an engine of `kind` (`vllm`, `served` or `sglang`): checks that it answers
+    /// and serves the expected model.
+    pub async fn connect(kind: &str, cfg: ExternalConfig) -> Result<Self, EngineError> {
+        match kind {
+            "vllm" | "served" => Ok(Self::Vllm(VllmEngine::connect(cfg).await?)),
+            "sglang" => Ok(Self::Sglang(SglangEngine::connect(cfg).await?)),
+            other => Err(EngineError::Protocol(format!(
+                "engine `{other}` has no HTTP adapter (vllm, sglang, served have)"
+            ))),
+        }
+    }
+
+    /// Its base URL.
+    pub fn url(&self) -> &str {
+        match self {
+            Self::Vllm(e) => e.url(),
+            Self::Sglang(e) => e.url(),
+        }
+    }
+
+    /// Generates, as [`crate::InferenceEngine::generate`].
+    pub async fn generate(&self, reqs: Vec<GenerateRequest>) -> Result<Vec<Completion>, EngineError> {
+        match self {
+            Self::Vllm(e) => e.generate_all(reqs).await,
+            Self::Sglang(e) => e.generate_all(reqs).await,
+        }
+    }
+
+    /// Makes the engine serve the weights in `dir` as `version`.
+    pub async fn reload(&self, dir: &Path, version: u64) -> Result<(), EngineError> {
+        match self {
+            Self::Vllm(e) => e.reload(dir, version).await,
+            Self::Sglang(e) => e.reload(dir, version).await,
+        }
+    }
+
+    /// `Ok` when the engine answers its health route.
+    pub async fn health(&self) -> Result<(), EngineError> {
+        match self {
+            Self::Vllm(e) => e.health().await,
+            Self::Sglang(e) => e.health().await,
+        }
+    }
+
+    /// Its queue and KV-cache use from its Prometheus metrics (zeros where it exports none).
+    pub async fn load(&self) -> Result<Load, EngineError> {
+        match self {
+            Self::Vllm(e) => e.load().await,
+            Self::Sglang(e) => e.load().await,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prometheus_samples_are_summed_over_labels() {
+        let text = "# HELP vllm:num_requests_running x\n\
+            vllm:num_requests_running{model_name=\"a\",engine=\"0\"} 3.0\n\
+            vllm:num_requests_running{model_name=\"a\",engine=\"1\"} 2\n\
+            vllm:num_requests_running_total 9\n\
+            vllm:kv_cache_usage_perc 0.25\n";
+        assert_eq!(prometheus_sum(text, "vllm:num_requests_running"), Some(5.0));
+        assert_eq!(prometheus_sum(text, "vllm:kv_cache_usage_perc"), Some(0.25));
+        assert_eq!(prometheus_sum(text, "vllm:num_requests_waiting"), None);
+    }
+
+    #[test]
+    fn folders_are_new_per_version_hold_an_explicit_head_and_old_ones_go() {
+        let cfg = serde_json::json!({"model_type": "qwen2", "vocab_size": 16, "hidden_size": 8,
+            "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
+            "num_key_value_heads": 2, "max_position_embeddings": 32, "tie_word_embeddings": true});
+        let cfg = ModelConfig::from_json(cfg, Path::new("t")).unwrap();
+        let model = learner::Model::init(cfg.clone(), 1);
+        let root = std::env::temp_dir().join(format!("trellis-folders-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let folders = WeightFolders::new(&root);
+        for v in 1..=4u64 {
+            let snap = WeightSnapshot {
+                version: v,
+                params: std::sync::Arc::new(model.params.clone()),
+            };
+            let dir = folders.write(&snap, &cfg).unwrap();
+            assert_eq!(dir, root.join(format!("v{v:08}")));
+        }
+        let mut left: Vec<String> = std::fs::read_dir(&root)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        left.sort();
+        assert_eq!(left, ["v00000003", "v00000004"]);
+        let head = learner::params::load_file(
+            &root.join("v00000004/model.safetensors"),
+            &[("lm_head.weight".into(), vec![16, 8])],
+        )
+        .unwrap();
+        assert_eq!(head.tensors[0].data, model.params.tensors[0].data);
+        // The folder opens as a checkpoint of the same model.
+        let back = learner::checkpoint::Checkpoint::load(&root.join("v00000004")).unwrap();
+        assert_eq!(back.model.params, model.params);
+        let _ = std::fs::remove_dir_all(&root);
+    }
+}
