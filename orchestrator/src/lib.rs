@@ -2,14 +2,17 @@
 //!
 //! Owns (as it grows): workflow YAML → DAG, the per-algorithm RL step graph, the executor, the
 //! job manager and its durable store, the gRPC job API server, the `trellis` CLI, metrics and
-//! plots.
+//! plots, the rollout pool and its router, and `trellis engine serve` (the native engine behind
+//! vLLM's HTTP routes, `engine_server`).
 //!
-//! Never: touches tensor contents (tensors move through the actors' data plane, not through job
-//! control), or opens engine-specific sockets (engines and their adapters own those).
+//! Never: touches tensor contents in job control (tensors move through the actors' data plane
+//! and the weight folders), or speaks an external engine's API itself (the `rollout` adapters
+//! do).
 
 pub mod chat;
 pub mod client;
 pub mod doctor;
+pub mod engine_server;
 pub mod graph;
 pub mod plot;
 pub mod pool;

@@ -236,6 +236,32 @@ enum Command {
     },
     /// Run a node agent: host actors on this machine for the head at --head.
     Agent(AgentArgs),
+    /// Inference engines as servers.
+    Engine {
+        #[command(subcommand)]
+        what: EngineCommand,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum EngineCommand {
+    /// Serve a checkpoint on the native engine behind vLLM's HTTP routes (and SGLang's):
+    /// completions, token-in/token-out generation, weight reload, versions, pause/resume,
+    /// health, Prometheus metrics. Rollout pools reach it with `engine: served`.
+    Serve {
+        /// Checkpoint folder (config.json, model.safetensors, tokenizer.json).
+        #[arg(long)]
+        model: PathBuf,
+        /// Address to listen on (port 0: any free port; the address is printed).
+        #[arg(long, default_value = "127.0.0.1:8000")]
+        listen: std::net::SocketAddr,
+        /// The model id clients name (default: --model as given).
+        #[arg(long)]
+        served_model_name: Option<String>,
+        /// KV-cache budget in MiB.
+        #[arg(long, default_value_t = 512)]
+        kv_cache_mib: usize,
+    },
 }
 
 /// Where a run meets `trellis agent`s, for pools placed on them (`placement: pack | spread`).
@@ -974,6 +1000,20 @@ fn run() -> Result<()> {
         Command::Bench {
             what: BenchCommand::Generate { model, json },
         } => bench_generate(model, json),
+        Command::Engine {
+            what:
+                EngineCommand::Serve {
+                    model,
+                    listen,
+                    served_model_name,
+                    kv_cache_mib,
+                },
+        } => engine_serve(orchestrator::engine_server::EngineServeOptions {
+            model,
+            listen,
+            served_model_name,
+            kv_cache_bytes: kv_cache_mib << 20,
+        }),
         Command::Bench {
             what:
                 BenchCommand::Actors {
@@ -1310,6 +1350,20 @@ fn serve(opts: orchestrator::server::ServeOptions) -> Result<()> {
                 std::process::exit(130);
             });
         },
+    ))?;
+    Ok(())
+}
+
+fn engine_serve(opts: orchestrator::engine_server::EngineServeOptions) -> Result<()> {
+    let rt = runtime()?;
+    rt.block_on(orchestrator::engine_server::serve(
+        opts,
+        |address, name| {
+            // One line a script can read.
+            println!("listening on http://{address}");
+            eprintln!("serving `{name}`: curl http://{address}/v1/models");
+        },
+        terminated(),
     ))?;
     Ok(())
 }
