@@ -12,7 +12,8 @@
 //!
 //! Weights: a reload reads a checkpoint folder of the served model's shape. While paused, the new
 //! weights wait and are swapped in at `update_weight_version` (with that version) or at resume;
-//! otherwise they are swapped in at once as the next version. Versions only go up. A pause waits
+//! otherwise they are swapped in at once as the next version. A version label is the client's to
+//! choose (any, as vLLM's `update_weight_version`). A pause waits
 //! for the generations in flight (every mode: this engine has no preemption, so `abort` and
 //! `keep` wait too), and holds new ones until resume.
 //!
@@ -41,14 +42,24 @@ use tokio::sync::{Mutex, RwLock, watch};
 /// Largest request body accepted.
 const MAX_BODY: usize = 16 << 20;
 
+/// What `trellis engine serve` serves.
+#[derive(Clone, Debug)]
+pub enum ModelSource {
+    /// A checkpoint folder (its tokenizer.json, when present, serves text prompts).
+    Checkpoint(PathBuf),
+    /// The model a workflow starts from (`model.path`, or `model.init` with seeded weights)
+    /// and its tokenizer: the shape a run of that workflow pushes its weights into.
+    Recipe(PathBuf),
+}
+
 /// How `trellis engine serve` starts.
 #[derive(Clone, Debug)]
 pub struct EngineServeOptions {
-    /// Checkpoint folder to serve.
-    pub model: PathBuf,
+    /// The model to serve.
+    pub model: ModelSource,
     /// Address to listen on (port 0: any).
     pub listen: SocketAddr,
-    /// The model id clients name (default: the folder as given, as vLLM does).
+    /// The model id clients name (default: the folder or recipe as given, as vLLM does).
     pub served_model_name: Option<String>,
     /// KV-cache budget in bytes.
     pub kv_cache_bytes: usize,
@@ -60,6 +71,9 @@ pub enum EngineServeError {
     /// The checkpoint does not load.
     #[error(transparent)]
     Model(#[from] learner::Error),
+    /// The recipe does not load or its model cannot be built.
+    #[error("{0}")]
+    Recipe(String),
     /// The address cannot be bound.
     #[error("cannot listen on {0}: {1}")]
     Listen(SocketAddr, std::io::Error),
@@ -98,18 +112,29 @@ pub async fn serve(
     ready: impl FnOnce(SocketAddr, &str),
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<(), EngineServeError> {
-    let ckpt = Checkpoint::load(&opts.model)?;
-    let tokenizer = ckpt.tokenizer().transpose()?;
-    let config = ckpt.model.config.clone();
-    let current = Arc::new(ckpt.model.params.clone());
+    let (model, tokenizer, path) = match &opts.model {
+        ModelSource::Checkpoint(dir) => {
+            let ckpt = Checkpoint::load(dir)?;
+            let tokenizer = ckpt.tokenizer().transpose()?;
+            (ckpt.model, tokenizer, dir.display().to_string())
+        }
+        ModelSource::Recipe(file) => {
+            let wf = crate::workflow::load(file, &[])
+                .map_err(|e| EngineServeError::Recipe(e.to_string()))?;
+            let (model, tokenizer) = crate::train::recipe_model(&wf)
+                .map_err(|e| EngineServeError::Recipe(format!("{}: {e}", file.display())))?;
+            (model, Some(tokenizer), wf.name.clone())
+        }
+    };
+    let config = model.config.clone();
+    let current = Arc::new(model.params.clone());
     let engine = NativeEngine::new(
-        ckpt.model,
+        model,
         NativeConfig {
             kv_cache_bytes: opts.kv_cache_bytes,
             ..Default::default()
         },
     );
-    let path = opts.model.display().to_string();
     let state = Arc::new(State {
         engine,
         name: opts.served_model_name.unwrap_or_else(|| path.clone()),
@@ -544,17 +569,12 @@ fn load_params(state: &State, dir: &str) -> Result<Params, HttpError> {
         .map_err(|e| bad(format!("cannot load weights: {e}")))
 }
 
-/// Serves `params` as `version`.
+/// Serves `params` as `version` (any version: clients own the labels, as with vLLM; a trainer
+/// that restarts from an older checkpoint pushes an older version).
 async fn swap(state: &State, params: Arc<Params>, version: u64) -> Result<(), HttpError> {
-    let served = state.engine.weight_version();
-    if version <= served {
-        return Err(bad(format!(
-            "version {version} is not newer than the served version {served}"
-        )));
-    }
     state
         .engine
-        .update_weights(WeightSnapshot {
+        .replace_weights(WeightSnapshot {
             version,
             params: Arc::clone(&params),
         })

@@ -250,8 +250,12 @@ enum EngineCommand {
     /// health, Prometheus metrics. Rollout pools reach it with `engine: served`.
     Serve {
         /// Checkpoint folder (config.json, model.safetensors, tokenizer.json).
+        #[arg(long, required_unless_present = "recipe", conflicts_with = "recipe")]
+        model: Option<PathBuf>,
+        /// Serve the model a workflow starts from (its model.path, or model.init with seeded
+        /// weights), for a run of it to push its weights into (`engine: served`).
         #[arg(long)]
-        model: PathBuf,
+        recipe: Option<PathBuf>,
         /// Address to listen on (port 0: any free port; the address is printed).
         #[arg(long, default_value = "127.0.0.1:8000")]
         listen: std::net::SocketAddr,
@@ -1004,12 +1008,17 @@ fn run() -> Result<()> {
             what:
                 EngineCommand::Serve {
                     model,
+                    recipe,
                     listen,
                     served_model_name,
                     kv_cache_mib,
                 },
         } => engine_serve(orchestrator::engine_server::EngineServeOptions {
-            model,
+            model: match (model, recipe) {
+                (Some(dir), _) => orchestrator::engine_server::ModelSource::Checkpoint(dir),
+                (None, Some(file)) => orchestrator::engine_server::ModelSource::Recipe(file),
+                (None, None) => anyhow::bail!("give --model DIR or --recipe FILE"),
+            },
             listen,
             served_model_name,
             kv_cache_bytes: kv_cache_mib << 20,

@@ -17,11 +17,13 @@ use actors::{
 };
 use learner::snapshot::WeightSnapshot;
 use learner::{Model, ModelConfig};
+use rollout::external::{External, ExternalConfig, Load, WeightFolders};
 use rollout::native::{NativeConfig, NativeEngine};
-use rollout::{Completion, GenerateRequest, InferenceEngine};
+use rollout::router::{Router, Weights};
+use rollout::{Completion, EngineError, GenerateRequest, InferenceEngine};
 use serde::{Deserialize, Serialize};
 use std::net::SocketAddr;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -134,20 +136,192 @@ impl std::fmt::Debug for ClusterHead {
     }
 }
 
-/// The rollout actors of a run.
+/// One engine of a pool: an actor (native engine, in-process or on an agent), or an external
+/// server reached over HTTP.
+#[derive(Clone)]
+enum Member {
+    Actor(ActorRef<RolloutActor>),
+    External(Arc<External>),
+}
+
+impl Member {
+    fn location(&self) -> String {
+        match self {
+            Self::Actor(a) => a.location(),
+            Self::External(e) => e.url().to_string(),
+        }
+    }
+
+    async fn generate(&self, reqs: Vec<GenerateRequest>) -> Result<Vec<Completion>, RunError> {
+        match self {
+            // Generation is a pure function of the weights and the requests' seeds, so a call
+            // lost with its actor is simply made again on the restarted one.
+            Self::Actor(a) => Ok(retry(a, || a.call(RolloutRequest::Generate(reqs.clone()))).await?),
+            Self::External(e) => Ok(e.generate(reqs).await?),
+        }
+    }
+}
+
+/// The temperature of the probe that checks a push (not 1, so that log-probs taken before and
+/// after temperature differ).
+const PROBE_TEMPERATURE: f32 = 0.7;
+
+/// What the learner expects an engine to answer after a push: one token sampled at
+/// [`PROBE_TEMPERATURE`] after a fixed prompt, whose log-prob must match the learner's.
+#[derive(Clone, Debug)]
+struct Probe {
+    version: u64,
+    /// The version's weight folder.
+    dir: PathBuf,
+    prompt: Vec<u32>,
+    /// The learner's `log_softmax(logits / T)` over the vocabulary at the prompt's end.
+    processed: Vec<f32>,
+    /// `log_softmax(logits)`: what an engine reporting raw log-probs answers.
+    raw: Vec<f32>,
+}
+
+impl Probe {
+    fn of(model: &Model, version: u64, dir: PathBuf) -> Result<Self, RunError> {
+        let vocab = model.config.vocab_size;
+        let prompt: Vec<u32> = (0..8).map(|i| ((3 + 7 * i) % vocab) as u32).collect();
+        let logits = model.logits(&learner::Batch::padded(&[&prompt]))?;
+        let last = &logits[(prompt.len() - 1) * vocab..prompt.len() * vocab];
+        let log_softmax = |t: f32| -> Vec<f32> {
+            let z: Vec<f64> = last.iter().map(|&x| f64::from(x) / f64::from(t)).collect();
+            let m = z.iter().copied().fold(f64::MIN, f64::max);
+            let lse = m + z.iter().map(|x| (x - m).exp()).sum::<f64>().ln();
+            z.iter().map(|x| (x - lse) as f32).collect()
+        };
+        Ok(Self {
+            version,
+            dir,
+            processed: log_softmax(PROBE_TEMPERATURE),
+            raw: log_softmax(1.0),
+            prompt,
+        })
+    }
+
+    fn request(&self) -> GenerateRequest {
+        GenerateRequest {
+            prompt: self.prompt.clone(),
+            params: rollout::SamplingParams {
+                temperature: PROBE_TEMPERATURE,
+                max_tokens: 1,
+                ignore_eos: true,
+                seed: Some(0x7e11),
+                ..Default::default()
+            },
+        }
+    }
+}
+
+/// The settings and state of a pool of external engines.
+struct ExternalPool {
+    engine: String,
+    folders: WeightFolders,
+    config: ModelConfig,
+    tolerance: f64,
+    /// The run trains on the engine's own log-probs (async mode): raw ones are refused.
+    needs_processed: bool,
+    /// How long a generation waits for an engine when every engine is out of service.
+    wait: Duration,
+    /// The check of the weights every engine must serve (`None` before the first push).
+    probe: Mutex<Option<Probe>>,
+    raw_warned: std::sync::atomic::AtomicBool,
+}
+
+impl ExternalPool {
+    /// Pushes the probe's version to `e` and checks its answer against the learner's.
+    async fn reload_and_verify(&self, e: &External, p: &Probe) -> Result<(), EngineError> {
+        e.reload(&p.dir, p.version).await?;
+        let c = e.generate(vec![p.request()]).await?;
+        let (Some(c), url) = (c.first(), e.url()) else {
+            return Err(EngineError::Protocol(format!(
+                "{}: no completion for the probe",
+                e.url()
+            )));
+        };
+        let (Some(&t), Some(&lp)) = (c.token_ids.first(), c.logprobs.first()) else {
+            return Err(EngineError::Protocol(format!(
+                "{url}: an empty completion for the probe (max_tokens 1, ignore_eos)"
+            )));
+        };
+        let Some(&want) = self.processed_at(p, t) else {
+            return Err(EngineError::Protocol(format!(
+                "{url}: token id {t} is outside the vocabulary ({})",
+                p.processed.len()
+            )));
+        };
+        if let Some(s) = c.weight_versions.iter().find(|s| s.version != p.version) {
+            return Err(EngineError::BadWeights(format!(
+                "{url}: serves version {} after the push of version {}",
+                s.version, p.version
+            )));
+        }
+        let (tol, dp, dr) = (
+            self.tolerance,
+            f64::from((lp - want).abs()),
+            f64::from((lp - p.raw[t as usize]).abs()),
+        );
+        if dp <= tol {
+            return Ok(());
+        }
+        if dr <= tol {
+            if self.needs_processed {
+                return Err(EngineError::Protocol(format!(
+                    "{url} reports raw log-probs (before temperature), and this run trains on the engine's log-probs (trainer.mode: async): start vLLM with --logprobs-mode processed_logprobs"
+                )));
+            }
+            if !self.raw_warned.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                tracing::warn!(
+                    url,
+                    "the engine reports raw log-probs (before temperature); fine here (behaviour log-probs are recomputed by the learner)"
+                );
+            }
+            return Ok(());
+        }
+        Err(EngineError::BadWeights(format!(
+            "{url}: after the push of version {}, its log-prob of token {t} on the probe is {lp:.6}, the learner's {want:.6} (difference {dp:.1e} > pools.rollout.verify_tolerance {tol:.0e}): it does not serve the pushed weights",
+            p.version
+        )))
+    }
+
+    fn processed_at<'a>(&self, p: &'a Probe, t: u32) -> Option<&'a f32> {
+        p.processed.get(t as usize)
+    }
+}
+
+/// An engine out of service: why, and when to try it again.
+struct Down {
+    error: String,
+    next_try: Instant,
+    backoff: Duration,
+}
+
+/// The rollout engines of a run, and the router that spreads prompts over them.
 pub(crate) struct RolloutPool {
     rt: tokio::runtime::Runtime,
     /// The head this pool started (shut down with the pool).
     head: Option<Head>,
-    actors: Vec<ActorRef<RolloutActor>>,
+    members: Vec<Member>,
+    /// `Some` for an engine taken out of service.
+    down: Mutex<Vec<Option<Down>>>,
+    router: Mutex<Router>,
     /// The weights every actor serves (a restarted actor gets them back).
     current: Arc<Mutex<WeightSnapshot>>,
+    external: Option<ExternalPool>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl RolloutPool {
     /// `pool.count` rollout actors of `model`, each with `kv_cache_bytes`, serving its weights
     /// as `version`: in this process (`placement: local`), or on the agents that register with
-    /// a head started on `cluster`.
+    /// a head started on `cluster`; or, for an external engine, the servers at
+    /// `pool.endpoints`, given the weights through folders under `pool.weights_dir` (default
+    /// `run_dir/engine-weights`). `needs_processed`: the run trains on the engine's log-probs.
     pub(crate) fn new(
         model: &Model,
         pool: &Pool,
@@ -155,8 +329,9 @@ impl RolloutPool {
         version: u64,
         cluster: Option<&Cluster>,
         stop: &(dyn Fn() -> bool + Sync),
+        run_dir: &Path,
+        needs_processed: bool,
     ) -> Result<Self, RunError> {
-        let count = pool.count.max(1);
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .thread_name("rollout-pool")
@@ -168,9 +343,56 @@ impl RolloutPool {
             params: Arc::new(model.params.clone()),
         };
         let current = Arc::new(Mutex::new(snapshot.clone()));
+        if pool.is_external() {
+            let timeout = Duration::from_secs_f64(pool.timeout_s);
+            let engines = rt.block_on(async {
+                let mut out = Vec::new();
+                for url in &pool.endpoints {
+                    let cfg = ExternalConfig {
+                        url: url.clone(),
+                        model: pool.model.clone(),
+                        timeout,
+                    };
+                    out.push(Member::External(Arc::new(
+                        External::connect(&pool.engine, cfg).await?,
+                    )));
+                }
+                Ok::<_, EngineError>(out)
+            })?;
+            let root = pool
+                .weights_dir
+                .clone()
+                .unwrap_or_else(|| run_dir.join("engine-weights"));
+            let root = std::path::absolute(&root).map_err(|e| RunError::Io {
+                path: root.clone(),
+                source: e,
+            })?;
+            let this = Self {
+                rt,
+                head: None,
+                down: Mutex::new(engines.iter().map(|_| None).collect()),
+                router: Mutex::new(Router::new(engines.len(), Weights::default())),
+                members: engines,
+                current,
+                external: Some(ExternalPool {
+                    engine: pool.engine.clone(),
+                    folders: WeightFolders::new(root),
+                    config: model.config.clone(),
+                    tolerance: pool.verify_tolerance,
+                    needs_processed,
+                    wait: timeout,
+                    probe: Mutex::new(None),
+                    raw_warned: Default::default(),
+                }),
+            };
+            // Whatever they served before, every engine starts on the run's weights.
+            this.update_weights_blocking(snapshot, model)?;
+            return Ok(this);
+        }
+        let count = pool.count.max(1);
         let for_hook = Arc::clone(&current);
         let hook: RestartHook<RolloutActor> = Arc::new(move |actor| {
-            let snap = for_hook.lock().unwrap_or_else(|p| p.into_inner()).clone();
+            let snap = lock(&for_hook).clone();
             Box::pin(async move { actor.load_weights(snap).await })
         });
         let options = SpawnOptions {
@@ -268,81 +490,236 @@ impl RolloutPool {
             }
             Ok::<_, actors::ActorError>(())
         })?;
+        let n = actors.len();
         Ok(Self {
             rt,
             head,
-            actors,
+            members: actors.into_iter().map(Member::Actor).collect(),
+            down: Mutex::new((0..n).map(|_| None).collect()),
+            router: Mutex::new(Router::new(n, Weights::default())),
             current,
+            external: None,
         })
     }
 
-    /// Where each actor runs (`local`, or its agent).
+    /// Where each engine runs (`local`, its agent, or its URL).
     pub(crate) fn locations(&self) -> Vec<String> {
-        self.actors.iter().map(|a| a.location()).collect()
+        self.members.iter().map(Member::location).collect()
     }
 
-    /// Actors in the pool.
+    /// Engines in the pool.
     pub(crate) fn len(&self) -> usize {
-        self.actors.len()
+        self.members.len()
     }
 
-    /// Generates `reqs` across the actors; completions come back ordered by request, then
-    /// sample, as from one engine. A request goes whole to the actor with the fewest sampled
-    /// sequences assigned so far (ties: the lowest index), so the split is deterministic.
+    /// Engines out of service now.
+    pub(crate) fn down_count(&self) -> usize {
+        lock(&self.down).iter().filter(|d| d.is_some()).count()
+    }
+
+    /// Generates `reqs` across the engines; completions come back ordered by request, then
+    /// sample, as from one engine. The router gives each request (all its samples) to one
+    /// engine; the requests of an engine that stops answering go to the others, and it is
+    /// taken out of service until it answers again and serves the current weights.
     pub(crate) fn generate_blocking(
         &self,
         reqs: Vec<GenerateRequest>,
     ) -> Result<Vec<Completion>, RunError> {
-        let mut load = vec![0usize; self.actors.len()];
-        let mut shares: Vec<(Vec<usize>, Vec<GenerateRequest>)> =
-            vec![(Vec::new(), Vec::new()); self.actors.len()];
-        for (i, r) in reqs.into_iter().enumerate() {
-            let e = (0..load.len()).min_by_key(|&e| (load[e], e)).unwrap_or(0);
-            load[e] += r.params.n.max(1);
-            shares[e].0.push(i);
-            shares[e].1.push(r);
-        }
-        let calls: Vec<_> = shares
-            .into_iter()
-            .zip(&self.actors)
-            .filter(|((index, _), _)| !index.is_empty())
-            .map(|((index, reqs), actor)| {
-                let actor = actor.clone();
-                // Generation is a pure function of the weights and the requests' seeds, so a
-                // call lost with its actor is simply made again on the restarted one.
-                let call = self.rt.spawn(async move {
-                    retry(&actor, || {
-                        actor.call(RolloutRequest::Generate(reqs.clone()))
-                    })
+        self.rt.block_on(self.generate(reqs))
+    }
+
+    async fn generate(&self, reqs: Vec<GenerateRequest>) -> Result<Vec<Completion>, RunError> {
+        let mut todo: Vec<usize> = (0..reqs.len()).collect();
+        let mut all = Vec::with_capacity(reqs.iter().map(|r| r.params.n).sum());
+        let mut waiting_since: Option<Instant> = None;
+        while !todo.is_empty() {
+            self.revive().await?;
+            let loads = self.loads().await;
+            let batch: Vec<GenerateRequest> = todo.iter().map(|&i| reqs[i].clone()).collect();
+            let route = lock(&self.router).route(&batch, &loads);
+            let Some(route) = route else {
+                // Every engine is out of service: wait for one to come back.
+                let since = *waiting_since.get_or_insert_with(Instant::now);
+                let wait = self.external.as_ref().map_or(Duration::ZERO, |x| x.wait);
+                if since.elapsed() >= wait {
+                    return Err(RunError::Other(self.all_down_message(wait)));
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                continue;
+            };
+            waiting_since = None;
+            let mut shares: Vec<Vec<usize>> = vec![Vec::new(); self.members.len()];
+            for (k, &e) in route.iter().enumerate() {
+                shares[e].push(todo[k]);
+            }
+            let calls: Vec<_> = shares
+                .into_iter()
+                .enumerate()
+                .filter(|(_, index)| !index.is_empty())
+                .map(|(e, index)| {
+                    let member = self.members[e].clone();
+                    let share: Vec<GenerateRequest> =
+                        index.iter().map(|&i| reqs[i].clone()).collect();
+                    let call = self.rt.spawn(async move { member.generate(share).await });
+                    (e, index, call)
+                })
+                .collect();
+            todo.clear();
+            for (e, index, call) in calls {
+                let out = call
                     .await
-                });
-                (index, call)
-            })
-            .collect();
-        let mut all = Vec::new();
-        for (index, call) in calls {
-            let out = self
-                .rt
-                .handle()
-                .block_on(call)
-                .map_err(|e| RunError::Other(format!("a rollout call was lost: {e}")))??;
-            all.extend(out.into_iter().map(|mut c| {
-                c.request = index[c.request];
-                c
-            }));
+                    .map_err(|err| RunError::Other(format!("a rollout call was lost: {err}")))?;
+                match out {
+                    Ok(cs) => all.extend(cs.into_iter().map(|mut c| {
+                        c.request = index[c.request];
+                        c
+                    })),
+                    Err(RunError::Engine(EngineError::Unavailable(msg))) => {
+                        self.take_out(e, msg);
+                        todo.extend(index);
+                    }
+                    Err(err) => return Err(err),
+                }
+            }
+            todo.sort_unstable();
         }
         all.sort_by_key(|c| (c.request, c.index));
         Ok(all)
     }
 
-    /// Swaps `snapshot` into every actor (each engine between its decode steps).
-    pub(crate) fn update_weights_blocking(&self, snapshot: WeightSnapshot) -> Result<(), RunError> {
-        *self.current.lock().unwrap_or_else(|p| p.into_inner()) = snapshot.clone();
-        let pushes: Vec<_> = self
-            .actors
+    /// The load of each engine in service (`None`: out of service). Actors report none.
+    async fn loads(&self) -> Vec<Option<Load>> {
+        let up: Vec<bool> = lock(&self.down).iter().map(Option::is_none).collect();
+        let mut out = Vec::with_capacity(up.len());
+        for (m, up) in self.members.iter().zip(up) {
+            out.push(match (up, m) {
+                (false, _) => None,
+                (true, Member::Actor(_)) => Some(Load::default()),
+                (true, Member::External(e)) => Some(e.load().await.unwrap_or_default()),
+            });
+        }
+        out
+    }
+
+    fn take_out(&self, e: usize, error: String) {
+        let backoff = Duration::from_millis(500);
+        tracing::warn!(
+            engine = %self.members[e].location(),
+            "{error}; out of service, retried in {backoff:?}"
+        );
+        lock(&self.down)[e] = Some(Down {
+            error,
+            next_try: Instant::now() + backoff,
+            backoff,
+        });
+    }
+
+    fn all_down_message(&self, wait: Duration) -> String {
+        let down = lock(&self.down);
+        let why: Vec<String> = self
+            .members
             .iter()
+            .zip(down.iter())
+            .map(|(m, d)| {
+                format!(
+                    "{}: {}",
+                    m.location(),
+                    d.as_ref().map_or("in service", |d| d.error.as_str())
+                )
+            })
+            .collect();
+        format!(
+            "every rollout engine is out of service and none came back within {wait:.0?} (pools.rollout.timeout_s): {}",
+            why.join("; ")
+        )
+    }
+
+    /// Tries the engines out of service whose backoff is over: one that answers its health
+    /// route gets the current weights, is checked, and is back in service.
+    async fn revive(&self) -> Result<(), RunError> {
+        let Some(x) = &self.external else {
+            return Ok(());
+        };
+        let due: Vec<usize> = lock(&self.down)
+            .iter()
+            .enumerate()
+            .filter(|(_, d)| d.as_ref().is_some_and(|d| d.next_try <= Instant::now()))
+            .map(|(i, _)| i)
+            .collect();
+        for i in due {
+            let Member::External(e) = &self.members[i] else {
+                continue;
+            };
+            let probe = lock(&x.probe).clone();
+            let result = match e.health().await {
+                Ok(()) => match &probe {
+                    Some(p) => x.reload_and_verify(e, p).await,
+                    None => Ok(()),
+                },
+                Err(err) => Err(err),
+            };
+            let mut down = lock(&self.down);
+            match result {
+                Ok(()) => {
+                    tracing::info!(engine = e.url(), "back in service");
+                    down[i] = None;
+                }
+                Err(EngineError::Unavailable(msg)) => {
+                    if let Some(d) = &mut down[i] {
+                        d.backoff = (d.backoff * 2).min(Duration::from_secs(30));
+                        d.next_try = Instant::now() + d.backoff;
+                        d.error = msg;
+                    }
+                }
+                Err(err) => return Err(err.into()),
+            }
+        }
+        Ok(())
+    }
+
+    /// Swaps `snapshot` (the weights of the learner's `model`) into every engine in service
+    /// before returning: actors between their decode steps; external engines by reloading a new
+    /// folder, then checked with the probe. An engine that does not answer is taken out of
+    /// service (it gets these weights when it returns).
+    pub(crate) fn update_weights_blocking(
+        &self,
+        snapshot: WeightSnapshot,
+        model: &Model,
+    ) -> Result<(), RunError> {
+        *lock(&self.current) = snapshot.clone();
+        if let Some(x) = &self.external {
+            let dir = x.folders.write(&snapshot, &x.config)?;
+            let probe = Probe::of(model, snapshot.version, dir)?;
+            *lock(&x.probe) = Some(probe.clone());
+            let up: Vec<bool> = lock(&self.down).iter().map(Option::is_none).collect();
+            let results = self.rt.block_on(async {
+                let mut out = Vec::new();
+                for (i, m) in self.members.iter().enumerate() {
+                    if let (true, Member::External(e)) = (up[i], m) {
+                        out.push((i, x.reload_and_verify(e, &probe).await));
+                    }
+                }
+                out
+            });
+            for (i, r) in results {
+                match r {
+                    Ok(()) => {}
+                    Err(EngineError::Unavailable(msg)) => self.take_out(i, msg),
+                    Err(e) => return Err(e.into()),
+                }
+            }
+            tracing::debug!(engine = %x.engine, version = snapshot.version, "weights pushed");
+            return Ok(());
+        }
+        let pushes: Vec<_> = self
+            .members
+            .iter()
+            .filter_map(|m| match m {
+                Member::Actor(a) => Some(a.clone()),
+                Member::External(_) => None,
+            })
             .map(|a| {
-                let (a, s) = (a.clone(), snapshot.clone());
+                let s = snapshot.clone();
                 self.rt
                     .spawn(async move { retry(&a, || a.load_weights(s.clone())).await })
             })
@@ -383,7 +760,10 @@ impl Drop for RolloutPool {
         // Waited for: the runtime (and the supervisors' stop calls to agents) ends with the
         // pool, and a shared head's agents must get their resources back for the next job.
         self.rt.block_on(async {
-            let stops = self.actors.iter().map(|a| a.stop_and_wait());
+            let stops = self.members.iter().filter_map(|m| match m {
+                Member::Actor(a) => Some(a.stop_and_wait()),
+                Member::External(_) => None,
+            });
             let all = async {
                 for s in stops {
                     s.await;
@@ -431,8 +811,11 @@ mod tests {
             count,
             ..Default::default()
         };
-        let one = RolloutPool::new(&model, &pool(1), 8 << 20, 0, None, &|| false).unwrap();
-        let three = RolloutPool::new(&model, &pool(3), 8 << 20, 0, None, &|| false).unwrap();
+        let make = |n| {
+            RolloutPool::new(&model, &pool(n), 8 << 20, 0, None, &|| false, Path::new("."), false)
+                .unwrap()
+        };
+        let (one, three) = (make(1), make(3));
         assert_eq!(three.len(), 3);
         let a = one.generate_blocking(reqs.clone()).unwrap();
         let b = three.generate_blocking(reqs).unwrap();
@@ -446,7 +829,7 @@ mod tests {
             version: 4,
             params: std::sync::Arc::new(model.params.clone()),
         };
-        three.update_weights_blocking(snap).unwrap();
+        three.update_weights_blocking(snap, &model).unwrap();
         let c = three
             .generate_blocking(vec![GenerateRequest {
                 prompt: vec![1, 2],

@@ -297,6 +297,15 @@ fn tokenizer_for(wf: &Workflow) -> Result<(Tokenizer, String), RunError> {
     Ok((tok, json))
 }
 
+/// The model a run of `wf` starts from (its checkpoint, or its `init` config with seeded
+/// weights) and its tokenizer: what `trellis engine serve --recipe` serves until the run pushes
+/// its weights.
+pub fn recipe_model(wf: &Workflow) -> Result<(Model, Tokenizer), RunError> {
+    let (tokenizer, _) = tokenizer_for(wf)?;
+    let ckpt = initial_model(wf, &tokenizer)?;
+    Ok((ckpt.model, tokenizer))
+}
+
 fn initial_model(wf: &Workflow, tok: &Tokenizer) -> Result<Checkpoint, RunError> {
     if let Some(p) = &wf.model.path {
         return Ok(Checkpoint::load(p)?);
@@ -370,6 +379,8 @@ pub fn run_job(
             version,
             opts.cluster.as_ref(),
             &|| opts.stop_requested(),
+            dir,
+            wf.stages.iter().any(|s| s.trainer.mode == "async"),
         )
         .map_err(|e| match e {
             RunError::StoppedWaiting { .. } => RunError::StoppedWaiting {
@@ -579,7 +590,7 @@ impl Run<'_> {
             version: self.version,
             params: Arc::new(self.model.params.clone()),
         };
-        self.engine.update_weights_blocking(snap)?;
+        self.engine.update_weights_blocking(snap, &self.model)?;
         Ok(t.elapsed().as_secs_f64())
     }
 

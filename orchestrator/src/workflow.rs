@@ -63,13 +63,32 @@ pub struct Pool {
     /// spread over them; the native learner trains on one.
     #[serde(default = "one")]
     pub count: usize,
-    /// `native`, `pjrt`, `vllm`, `sglang`.
+    /// `native` (this build's CPU engine), or, for rollout, an external engine server reached
+    /// over HTTP: `vllm`, `sglang`, or `served` (`trellis engine serve`).
     #[serde(default = "default_engine")]
     pub engine: String,
     /// `local` (in the driver process), or on registered agents (`trellis agent`): `pack` (fewest
     /// agents) or `spread` (one per agent first). Agents need `trellis train --listen`.
     #[serde(default = "default_placement")]
     pub placement: String,
+    /// Base URLs of the external engines (`http://host:port`), one engine each.
+    #[serde(default)]
+    pub endpoints: Vec<String>,
+    /// The model the endpoints must serve (vLLM's model id, SGLang's model path); unset:
+    /// whatever they serve.
+    #[serde(default)]
+    pub model: Option<String>,
+    /// A folder every endpoint can read, where each pushed weight version is written as a new
+    /// checkpoint folder (default: RUN_DIR/engine-weights; on a cluster, a shared filesystem).
+    #[serde(default)]
+    pub weights_dir: Option<PathBuf>,
+    /// Seconds one HTTP call to an engine may take (a generation included).
+    #[serde(default = "default_timeout")]
+    pub timeout_s: f64,
+    /// Largest |log-prob difference| allowed between an engine and the learner on the probe
+    /// that checks every weight push (raise it for bf16 engines).
+    #[serde(default = "default_tolerance")]
+    pub verify_tolerance: f64,
 }
 
 impl Default for Pool {
@@ -79,8 +98,31 @@ impl Default for Pool {
             count: 1,
             engine: default_engine(),
             placement: default_placement(),
+            endpoints: Vec::new(),
+            model: None,
+            weights_dir: None,
+            timeout_s: default_timeout(),
+            verify_tolerance: default_tolerance(),
         }
     }
+}
+
+impl Pool {
+    /// Whether the pool's engines are external servers reached over HTTP.
+    pub fn is_external(&self) -> bool {
+        EXTERNAL_ENGINES.contains(&self.engine.as_str())
+    }
+}
+
+/// Engines reached over HTTP.
+pub const EXTERNAL_ENGINES: &[&str] = &["vllm", "sglang", "served"];
+
+fn default_timeout() -> f64 {
+    300.0
+}
+
+fn default_tolerance() -> f64 {
+    1e-3
 }
 
 fn default_placement() -> String {
@@ -572,12 +614,15 @@ pub fn parse(text: &str, origin: &str, overrides: &[String]) -> Result<Workflow,
             ))
         })?;
     }
-    // Model and dataset paths are relative to the workflow file.
+    // Model, weight-folder and dataset paths are relative to the workflow file.
     if let Some(base) = Path::new(origin).parent() {
-        if let Some(p) = &mut wf.model.path
-            && p.is_relative()
+        for p in [&mut wf.model.path, &mut wf.pools.rollout.weights_dir]
+            .into_iter()
+            .flatten()
         {
-            *p = base.join(&*p);
+            if p.is_relative() {
+                *p = base.join(&*p);
+            }
         }
         for s in &mut wf.stages {
             if let Some(d) = &mut s.data {
@@ -761,9 +806,54 @@ pub fn validate(wf: &Workflow, origin: &str) -> Result<(), WorkflowError> {
                 "pools.{role}.count is 0: a pool needs at least one engine"
             ));
         }
-        if p.engine != "native" || p.device != "cpu" {
+        if role == "rollout" && p.is_external() {
+            if p.endpoints.is_empty() {
+                return bad(format!(
+                    "pools.rollout.endpoints is empty: engine `{}` needs the URLs of its servers (e.g. [http://10.0.0.5:8000])",
+                    p.engine
+                ));
+            }
+            if let Some(e) = p.endpoints.iter().find(|e| {
+                !e.starts_with("http://") || e.trim_end_matches('/').len() <= "http://".len()
+            }) {
+                return bad(format!(
+                    "pools.rollout.endpoints: `{e}` is not a URL like http://10.0.0.5:8000"
+                ));
+            }
+            if p.placement != "local" {
+                return bad(format!(
+                    "pools.rollout.placement `{}`: engine `{}` runs where its endpoints are; leave placement out",
+                    p.placement, p.engine
+                ));
+            }
+            if p.count > 1 && p.count != p.endpoints.len() {
+                return bad(format!(
+                    "pools.rollout.count is {} but {} endpoints are listed: an external pool has one engine per endpoint",
+                    p.count,
+                    p.endpoints.len()
+                ));
+            }
+            if !(p.timeout_s > 0.0 && p.verify_tolerance > 0.0) {
+                return bad(
+                    "pools.rollout.timeout_s and verify_tolerance must be positive".into(),
+                );
+            }
+            continue;
+        }
+        if !p.endpoints.is_empty() {
             return bad(format!(
-                "pools.{role}: engine `{}` on `{}` cannot be placed: this build runs the native engine on cpu only",
+                "pools.{role}.endpoints are for external engines (engine: vllm, sglang or served), not `{}`",
+                p.engine
+            ));
+        }
+        if p.engine != "native" || p.device != "cpu" {
+            let also = if role == "rollout" {
+                "; rollout pools also take vllm, sglang or served with endpoints"
+            } else {
+                ""
+            };
+            return bad(format!(
+                "pools.{role}: engine `{}` on `{}` cannot be placed: this build runs the native engine on cpu{also}",
                 p.engine, p.device
             ));
         }

@@ -62,7 +62,8 @@ type Reply<T> = oneshot::Sender<Result<T, EngineError>>;
 
 enum Cmd {
     Generate(Vec<GenerateRequest>, Reply<Vec<Completion>>),
-    Update(WeightSnapshot, Reply<()>),
+    /// New weights; `relabel` allows any version other than the served one.
+    Update(WeightSnapshot, bool, Reply<()>),
 }
 
 /// Counters the engine keeps (read with [`NativeEngine::stats`]).
@@ -242,8 +243,17 @@ impl NativeEngine {
 
     /// [`InferenceEngine::update_weights`] for callers without an async runtime.
     pub fn update_weights_blocking(&self, snapshot: WeightSnapshot) -> Result<(), EngineError> {
-        self.send(|r| Cmd::Update(snapshot, r))?
+        self.send(|r| Cmd::Update(snapshot, false, r))?
             .blocking_recv()
+            .map_err(|_| EngineError::Closed)?
+    }
+
+    /// As [`InferenceEngine::update_weights`], but with any version: for servers whose clients
+    /// own the version labels (vLLM's `update_weight_version` sets any label; a trainer that
+    /// restarts pushes its checkpoint's version again).
+    pub async fn replace_weights(&self, snapshot: WeightSnapshot) -> Result<(), EngineError> {
+        self.send(|r| Cmd::Update(snapshot, true, r))?
+            .await
             .map_err(|_| EngineError::Closed)?
     }
 }
@@ -266,7 +276,7 @@ impl InferenceEngine for NativeEngine {
     }
 
     async fn update_weights(&self, snapshot: WeightSnapshot) -> Result<(), EngineError> {
-        self.send(|r| Cmd::Update(snapshot, r))?
+        self.send(|r| Cmd::Update(snapshot, false, r))?
             .await
             .map_err(|_| EngineError::Closed)?
     }
@@ -409,15 +419,15 @@ impl Worker {
                     slot += n;
                 }
             }
-            Cmd::Update(snap, reply) => {
-                let res = self.swap(snap);
+            Cmd::Update(snap, relabel, reply) => {
+                let res = self.swap(snap, relabel);
                 let _ = reply.send(res);
             }
         }
     }
 
-    fn swap(&mut self, snap: WeightSnapshot) -> Result<(), EngineError> {
-        if snap.version <= self.version {
+    fn swap(&mut self, snap: WeightSnapshot, relabel: bool) -> Result<(), EngineError> {
+        if snap.version <= self.version && !relabel {
             return Err(EngineError::BadWeights(format!(
                 "version {} is not newer than the served version {}",
                 snap.version, self.version
