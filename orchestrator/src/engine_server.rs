@@ -63,6 +63,9 @@ pub struct EngineServeOptions {
     pub served_model_name: Option<String>,
     /// KV-cache budget in bytes.
     pub kv_cache_bytes: usize,
+    /// Answer `/inference/v1/generate` with 404, as a vLLM started without `--tokens-only`
+    /// does (clients then fall back to `/v1/completions`).
+    pub completions_only: bool,
 }
 
 /// Why the server could not start.
@@ -81,6 +84,7 @@ pub enum EngineServeError {
 
 struct State {
     engine: NativeEngine,
+    completions_only: bool,
     name: String,
     path: String,
     config: ModelConfig,
@@ -137,6 +141,7 @@ pub async fn serve(
     );
     let state = Arc::new(State {
         engine,
+        completions_only: opts.completions_only,
         name: opts.served_model_name.unwrap_or_else(|| path.clone()),
         path,
         config,
@@ -215,6 +220,10 @@ async fn handle(state: &State, req: Request<Incoming>) -> Response<Full<Bytes>> 
         (&Method::GET, "/model_info" | "/get_model_info") => ok(json!({
             "model_path": state.path, "served_model_name": state.name, "is_generation": true,
             "weight_version": state.engine.weight_version().to_string()})),
+        (&Method::POST, "/inference/v1/generate") if state.completions_only => Err(HttpError(
+            StatusCode::NOT_FOUND,
+            "no route POST /inference/v1/generate (started with --completions-only)".into(),
+        )),
         (&Method::POST, "/inference/v1/generate") => match json_body() {
             Ok(b) => tokens_generate(state, &b).await,
             Err(e) => Err(e),

@@ -265,6 +265,10 @@ enum EngineCommand {
         /// KV-cache budget in MiB.
         #[arg(long, default_value_t = 512)]
         kv_cache_mib: usize,
+        /// Answer /inference/v1/generate with 404, as a vLLM started without --tokens-only
+        /// (clients fall back to /v1/completions with token ids).
+        #[arg(long)]
+        completions_only: bool,
     },
 }
 
@@ -1012,6 +1016,7 @@ fn run() -> Result<()> {
                     listen,
                     served_model_name,
                     kv_cache_mib,
+                    completions_only,
                 },
         } => engine_serve(orchestrator::engine_server::EngineServeOptions {
             model: match (model, recipe) {
@@ -1022,6 +1027,7 @@ fn run() -> Result<()> {
             listen,
             served_model_name,
             kv_cache_bytes: kv_cache_mib << 20,
+            completions_only,
         }),
         Command::Bench {
             what:

@@ -347,17 +347,21 @@ impl RolloutPool {
             let timeout = Duration::from_secs_f64(pool.timeout_s);
             let engines = rt.block_on(async {
                 let mut out = Vec::new();
-                for url in &pool.endpoints {
+                for (i, url) in pool.endpoints.iter().enumerate() {
                     let cfg = ExternalConfig {
                         url: url.clone(),
                         model: pool.model.clone(),
                         timeout,
                     };
-                    out.push(Member::External(Arc::new(
-                        External::connect(&pool.engine, cfg).await?,
-                    )));
+                    let e = External::connect(&pool.engine, cfg).await.map_err(|e| {
+                        RunError::Other(format!(
+                            "pools.rollout.endpoints[{i}]: {} engine at {url}: {e}",
+                            pool.engine
+                        ))
+                    })?;
+                    out.push(Member::External(Arc::new(e)));
                 }
-                Ok::<_, EngineError>(out)
+                Ok::<_, RunError>(out)
             })?;
             let root = pool
                 .weights_dir
@@ -841,4 +845,72 @@ mod tests {
             .unwrap();
         assert!(c[0].weight_versions.iter().all(|s| s.version == 4));
     }
+
+    #[test]
+    fn a_push_the_engine_did_not_take_is_caught_by_the_probe() {
+        let cfg = serde_json::json!({"model_type": "qwen2", "vocab_size": 32, "hidden_size": 16,
+            "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+            "num_key_value_heads": 2, "max_position_embeddings": 64});
+        let cfg = ModelConfig::from_json(cfg, Path::new("t")).unwrap();
+        let (a, b) = (Model::init(cfg.clone(), 5), Model::init(cfg.clone(), 6));
+        let root = std::env::temp_dir().join(format!("trellis-probe-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        learner::checkpoint::Checkpoint {
+            model: Model::new(cfg.clone(), b.params.clone()).unwrap(),
+            assets: Vec::new(),
+        }
+        .save(&root.join("served"), None)
+        .unwrap();
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        rt.spawn(crate::engine_server::serve(
+            crate::engine_server::EngineServeOptions {
+                model: crate::engine_server::ModelSource::Checkpoint(root.join("served")),
+                listen: "127.0.0.1:0".parse().unwrap(),
+                served_model_name: None,
+                kv_cache_bytes: 8 << 20,
+                completions_only: false,
+            },
+            move |addr, _| tx.send(addr).unwrap(),
+            std::future::pending(),
+        ));
+        let addr = rx.recv().unwrap();
+        let config = ExternalConfig {
+            url: format!("http://{addr}"),
+            model: None,
+            timeout: Duration::from_secs(30),
+        };
+        let engine = rt.block_on(External::connect("served", config)).unwrap();
+        let folders = WeightFolders::new(root.join("weights"));
+        let x = ExternalPool {
+            engine: "served".into(),
+            folders: folders.clone(),
+            config: cfg.clone(),
+            tolerance: 1e-4,
+            needs_processed: true,
+            wait: Duration::from_secs(1),
+            probe: Mutex::new(None),
+            raw_warned: Default::default(),
+        };
+        let snap = WeightSnapshot {
+            version: 1,
+            params: Arc::new(a.params.clone()),
+        };
+        let dir = folders.write(&snap, &cfg).unwrap();
+        // The engine serves what the folder holds, as the learner says: accepted.
+        let probe = Probe::of(&a, 1, dir.clone()).unwrap();
+        rt.block_on(x.reload_and_verify(&engine, &probe)).unwrap();
+        // A learner whose weights are not the folder's (a push that did not take): refused.
+        let stale = Probe::of(&b, 2, dir).unwrap();
+        let e = rt.block_on(x.reload_and_verify(&engine, &stale)).unwrap_err();
+        assert!(matches!(e, EngineError::BadWeights(_)), "{e}");
+        assert!(e.to_string().contains("does not serve the pushed weights"), "{e}");
+        drop(rt);
+        let _ = std::fs::remove_dir_all(&root);
+    }
+
 }

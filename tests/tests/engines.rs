@@ -1,0 +1,473 @@
+//! External engines with real processes: `trellis engine serve` behind vLLM's and SGLang's HTTP
+//! routes, driven by Trellis's own `vllm` and `sglang` adapters and by `trellis train` with
+//! `engine: served | vllm | sglang` — outputs equal to the in-process engine's, a GRPO run whose
+//! metrics equal an in-process run's even with an engine killed -9 mid-RL, and the errors for an
+//! unreachable URL (then resumed), a wrong model and a malformed response.
+
+use learner::checkpoint::Checkpoint;
+use learner::snapshot::WeightSnapshot;
+use rollout::external::ExternalConfig;
+use rollout::http::HttpClient;
+use rollout::native::NativeEngine;
+use rollout::sglang::SglangEngine;
+use rollout::vllm::VllmEngine;
+use rollout::{Completion, GenerateRequest, InferenceEngine, SamplingParams};
+use serde_json::{Value, json};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use trellis_tests::{Killed, metric_rows, run_ok, trellis};
+
+fn data(p: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data").join(p)
+}
+
+fn scratch(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("trellis-engines-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// `trellis engine serve ARGS --listen ADDR`, and its URL once it listens.
+fn serve(args: &[&str], listen: &str) -> (Killed, String) {
+    let mut child = Killed(
+        trellis()
+            .args(["--log", "warn", "engine", "serve", "--listen", listen])
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn trellis engine serve"),
+    );
+    let mut line = String::new();
+    BufReader::new(child.0.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let url = line
+        .trim()
+        .strip_prefix("listening on ")
+        .unwrap_or_else(|| panic!("engine serve said {line:?}"))
+        .to_string();
+    (child, url)
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+fn endpoint(url: &str) -> ExternalConfig {
+    ExternalConfig {
+        url: url.to_string(),
+        model: None,
+        timeout: Duration::from_secs(60),
+    }
+}
+
+fn requests() -> Vec<GenerateRequest> {
+    let sampled = |prompt: Vec<u32>, n, seed| GenerateRequest {
+        prompt,
+        params: SamplingParams {
+            n,
+            temperature: 0.8,
+            top_k: 50,
+            top_p: 0.95,
+            max_tokens: 8,
+            seed: Some(seed),
+            ..Default::default()
+        },
+    };
+    vec![
+        sampled(vec![5, 17, 200, 33], 3, 11),
+        GenerateRequest {
+            prompt: vec![9, 8, 7],
+            params: SamplingParams {
+                temperature: 0.0,
+                max_tokens: 6,
+                stop_token_ids: vec![42],
+                ..Default::default()
+            },
+        },
+        sampled(vec![100, 101], 2, 12),
+    ]
+}
+
+/// Everything but the log-probs, which are compared within 1e-5: the server batches requests
+/// as they arrive, and a decode batch of another size sums in another order (tokens are the
+/// seed's whatever the batch).
+fn key(cs: &[Completion]) -> Vec<(usize, usize, Vec<u32>, String, Vec<u64>)> {
+    cs.iter()
+        .map(|c| {
+            (
+                c.request,
+                c.index,
+                c.token_ids.clone(),
+                format!("{:?}", c.finish_reason),
+                c.weight_versions.iter().map(|s| s.version).collect(),
+            )
+        })
+        .collect()
+}
+
+fn same(got: &[Completion], want: &[Completion], name: &str) {
+    assert_eq!(key(got), key(want), "{name} differs from the in-process engine");
+    for (g, w) in got.iter().zip(want) {
+        for (a, b) in g.logprobs.iter().zip(&w.logprobs) {
+            assert!((a - b).abs() < 1e-5, "{name}: log-prob {a} vs {b}");
+        }
+    }
+}
+
+#[test]
+fn the_served_engine_answers_the_vllm_and_sglang_adapters_like_the_in_process_engine() {
+    let model_dir = data("tiny-qwen2/checkpoint");
+    let dir_arg = model_dir.to_str().unwrap();
+    let (_a, tokens_url) = serve(&["--model", dir_arg], "127.0.0.1:0");
+    let (_b, completions_url) = serve(&["--model", dir_arg, "--completions-only"], "127.0.0.1:0");
+    let ckpt = Checkpoint::load(&model_dir).unwrap();
+    let config = ckpt.model.config.clone();
+    let local = NativeEngine::new(ckpt.model, Default::default());
+    let want = local.generate_blocking(requests()).unwrap();
+    let rt = runtime();
+
+    // vLLM adapter, token route; vLLM adapter falling back to /v1/completions; SGLang adapter.
+    let vllm = rt.block_on(VllmEngine::connect(endpoint(&tokens_url))).unwrap();
+    assert_eq!(vllm.model(), dir_arg, "the model id defaults to --model as given");
+    let fallback = rt
+        .block_on(VllmEngine::connect(endpoint(&completions_url)))
+        .unwrap();
+    let sglang = rt.block_on(SglangEngine::connect(endpoint(&tokens_url))).unwrap();
+    let got = [
+        rt.block_on(vllm.generate(requests())).unwrap(),
+        rt.block_on(fallback.generate(requests())).unwrap(),
+        rt.block_on(sglang.generate(requests())).unwrap(),
+    ];
+    for (name, g) in ["vllm", "vllm via completions", "sglang"].iter().zip(&got) {
+        same(g, &want, name);
+    }
+
+    // Greedy through /v1/completions with token ids equals transformers' greedy (the fixture).
+    let reference: Value = serde_json::from_str(
+        &std::fs::read_to_string(data("tiny-qwen2/reference.json")).unwrap(),
+    )
+    .unwrap();
+    let http = HttpClient::new(&tokens_url, Duration::from_secs(60)).unwrap();
+    for (ids, greedy) in reference["input_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip(reference["greedy"].as_array().unwrap())
+    {
+        let v = rt
+            .block_on(http.post_json(
+                "/v1/completions",
+                &json!({"prompt": ids, "max_tokens": 16, "temperature": 0, "ignore_eos": true,
+                        "return_token_ids": true}),
+            ))
+            .unwrap();
+        assert_eq!(&v["choices"][0]["token_ids"], greedy, "{v}");
+    }
+    // A text prompt is tokenized with the checkpoint's tokenizer, as `trellis generate` does.
+    let v = rt
+        .block_on(http.post_json(
+            "/v1/completions",
+            &json!({"model": dir_arg, "prompt": "Hello", "max_tokens": 5, "temperature": 0}),
+        ))
+        .unwrap();
+    let cli = run_ok(trellis().args([
+        "generate",
+        "--model",
+        dir_arg,
+        "--prompt",
+        "Hello",
+        "--max-tokens",
+        "5",
+        "--temperature",
+        "0",
+    ]));
+    assert_eq!(
+        v["choices"][0]["text"].as_str().unwrap(),
+        String::from_utf8_lossy(&cli.stdout).trim_end_matches('\n')
+    );
+    let wrong = rt
+        .block_on(http.post_raw("/v1/completions", &json!({"model": "gpt-9", "prompt": [1]})))
+        .unwrap();
+    assert_eq!(wrong.0, 404);
+
+    // A weight push through each adapter's HTTP path (new folder, pause, reload, version,
+    // resume): the served engines answer as the in-process engine on the same weights.
+    let mut params = local_params(&model_dir);
+    for t in &mut params.tensors {
+        for (i, x) in t.data.iter_mut().enumerate() {
+            *x *= 1.0 + 0.05 * ((i % 7) as f32 - 3.0) / 3.0;
+        }
+    }
+    let snap = |v| WeightSnapshot {
+        version: v,
+        params: Arc::new(params.clone()),
+    };
+    local.update_weights_blocking(snap(3)).unwrap();
+    let want = local.generate_blocking(requests()).unwrap();
+    let root = scratch("push");
+    let vllm = vllm.with_weight_folders(&root.join("vllm"), config.clone());
+    rt.block_on(vllm.update_weights(snap(3))).unwrap();
+    assert_eq!(vllm.weight_version(), 3);
+    same(&rt.block_on(vllm.generate(requests())).unwrap(), &want, "vllm after a push");
+    let sglang = rt
+        .block_on(SglangEngine::connect(endpoint(&completions_url)))
+        .unwrap()
+        .with_weight_folders(&root.join("sglang"), config);
+    rt.block_on(sglang.update_weights(snap(3))).unwrap();
+    same(&rt.block_on(sglang.generate(requests())).unwrap(), &want, "sglang after a push");
+    let metrics = rt.block_on(http.get_text("/metrics")).unwrap();
+    assert!(
+        metrics.contains("trellis:weight_version{model_name=") && metrics.contains("} 3\n"),
+        "{metrics}"
+    );
+    std::fs::remove_dir_all(&root).unwrap();
+}
+
+fn local_params(dir: &Path) -> learner::Params {
+    Checkpoint::load(dir).unwrap().model.params
+}
+
+fn rl_rows(dir: &Path) -> usize {
+    std::fs::read_to_string(dir.join("metrics.jsonl"))
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.contains("\"stage\":\"rl\""))
+        .count()
+}
+
+/// Metric rows without timings and without the pool's own counters (`rollout/…`).
+fn comparable(dir: &Path) -> Vec<Value> {
+    metric_rows(dir)
+        .into_iter()
+        .map(|mut v| {
+            v.as_object_mut()
+                .unwrap()
+                .retain(|k, _| !k.starts_with("rollout/"));
+            v
+        })
+        .collect()
+}
+
+#[test]
+fn a_grpo_run_on_two_served_engines_trains_like_in_process_and_routes_around_a_killed_one() {
+    let dir = scratch("grpo");
+    let recipe = data("tiny-arith.yaml");
+    let steps = "stages.rl.trainer.steps=16";
+    run_ok(
+        trellis()
+            .arg("train")
+            .arg(&recipe)
+            .args(["--quiet", "-o", steps, "--run-dir"])
+            .arg(dir.join("local")),
+    );
+    let reference = comparable(&dir.join("local"));
+    let recipe_arg = recipe.to_str().unwrap();
+    let (_a, url_a) = serve(&["--recipe", recipe_arg], "127.0.0.1:0");
+    let (mut b, url_b) = serve(&["--recipe", recipe_arg], "127.0.0.1:0");
+    let run = dir.join("run");
+    let mut train = Killed(
+        trellis()
+            .arg("train")
+            .arg(&recipe)
+            .args(["-o", steps, "-o", "pools.rollout.engine=served", "-o"])
+            .arg(format!("pools.rollout.endpoints=[{url_a},{url_b}]"))
+            .arg("--run-dir")
+            .arg(&run)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let mut stderr = train.0.stderr.take().unwrap();
+    let log = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = stderr.read_to_string(&mut s);
+        s
+    });
+    // Kill engine b -9 once RL is under way.
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while rl_rows(&run) < 3 {
+        assert!(Instant::now() < deadline, "the run made no RL progress");
+        assert!(train.0.try_wait().unwrap().is_none(), "the run ended early");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    b.0.kill().unwrap();
+    b.0.wait().unwrap();
+    let status = train.0.wait().unwrap();
+    let log = log.join().unwrap();
+    assert!(status.success(), "the run failed:\n{log}");
+    assert!(log.contains("out of service"), "{log}");
+    assert_eq!(
+        comparable(&run),
+        reference,
+        "metrics differ from the in-process run"
+    );
+    let rows = metric_rows(&run);
+    let rl: Vec<&Value> = rows.iter().filter(|r| r["stage"] == "rl").collect();
+    assert!(rl.iter().all(|r| r["rollout/engines"] == json!(2.0)));
+    // Out of service from the kill on (nothing restarts engine b).
+    assert_eq!(rl.last().unwrap()["rollout/engines_down"], json!(1.0));
+    // The surviving engine serves the last version; each prompt was prefilled once for all
+    // its samples; only the last two weight folders are kept.
+    let rt = runtime();
+    let http = HttpClient::new(&url_a, Duration::from_secs(10)).unwrap();
+    let m = rt.block_on(http.get_text("/metrics")).unwrap();
+    let get = |name: &str| rollout::external::prometheus_sum(&m, name).unwrap();
+    let version = rows
+        .iter()
+        .filter_map(|r| r["weight_version"].as_f64())
+        .fold(0.0, f64::max);
+    assert_eq!(get("trellis:weight_version"), version, "{m}");
+    assert_eq!(
+        get("trellis:prefill_tokens_total"),
+        get("vllm:prompt_tokens_total")
+    );
+    let mut folders: Vec<String> = std::fs::read_dir(run.join("engine-weights"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    folders.sort();
+    assert_eq!(folders.len(), 2, "{folders:?}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A port nobody listens on (bound, then released).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A server that speaks HTTP but answers `/inference/v1/generate` with nonsense.
+fn malformed_server() -> String {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut s) = stream else { continue };
+            let mut buf = Vec::new();
+            let mut chunk = [0u8; 4096];
+            // Headers, then the body by content-length.
+            let (head_end, len) = loop {
+                let n = s.read(&mut chunk).unwrap_or(0);
+                if n == 0 {
+                    break (0, 0);
+                }
+                buf.extend_from_slice(&chunk[..n]);
+                if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                    let head = String::from_utf8_lossy(&buf[..i]).to_lowercase();
+                    let len = head
+                        .lines()
+                        .find_map(|l| l.strip_prefix("content-length:"))
+                        .and_then(|v| v.trim().parse().ok())
+                        .unwrap_or(0usize);
+                    break (i + 4, len);
+                }
+            };
+            while buf.len() < head_end + len {
+                let n = s.read(&mut chunk).unwrap_or(0);
+                if n == 0 {
+                    break;
+                }
+                buf.extend_from_slice(&chunk[..n]);
+            }
+            let request = String::from_utf8_lossy(&buf);
+            let body = if request.starts_with("GET /v1/models") {
+                r#"{"data":[{"id":"m"}]}"#
+            } else if request.starts_with("POST /inference/v1/generate") {
+                r#"{"choices":[{"token_ids":"seven"}]}"#
+            } else {
+                "{}"
+            };
+            let _ = write!(
+                s,
+                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                body.len()
+            );
+        }
+    });
+    format!("http://{addr}")
+}
+
+#[test]
+fn bad_endpoints_are_named_and_a_run_that_could_not_reach_its_engine_resumes() {
+    let dir = scratch("errors");
+    let recipe = data("tiny-arith.yaml");
+    let train = |run: &str, extra: &[String]| {
+        let out = trellis()
+            .arg("train")
+            .arg(&recipe)
+            .args(["--quiet", "-o", "stages.rl.trainer.steps=2", "--run-dir"])
+            .arg(dir.join(run))
+            .args(extra.iter().flat_map(|o| ["-o", o.as_str()]))
+            .output()
+            .unwrap();
+        (out.status.success(), String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+    let endpoint = |engine: &str, url: &str| {
+        vec![
+            format!("pools.rollout.engine={engine}"),
+            format!("pools.rollout.endpoints=[{url}]"),
+        ]
+    };
+
+    // Nobody listens: the error names the endpoint; once an engine listens there, the run
+    // resumes and finishes.
+    let port = free_port();
+    let url = format!("http://127.0.0.1:{port}");
+    let (ok, err) = train("unreachable", &endpoint("vllm", &url));
+    assert!(!ok);
+    assert!(
+        err.contains("pools.rollout.endpoints[0]") && err.contains(&format!("127.0.0.1:{port}")),
+        "{err}"
+    );
+    let (_engine, _) = serve(
+        &["--recipe", recipe.to_str().unwrap()],
+        &format!("127.0.0.1:{port}"),
+    );
+    let resumed = run_ok(
+        trellis()
+            .args(["resume", "--quiet"])
+            .arg(dir.join("unreachable")),
+    );
+    assert!(resumed.status.success());
+    assert!(rl_rows(&dir.join("unreachable")) >= 2);
+
+    // The wrong model: both names are in the message.
+    let mut wrong = endpoint("vllm", &url);
+    wrong.push("pools.rollout.model=Qwen/Qwen2.5-0.5B-Instruct".into());
+    let (ok, err) = train("wrong-model", &wrong);
+    assert!(!ok);
+    assert!(
+        err.contains("Qwen/Qwen2.5-0.5B-Instruct") && err.contains("tiny-arith"),
+        "{err}"
+    );
+
+    // A malformed answer: named as such, with the route.
+    let (ok, err) = train("malformed", &endpoint("vllm", &malformed_server()));
+    assert!(!ok);
+    assert!(
+        err.contains("/inference/v1/generate: malformed response"),
+        "{err}"
+    );
+
+    // Validation: an external engine without endpoints.
+    let (ok, err) = train("no-endpoints", &["pools.rollout.engine=sglang".to_string()]);
+    assert!(!ok);
+    assert!(err.contains("pools.rollout.endpoints is empty"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
