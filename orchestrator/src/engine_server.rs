@@ -239,9 +239,7 @@ async fn handle(state: &State, req: Request<Incoming>) -> Response<Full<Bytes>> 
         (&Method::POST, "/pause" | "/pause_generation") => {
             let mode = query_param(&query, "mode").unwrap_or("wait");
             if !["wait", "keep", "abort", "in_place", "retract"].contains(&mode) {
-                Err(bad(format!(
-                    "mode `{mode}`: expected wait, keep or abort"
-                )))
+                Err(bad(format!("mode `{mode}`: expected wait, keep or abort")))
             } else {
                 state.paused.send_replace(true);
                 // Wait for the generations in flight.
@@ -365,7 +363,9 @@ fn sampling(v: &Value, max_key: &str, seed_key: &str) -> Result<SamplingParams, 
         seed: match &v[seed_key] {
             Value::Null => None,
             x => Some(x.as_u64().ok_or_else(|| {
-                bad(format!("`{seed_key}` must be a non-negative integer, got {x}"))
+                bad(format!(
+                    "`{seed_key}` must be a non-negative integer, got {x}"
+                ))
             })?),
         },
     };
@@ -394,7 +394,9 @@ async fn run(state: &State, reqs: Vec<GenerateRequest>) -> Result<Vec<Completion
             break g;
         }
     };
-    state.requests.fetch_add(reqs.len() as u64, Ordering::Relaxed);
+    state
+        .requests
+        .fetch_add(reqs.len() as u64, Ordering::Relaxed);
     let prompt: usize = reqs.iter().map(|r| r.prompt.len()).sum();
     state
         .prompt_tokens
@@ -449,19 +451,25 @@ async fn completions(state: &State, b: &Value) -> Answer {
     {
         return Err(HttpError(
             StatusCode::NOT_FOUND,
-            format!("The model `{m}` does not exist (this server serves `{}`).", state.name),
+            format!(
+                "The model `{m}` does not exist (this server serves `{}`).",
+                state.name
+            ),
         ));
     }
     let encode = |s: &str| -> Result<Vec<u32>, HttpError> {
-        let t = state.tokenizer.as_ref().ok_or_else(|| {
-            bad("this model has no tokenizer.json: send the prompt as token ids")
-        })?;
+        let t = state
+            .tokenizer
+            .as_ref()
+            .ok_or_else(|| bad("this model has no tokenizer.json: send the prompt as token ids"))?;
         t.encode(s).map_err(|e| bad(e.to_string()))
     };
     // A string, a list of ids, a list of strings, or a list of lists of ids.
     let prompts: Vec<Vec<u32>> = match &b["prompt"] {
         Value::String(s) => vec![encode(s)?],
-        Value::Array(a) if a.iter().all(Value::is_number) => vec![token_ids(&b["prompt"], "prompt")?],
+        Value::Array(a) if a.iter().all(Value::is_number) => {
+            vec![token_ids(&b["prompt"], "prompt")?]
+        }
         Value::Array(a) => a
             .iter()
             .map(|p| match p {
@@ -516,10 +524,12 @@ async fn completions(state: &State, b: &Value) -> Answer {
     let created = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
-    ok(json!({"id": format!("cmpl-{}", state.requests.load(Ordering::Relaxed)),
+    ok(
+        json!({"id": format!("cmpl-{}", state.requests.load(Ordering::Relaxed)),
         "object": "text_completion", "created": created, "model": state.name, "choices": choices,
         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                  "total_tokens": prompt_tokens + completion_tokens}}))
+                  "total_tokens": prompt_tokens + completion_tokens}}),
+    )
 }
 
 async fn sglang_generate(state: &State, b: &Value) -> Answer {
@@ -652,7 +662,9 @@ async fn update_from_disk(state: &State, b: &Value) -> Answer {
             Value::Null => stage_weights(state, params).await,
             v => {
                 let version = rollout::http::as_u64(v).ok_or_else(|| {
-                    bad(format!("`weight_version` must be an integer version, got {v}"))
+                    bad(format!(
+                        "`weight_version` must be an integer version, got {v}"
+                    ))
                 })?;
                 state.pending.lock().await.take();
                 swap(state, Arc::new(params), version).await
@@ -675,20 +687,60 @@ fn metrics(state: &State) -> String {
     let kv = s.kv_usage(state.engine.kv_shape().num_blocks);
     let name = state.name.replace('\\', "\\\\").replace('"', "\\\"");
     let gauges = [
-        ("vllm:num_requests_running", "Sequences decoding.", s.running as f64),
-        ("vllm:num_requests_waiting", "Requests waiting for KV-cache blocks.", s.waiting as f64),
+        (
+            "vllm:num_requests_running",
+            "Sequences decoding.",
+            s.running as f64,
+        ),
+        (
+            "vllm:num_requests_waiting",
+            "Requests waiting for KV-cache blocks.",
+            s.waiting as f64,
+        ),
         ("vllm:kv_cache_usage_perc", "KV-cache usage, 0..1.", kv),
-        ("sglang:num_running_reqs", "Sequences decoding.", s.running as f64),
-        ("sglang:num_queue_reqs", "Requests waiting.", s.waiting as f64),
+        (
+            "sglang:num_running_reqs",
+            "Sequences decoding.",
+            s.running as f64,
+        ),
+        (
+            "sglang:num_queue_reqs",
+            "Requests waiting.",
+            s.waiting as f64,
+        ),
         ("sglang:token_usage", "KV-cache usage, 0..1.", kv),
-        ("trellis:weight_version", "Weight version served.", state.engine.weight_version() as f64),
+        (
+            "trellis:weight_version",
+            "Weight version served.",
+            state.engine.weight_version() as f64,
+        ),
     ];
     let counters = [
-        ("vllm:prompt_tokens_total", "Prompt tokens received.", state.prompt_tokens.load(Ordering::Relaxed)),
-        ("vllm:generation_tokens_total", "Tokens generated.", state.generation_tokens.load(Ordering::Relaxed)),
-        ("vllm:request_success_total", "Requests served.", state.requests.load(Ordering::Relaxed)),
-        ("trellis:prefill_tokens_total", "Prompt tokens run through the model (once per prompt, whatever n).", s.prefill_tokens),
-        ("trellis:decode_steps_total", "Decode steps.", s.decode_steps),
+        (
+            "vllm:prompt_tokens_total",
+            "Prompt tokens received.",
+            state.prompt_tokens.load(Ordering::Relaxed),
+        ),
+        (
+            "vllm:generation_tokens_total",
+            "Tokens generated.",
+            state.generation_tokens.load(Ordering::Relaxed),
+        ),
+        (
+            "vllm:request_success_total",
+            "Requests served.",
+            state.requests.load(Ordering::Relaxed),
+        ),
+        (
+            "trellis:prefill_tokens_total",
+            "Prompt tokens run through the model (once per prompt, whatever n).",
+            s.prefill_tokens,
+        ),
+        (
+            "trellis:decode_steps_total",
+            "Decode steps.",
+            s.decode_steps,
+        ),
     ];
     let mut out = String::new();
     for (n, help, v) in gauges {

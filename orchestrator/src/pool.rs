@@ -156,7 +156,9 @@ impl Member {
         match self {
             // Generation is a pure function of the weights and the requests' seeds, so a call
             // lost with its actor is simply made again on the restarted one.
-            Self::Actor(a) => Ok(retry(a, || a.call(RolloutRequest::Generate(reqs.clone()))).await?),
+            Self::Actor(a) => {
+                Ok(retry(a, || a.call(RolloutRequest::Generate(reqs.clone()))).await?)
+            }
             Self::External(e) => Ok(e.generate(reqs).await?),
         }
     }
@@ -272,7 +274,10 @@ impl ExternalPool {
                     "{url} reports raw log-probs (before temperature), and this run trains on the engine's log-probs (trainer.mode: async): start vLLM with --logprobs-mode processed_logprobs"
                 )));
             }
-            if !self.raw_warned.swap(true, std::sync::atomic::Ordering::Relaxed) {
+            if !self
+                .raw_warned
+                .swap(true, std::sync::atomic::Ordering::Relaxed)
+            {
                 tracing::warn!(
                     url,
                     "the engine reports raw log-probs (before temperature); fine here (behaviour log-probs are recomputed by the learner)"
@@ -816,8 +821,17 @@ mod tests {
             ..Default::default()
         };
         let make = |n| {
-            RolloutPool::new(&model, &pool(n), 8 << 20, 0, None, &|| false, Path::new("."), false)
-                .unwrap()
+            RolloutPool::new(
+                &model,
+                &pool(n),
+                8 << 20,
+                0,
+                None,
+                &|| false,
+                Path::new("."),
+                false,
+            )
+            .unwrap()
         };
         let (one, three) = (make(1), make(3));
         assert_eq!(three.len(), 3);
@@ -906,11 +920,15 @@ mod tests {
         rt.block_on(x.reload_and_verify(&engine, &probe)).unwrap();
         // A learner whose weights are not the folder's (a push that did not take): refused.
         let stale = Probe::of(&b, 2, dir).unwrap();
-        let e = rt.block_on(x.reload_and_verify(&engine, &stale)).unwrap_err();
+        let e = rt
+            .block_on(x.reload_and_verify(&engine, &stale))
+            .unwrap_err();
         assert!(matches!(e, EngineError::BadWeights(_)), "{e}");
-        assert!(e.to_string().contains("does not serve the pushed weights"), "{e}");
+        assert!(
+            e.to_string().contains("does not serve the pushed weights"),
+            "{e}"
+        );
         drop(rt);
         let _ = std::fs::remove_dir_all(&root);
     }
-
 }

@@ -885,7 +885,10 @@ impl Run<'_> {
         m.insert("perf/throughput".into(), resp_tokens / total);
         m.insert("weight_version".into(), self.version as f64);
         m.insert("rollout/engines".into(), self.engine.len() as f64);
-        m.insert("rollout/engines_down".into(), self.engine.down_count() as f64);
+        m.insert(
+            "rollout/engines_down".into(),
+            self.engine.down_count() as f64,
+        );
         Ok(m)
     }
 }

@@ -834,9 +834,7 @@ pub fn validate(wf: &Workflow, origin: &str) -> Result<(), WorkflowError> {
                 ));
             }
             if !(p.timeout_s > 0.0 && p.verify_tolerance > 0.0) {
-                return bad(
-                    "pools.rollout.timeout_s and verify_tolerance must be positive".into(),
-                );
+                return bad("pools.rollout.timeout_s and verify_tolerance must be positive".into());
             }
             continue;
         }

@@ -187,7 +187,10 @@ impl External {
     }
 
     /// Generates, as [`crate::InferenceEngine::generate`].
-    pub async fn generate(&self, reqs: Vec<GenerateRequest>) -> Result<Vec<Completion>, EngineError> {
+    pub async fn generate(
+        &self,
+        reqs: Vec<GenerateRequest>,
+    ) -> Result<Vec<Completion>, EngineError> {
         match self {
             Self::Vllm(e) => e.generate_all(reqs).await,
             Self::Sglang(e) => e.generate_all(reqs).await,

@@ -166,10 +166,7 @@ impl HttpClient {
         let (status, bytes) = tokio::time::timeout(self.timeout, work)
             .await
             .map_err(|_| {
-                EngineError::Unavailable(format!(
-                    "{url}: no answer within {:.0?}",
-                    self.timeout
-                ))
+                EngineError::Unavailable(format!("{url}: no answer within {:.0?}", self.timeout))
             })??;
         Ok((status_code(status), bytes))
     }
@@ -232,11 +229,14 @@ mod tests {
             .enable_all()
             .build()
             .unwrap();
-        let c = HttpClient::new(&format!("http://127.0.0.1:{port}"), Duration::from_secs(2))
-            .unwrap();
+        let c =
+            HttpClient::new(&format!("http://127.0.0.1:{port}"), Duration::from_secs(2)).unwrap();
         let e = rt.block_on(c.get_json("/health")).unwrap_err();
         assert!(matches!(e, EngineError::Unavailable(_)), "{e}");
-        assert!(e.to_string().contains(&format!("127.0.0.1:{port}/health")), "{e}");
+        assert!(
+            e.to_string().contains(&format!("127.0.0.1:{port}/health")),
+            "{e}"
+        );
     }
 
     #[test]

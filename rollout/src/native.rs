@@ -387,8 +387,10 @@ impl Worker {
 
     fn publish_gauges(&self) {
         let s = &self.stats;
-        s.running.store(self.running.len() as u64, Ordering::Relaxed);
-        s.waiting.store(self.waiting.len() as u64, Ordering::Relaxed);
+        s.running
+            .store(self.running.len() as u64, Ordering::Relaxed);
+        s.waiting
+            .store(self.waiting.len() as u64, Ordering::Relaxed);
         let used = self.pool.shape().num_blocks - self.pool.free_blocks();
         s.blocks_used.store(used as u64, Ordering::Relaxed);
     }

@@ -64,7 +64,11 @@ impl Router {
 
     /// The engine for each request. `loads[e]` is engine `e`'s load, `None` when it is out of
     /// service (it gets nothing). `None` when no engine is in service.
-    pub fn route(&mut self, reqs: &[GenerateRequest], loads: &[Option<Load>]) -> Option<Vec<usize>> {
+    pub fn route(
+        &mut self,
+        reqs: &[GenerateRequest],
+        loads: &[Option<Load>],
+    ) -> Option<Vec<usize>> {
         let live: Vec<usize> = (0..self.engines.len())
             .filter(|&e| loads.get(e).is_some_and(Option::is_some))
             .collect();
@@ -169,7 +173,10 @@ mod tests {
             r.route(&reqs, &[idle(), idle(), idle()]).unwrap(),
             [0, 1, 2, 0, 1, 2]
         );
-        assert_eq!(r.route(&reqs, &[idle(), None, idle()]).unwrap(), [0, 2, 0, 2, 0, 2]);
+        assert_eq!(
+            r.route(&reqs, &[idle(), None, idle()]).unwrap(),
+            [0, 2, 0, 2, 0, 2]
+        );
         assert_eq!(r.route(&reqs, &[None, None, None]), None);
     }
 

@@ -11,9 +11,7 @@
 use crate::external::{ExternalConfig, Load, WeightFolders, prometheus_sum};
 use crate::http::{HttpClient, as_u64};
 use crate::vllm::sampling_json;
-use crate::{
-    Completion, EngineError, FinishReason, GenerateRequest, InferenceEngine, VersionSpan,
-};
+use crate::{Completion, EngineError, FinishReason, GenerateRequest, InferenceEngine, VersionSpan};
 use learner::ModelConfig;
 use learner::snapshot::WeightSnapshot;
 use serde_json::{Value, json};
@@ -117,7 +115,9 @@ impl SglangEngine {
             return Err(EngineError::BadWeights(format!(
                 "{}/update_weights_from_disk: {}",
                 h.base(),
-                answer["message"].as_str().unwrap_or("no success in the answer")
+                answer["message"]
+                    .as_str()
+                    .unwrap_or("no success in the answer")
             )));
         }
         self.version.store(version, Ordering::Release);

@@ -283,12 +283,7 @@ impl Call {
                     .as_array()
                     .ok_or_else(|| bad("no `token_ids`"))?
                     .iter()
-                    .map(|t| {
-                        t.as_str()?
-                            .strip_prefix("token_id:")?
-                            .parse::<u32>()
-                            .ok()
-                    })
+                    .map(|t| t.as_str()?.strip_prefix("token_id:")?.parse::<u32>().ok())
                     .collect::<Option<_>>()
                     .ok_or_else(|| bad("tokens are not `token_id:N`"))?,
             };

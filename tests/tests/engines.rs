@@ -21,7 +21,9 @@ use std::time::{Duration, Instant};
 use trellis_tests::{Killed, metric_rows, run_ok, trellis};
 
 fn data(p: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data").join(p)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("data")
+        .join(p)
 }
 
 fn scratch(tag: &str) -> PathBuf {
@@ -102,7 +104,9 @@ fn requests() -> Vec<GenerateRequest> {
 /// Everything but the log-probs, which are compared within 1e-5: the server batches requests
 /// as they arrive, and a decode batch of another size sums in another order (tokens are the
 /// seed's whatever the batch).
-fn key(cs: &[Completion]) -> Vec<(usize, usize, Vec<u32>, String, Vec<u64>)> {
+type Key = (usize, usize, Vec<u32>, String, Vec<u64>);
+
+fn key(cs: &[Completion]) -> Vec<Key> {
     cs.iter()
         .map(|c| {
             (
@@ -117,7 +121,11 @@ fn key(cs: &[Completion]) -> Vec<(usize, usize, Vec<u32>, String, Vec<u64>)> {
 }
 
 fn same(got: &[Completion], want: &[Completion], name: &str) {
-    assert_eq!(key(got), key(want), "{name} differs from the in-process engine");
+    assert_eq!(
+        key(got),
+        key(want),
+        "{name} differs from the in-process engine"
+    );
     for (g, w) in got.iter().zip(want) {
         for (a, b) in g.logprobs.iter().zip(&w.logprobs) {
             assert!((a - b).abs() < 1e-5, "{name}: log-prob {a} vs {b}");
@@ -138,12 +146,20 @@ fn the_served_engine_answers_the_vllm_and_sglang_adapters_like_the_in_process_en
     let rt = runtime();
 
     // vLLM adapter, token route; vLLM adapter falling back to /v1/completions; SGLang adapter.
-    let vllm = rt.block_on(VllmEngine::connect(endpoint(&tokens_url))).unwrap();
-    assert_eq!(vllm.model(), dir_arg, "the model id defaults to --model as given");
+    let vllm = rt
+        .block_on(VllmEngine::connect(endpoint(&tokens_url)))
+        .unwrap();
+    assert_eq!(
+        vllm.model(),
+        dir_arg,
+        "the model id defaults to --model as given"
+    );
     let fallback = rt
         .block_on(VllmEngine::connect(endpoint(&completions_url)))
         .unwrap();
-    let sglang = rt.block_on(SglangEngine::connect(endpoint(&tokens_url))).unwrap();
+    let sglang = rt
+        .block_on(SglangEngine::connect(endpoint(&tokens_url)))
+        .unwrap();
     let got = [
         rt.block_on(vllm.generate(requests())).unwrap(),
         rt.block_on(fallback.generate(requests())).unwrap(),
@@ -154,10 +170,9 @@ fn the_served_engine_answers_the_vllm_and_sglang_adapters_like_the_in_process_en
     }
 
     // Greedy through /v1/completions with token ids equals transformers' greedy (the fixture).
-    let reference: Value = serde_json::from_str(
-        &std::fs::read_to_string(data("tiny-qwen2/reference.json")).unwrap(),
-    )
-    .unwrap();
+    let reference: Value =
+        serde_json::from_str(&std::fs::read_to_string(data("tiny-qwen2/reference.json")).unwrap())
+            .unwrap();
     let http = HttpClient::new(&tokens_url, Duration::from_secs(60)).unwrap();
     for (ids, greedy) in reference["input_ids"]
         .as_array()
@@ -219,13 +234,21 @@ fn the_served_engine_answers_the_vllm_and_sglang_adapters_like_the_in_process_en
     let vllm = vllm.with_weight_folders(&root.join("vllm"), config.clone());
     rt.block_on(vllm.update_weights(snap(3))).unwrap();
     assert_eq!(vllm.weight_version(), 3);
-    same(&rt.block_on(vllm.generate(requests())).unwrap(), &want, "vllm after a push");
+    same(
+        &rt.block_on(vllm.generate(requests())).unwrap(),
+        &want,
+        "vllm after a push",
+    );
     let sglang = rt
         .block_on(SglangEngine::connect(endpoint(&completions_url)))
         .unwrap()
         .with_weight_folders(&root.join("sglang"), config);
     rt.block_on(sglang.update_weights(snap(3))).unwrap();
-    same(&rt.block_on(sglang.generate(requests())).unwrap(), &want, "sglang after a push");
+    same(
+        &rt.block_on(sglang.generate(requests())).unwrap(),
+        &want,
+        "sglang after a push",
+    );
     let metrics = rt.block_on(http.get_text("/metrics")).unwrap();
     assert!(
         metrics.contains("trellis:weight_version{model_name=") && metrics.contains("} 3\n"),
@@ -416,7 +439,10 @@ fn bad_endpoints_are_named_and_a_run_that_could_not_reach_its_engine_resumes() {
             .args(extra.iter().flat_map(|o| ["-o", o.as_str()]))
             .output()
             .unwrap();
-        (out.status.success(), String::from_utf8_lossy(&out.stderr).into_owned())
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
     };
     let endpoint = |engine: &str, url: &str| {
         vec![
