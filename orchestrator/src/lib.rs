@@ -12,6 +12,7 @@
 pub mod chat;
 pub mod client;
 pub mod doctor;
+pub mod engine_bench;
 pub mod engine_server;
 pub mod graph;
 pub mod plot;

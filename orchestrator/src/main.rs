@@ -433,6 +433,19 @@ enum BenchCommand {
         #[arg(long)]
         json: bool,
     },
+    /// External engines: generation through `trellis engine serve` (the vLLM adapter over
+    /// loopback HTTP) against the same engine in-process, and weight pushes through folders.
+    Engines {
+        /// Benchmark this checkpoint instead of the reference model.
+        #[arg(long)]
+        model: Option<PathBuf>,
+        /// Timed repeats (the median is reported).
+        #[arg(long, default_value_t = 3)]
+        repeats: usize,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 fn score(model: &std::path::Path, text: &str, json: bool) -> Result<()> {
@@ -1008,6 +1021,14 @@ fn run() -> Result<()> {
         Command::Bench {
             what: BenchCommand::Generate { model, json },
         } => bench_generate(model, json),
+        Command::Bench {
+            what:
+                BenchCommand::Engines {
+                    model,
+                    repeats,
+                    json,
+                },
+        } => bench_engines(model, repeats, json),
         Command::Engine {
             what:
                 EngineCommand::Serve {
@@ -1366,6 +1387,41 @@ fn serve(opts: orchestrator::server::ServeOptions) -> Result<()> {
             });
         },
     ))?;
+    Ok(())
+}
+
+fn bench_engines(model: Option<PathBuf>, repeats: usize, json: bool) -> Result<()> {
+    let model = match model {
+        Some(dir) => Checkpoint::load(&dir)?.model,
+        None => learner::Model::init(bench::reference_config(), 0),
+    };
+    let r = orchestrator::engine_bench::run(model, repeats.max(1))?;
+    if json {
+        println!("{}", serde_json::to_string(&r)?);
+        return Ok(());
+    }
+    println!(
+        "external engines, {:.1}M params; {} prompts x {} samples x {} tokens",
+        r.params as f64 / 1e6,
+        r.prompts,
+        r.samples_per_prompt,
+        r.tokens_per_sample
+    );
+    println!(
+        "  generation in-process        {:.0} tokens/s",
+        r.in_process_tokens_per_second
+    );
+    println!(
+        "  generation over HTTP         {:.0} tokens/s ({:.2}x in-process)",
+        r.http_tokens_per_second, r.http_over_in_process
+    );
+    println!(
+        "  weight push                  {:.3} s for {:.0} MB: folder write {:.2} GB/s, reload {:.2} GB/s",
+        r.push_seconds,
+        r.weight_bytes as f64 / 1e6,
+        r.folder_write_gbps,
+        r.reload_gbps
+    );
     Ok(())
 }
 
