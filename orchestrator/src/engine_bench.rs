@@ -111,6 +111,7 @@ pub fn run(model: Model, repeats: usize) -> Result<EngineBenchReport, BenchError
             served_model_name: None,
             kv_cache_bytes: engine_cfg.kv_cache_bytes,
             completions_only: false,
+            raw_logprobs: false,
         },
         move |addr, _| {
             let _ = tx.send(addr);

@@ -66,6 +66,9 @@ pub struct EngineServeOptions {
     /// Answer `/inference/v1/generate` with 404, as a vLLM started without `--tokens-only`
     /// does (clients then fall back to `/v1/completions`).
     pub completions_only: bool,
+    /// Report `log_softmax(logits)` of sampled tokens, as vLLM's default `raw_logprobs`
+    /// mode does, instead of the sampled distribution's (`processed_logprobs`, the default here).
+    pub raw_logprobs: bool,
 }
 
 /// Why the server could not start.
@@ -136,6 +139,7 @@ pub async fn serve(
         model,
         NativeConfig {
             kv_cache_bytes: opts.kv_cache_bytes,
+            raw_logprobs: opts.raw_logprobs,
             ..Default::default()
         },
     );

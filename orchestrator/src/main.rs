@@ -269,6 +269,11 @@ enum EngineCommand {
         /// (clients fall back to /v1/completions with token ids).
         #[arg(long)]
         completions_only: bool,
+        /// Log-probs reported for sampled tokens: of the distribution sampled from
+        /// (`processed_logprobs`, what the learner recomputes) or `log_softmax(logits)`
+        /// (`raw_logprobs`, vLLM's default).
+        #[arg(long, default_value = "processed_logprobs", value_parser = ["processed_logprobs", "raw_logprobs"])]
+        logprobs_mode: String,
     },
 }
 
@@ -1038,6 +1043,7 @@ fn run() -> Result<()> {
                     served_model_name,
                     kv_cache_mib,
                     completions_only,
+                    logprobs_mode,
                 },
         } => engine_serve(orchestrator::engine_server::EngineServeOptions {
             model: match (model, recipe) {
@@ -1049,6 +1055,7 @@ fn run() -> Result<()> {
             served_model_name,
             kv_cache_bytes: kv_cache_mib << 20,
             completions_only,
+            raw_logprobs: logprobs_mode == "raw_logprobs",
         }),
         Command::Bench {
             what:

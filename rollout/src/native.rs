@@ -9,7 +9,7 @@
 //! between decode steps.
 
 use crate::kv::{BlockPool, CachedStep, KvShape, SeqCache};
-use crate::sampling::sample;
+use crate::sampling::{raw_logprob, sample};
 use crate::{Completion, EngineError, FinishReason, GenerateRequest, InferenceEngine, VersionSpan};
 use learner::snapshot::WeightSnapshot;
 use learner::{Model, ModelConfig};
@@ -44,6 +44,9 @@ pub struct NativeConfig {
     pub swap: SwapPolicy,
     /// Weight version of the initial model.
     pub initial_version: u64,
+    /// Report `log_softmax(logits)` of each sampled token instead of the sampled distribution's
+    /// log-prob (vLLM's `--logprobs-mode raw_logprobs`; for servers that mimic it).
+    pub raw_logprobs: bool,
 }
 
 impl Default for NativeConfig {
@@ -54,6 +57,7 @@ impl Default for NativeConfig {
             max_batch: 256,
             swap: SwapPolicy::default(),
             initial_version: 0,
+            raw_logprobs: false,
         }
     }
 }
@@ -523,7 +527,10 @@ impl Worker {
                 logprobs: Vec::new(),
                 spans: Vec::new(),
             };
-            let (tok, lp) = sample(&logits, &seq.params, &mut seq.rng);
+            let (tok, mut lp) = sample(&logits, &seq.params, &mut seq.rng);
+            if self.cfg.raw_logprobs {
+                lp = raw_logprob(&logits, tok);
+            }
             match seq.push(tok, lp) {
                 Some(reason) => self.finish(seq, reason),
                 None => self.running.push(seq),
@@ -566,7 +573,11 @@ impl Worker {
             for (j, &i) in idx.iter().enumerate() {
                 let s = &mut self.running[i];
                 s.cache.len += 1;
-                let (tok, lp) = sample(&logits[j * vocab..(j + 1) * vocab], &s.params, &mut s.rng);
+                let row = &logits[j * vocab..(j + 1) * vocab];
+                let (tok, mut lp) = sample(row, &s.params, &mut s.rng);
+                if self.cfg.raw_logprobs {
+                    lp = raw_logprob(row, tok);
+                }
                 if let Some(reason) = s.push(tok, lp) {
                     done.push((i, reason));
                 }

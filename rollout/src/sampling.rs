@@ -146,6 +146,14 @@ pub fn sample(logits: &[f32], p: &SamplingParams, rng: &mut ChaCha8Rng) -> (u32,
     (chosen as u32, logp(chosen))
 }
 
+/// `log_softmax(logits)[token]`: the log-prob before temperature and truncation (vLLM's
+/// `raw_logprobs`, which a server may report instead of the sampled distribution's).
+pub fn raw_logprob(logits: &[f32], token: u32) -> f32 {
+    let max = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f32 = logits.iter().map(|&z| (z - max).exp()).sum();
+    logits[token as usize] - max - sum.ln()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -375,8 +375,9 @@ fn free_port() -> u16 {
         .port()
 }
 
-/// A server that speaks HTTP but answers `/inference/v1/generate` with nonsense.
-fn malformed_server() -> String {
+/// A server that speaks HTTP and answers each request by `answer(request line)`: status and
+/// body.
+fn fake_server(answer: fn(&str) -> (u16, &'static str)) -> String {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
     std::thread::spawn(move || {
@@ -409,16 +410,10 @@ fn malformed_server() -> String {
                 buf.extend_from_slice(&chunk[..n]);
             }
             let request = String::from_utf8_lossy(&buf);
-            let body = if request.starts_with("GET /v1/models") {
-                r#"{"data":[{"id":"m"}]}"#
-            } else if request.starts_with("POST /inference/v1/generate") {
-                r#"{"choices":[{"token_ids":"seven"}]}"#
-            } else {
-                "{}"
-            };
+            let (status, body) = answer(request.lines().next().unwrap_or(""));
             let _ = write!(
                 s,
-                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                "HTTP/1.1 {status} X\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
                 body.len()
             );
         }
@@ -484,12 +479,51 @@ fn bad_endpoints_are_named_and_a_run_that_could_not_reach_its_engine_resumes() {
     );
 
     // A malformed answer: named as such, with the route.
-    let (ok, err) = train("malformed", &endpoint("vllm", &malformed_server()));
+    let malformed = fake_server(|line| match line {
+        l if l.starts_with("GET /v1/models") => (200, r#"{"data":[{"id":"m"}]}"#),
+        l if l.starts_with("POST /inference/v1/generate") => {
+            (200, r#"{"choices":[{"token_ids":"seven"}]}"#)
+        }
+        _ => (200, "{}"),
+    });
+    let (ok, err) = train("malformed", &endpoint("vllm", &malformed));
     assert!(!ok);
     assert!(
         err.contains("/inference/v1/generate: malformed response"),
         "{err}"
     );
+
+    // A vLLM without the dev-mode routes cannot take pushes: the message says how to start it.
+    let no_dev_mode = fake_server(|line| match line {
+        l if l.starts_with("GET /v1/models") => (200, r#"{"data":[{"id":"m"}]}"#),
+        l if l.starts_with("POST /pause") => (404, r#"{"detail":"Not Found"}"#),
+        _ => (200, "{}"),
+    });
+    let (ok, err) = train("no-dev-mode", &endpoint("vllm", &no_dev_mode));
+    assert!(!ok);
+    assert!(err.contains("VLLM_SERVER_DEV_MODE=1"), "{err}");
+
+    // An engine reporting raw log-probs: refused when the run trains on the engine's log-probs
+    // (async), accepted with a warning when the learner recomputes them (sync).
+    let (_raw, raw_url) = serve(
+        &[
+            "--recipe",
+            recipe.to_str().unwrap(),
+            "--logprobs-mode",
+            "raw_logprobs",
+        ],
+        "127.0.0.1:0",
+    );
+    let mut asynchronous = endpoint("served", &raw_url);
+    asynchronous.push("stages.rl.trainer.mode=async".into());
+    let (ok, err) = train("raw-async", &asynchronous);
+    assert!(!ok);
+    assert!(
+        err.contains("raw log-probs") && err.contains("--logprobs-mode processed_logprobs"),
+        "{err}"
+    );
+    let (ok, err) = train("raw-sync", &endpoint("served", &raw_url));
+    assert!(ok, "{err}");
 
     // Validation: an external engine without endpoints.
     let (ok, err) = train("no-endpoints", &["pools.rollout.engine=sglang".to_string()]);
