@@ -889,7 +889,6 @@ mod tests {
                 kv_cache_bytes: 8 << 20,
                 completions_only: false,
                 raw_logprobs: false,
-                raw_logprobs: false,
             },
             move |addr, _| tx.send(addr).unwrap(),
             std::future::pending(),
