@@ -63,8 +63,8 @@ pub struct EngineServeOptions {
     pub served_model_name: Option<String>,
     /// KV-cache budget in bytes.
     pub kv_cache_bytes: usize,
-    /// Answer `/inference/v1/generate` with 404, as a vLLM started without `--tokens-only`
-    /// does (clients then fall back to `/v1/completions`).
+    /// Answer `/inference/v1/generate` with 403, as vLLM 0.32 started without
+    /// `--enable-scale-out` does (clients then fall back to `/v1/completions`).
     pub completions_only: bool,
     /// Report `log_softmax(logits)` of sampled tokens, as vLLM's default `raw_logprobs`
     /// mode does, instead of the sampled distribution's (`processed_logprobs`, the default here).
@@ -225,8 +225,8 @@ async fn handle(state: &State, req: Request<Incoming>) -> Response<Full<Bytes>> 
             "model_path": state.path, "served_model_name": state.name, "is_generation": true,
             "weight_version": state.engine.weight_version().to_string()})),
         (&Method::POST, "/inference/v1/generate") if state.completions_only => Err(HttpError(
-            StatusCode::NOT_FOUND,
-            "no route POST /inference/v1/generate (started with --completions-only)".into(),
+            StatusCode::FORBIDDEN,
+            "Scale-out endpoints are disabled (started with --completions-only).".into(),
         )),
         (&Method::POST, "/inference/v1/generate") => match json_body() {
             Ok(b) => tokens_generate(state, &b).await,

@@ -265,8 +265,8 @@ enum EngineCommand {
         /// KV-cache budget in MiB.
         #[arg(long, default_value_t = 512)]
         kv_cache_mib: usize,
-        /// Answer /inference/v1/generate with 404, as a vLLM started without --tokens-only
-        /// (clients fall back to /v1/completions with token ids).
+        /// Answer /inference/v1/generate with 403, as vLLM 0.32 started without
+        /// --enable-scale-out (clients fall back to /v1/completions with token ids).
         #[arg(long)]
         completions_only: bool,
         /// Log-probs reported for sampled tokens: of the distribution sampled from

@@ -33,7 +33,7 @@ pub struct VllmEngine {
     http: HttpClient,
     /// The model id it serves (`/v1/models`), sent with completions requests.
     model: String,
-    /// False once the server answered `/inference/v1/generate` with 404.
+    /// False once the server answered `/inference/v1/generate` with 403 or 404.
     tokens_route: Arc<AtomicBool>,
     version: Arc<AtomicU64>,
     /// Where [`InferenceEngine::update_weights`] writes folders, and the model they describe.
@@ -206,7 +206,8 @@ impl Call {
                 "output_mode": "tokens",
             });
             match self.http.post_raw("/inference/v1/generate", &body).await? {
-                (404, _) => {
+                // 404: an older vLLM; 403: vLLM 0.32 without --enable-scale-out/--tokens-only.
+                (403 | 404, _) => {
                     tracing::info!(
                         url = self.http.base(),
                         "no /inference/v1/generate; using /v1/completions with token ids"
@@ -324,7 +325,9 @@ impl Call {
                     .iter()
                     .map(|s| {
                         Some(VersionSpan {
-                            version: as_u64(&s["version"])?,
+                            // vLLM labels weights it loaded itself "default": the version this
+                            // adapter last pushed (0 before any push).
+                            version: as_u64(&s["version"]).unwrap_or(self.version),
                             start: s["start"].as_u64()? as usize,
                             end: s["end"].as_u64()? as usize,
                         })
@@ -399,5 +402,62 @@ impl InferenceEngine for VllmEngine {
 
     fn weight_version(&self) -> u64 {
         self.version.load(Ordering::Acquire)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An answer of a real vLLM 0.32 (`/inference/v1/generate`, CPU build, n = 2), trimmed of
+    /// fields the adapter ignores; its weights were never pushed, so versions read "default".
+    const VLLM_0_32: &str = r#"{"request_id":"generate-tokens-83fe21c104fa6e5f","model":"/tmp/vllm/model",
+        "usage":{"prompt_tokens":3,"total_tokens":5,"completion_tokens":2},"output_mode":"tokens",
+        "choices":[{"index":0,"finish_reason":"stop","stop_reason":1,"token_ids":[1],
+          "weight_versions":[{"version":"default","start":0,"end":1}],
+          "logprobs":{"content":[{"token_id":1,"logprob":-0.08182555437088013,"rank":1,
+            "top_logprobs":[{"token_id":1,"logprob":-0.08182555437088013,"rank":1}]}]}},
+         {"index":1,"finish_reason":"length","token_ids":[4,1],
+          "weight_versions":[{"version":"7","start":0,"end":2}],
+          "logprobs":{"content":[{"token_id":4,"logprob":-1.5,"rank":2},{"token_id":1,"logprob":-0.25,"rank":1}]}}]}"#;
+
+    #[test]
+    fn a_real_vllm_answer_parses_with_default_versions_as_the_last_push() {
+        let call = Call {
+            http: HttpClient::new("http://127.0.0.1:9", std::time::Duration::from_secs(1)).unwrap(),
+            model: "m".into(),
+            tokens_route: Arc::new(AtomicBool::new(true)),
+            version: 5,
+        };
+        let req = GenerateRequest {
+            prompt: vec![2, 3, 4],
+            params: SamplingParams {
+                n: 2,
+                ..Default::default()
+            },
+        };
+        let v: Value = serde_json::from_str(VLLM_0_32).unwrap();
+        let out = call.parse(3, &req, &v, "/inference/v1/generate").unwrap();
+        assert_eq!(out.len(), 2);
+        assert_eq!((out[0].request, out[0].index), (3, 0));
+        assert_eq!(out[0].token_ids, [1]);
+        assert_eq!(out[0].logprobs, [-0.08182555437088013f64 as f32]);
+        assert_eq!(out[0].finish_reason, FinishReason::Stop);
+        assert_eq!(out[0].weight_versions[0].version, 5);
+        assert_eq!(out[1].token_ids, [4, 1]);
+        assert_eq!(out[1].finish_reason, FinishReason::Length);
+        assert_eq!(out[1].weight_versions[0].version, 7);
+        // n = 3 asked, 2 answered: refused, naming the route.
+        let three = GenerateRequest {
+            params: SamplingParams {
+                n: 3,
+                ..Default::default()
+            },
+            ..req
+        };
+        let e = call
+            .parse(0, &three, &v, "/inference/v1/generate")
+            .unwrap_err();
+        assert!(e.to_string().contains("2 choices for n = 3"), "{e}");
     }
 }
