@@ -155,27 +155,33 @@ pub enum StageKind {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Data {
-    /// The task: `arith` (built in, seeded) or `jsonl` (a JSON-lines file).
+    /// The task: `arith` (built in, seeded), `jsonl` (a JSON-lines file) or `parquet` (a
+    /// Parquet file's flat columns).
     pub task: String,
     /// `arith` settings (flattened: `digits`, `ops`, `reverse_answer`).
     #[serde(flatten)]
     pub arith: ArithTask,
-    /// Held-out problems for evaluation (`jsonl` without `eval_path`: the last this-many rows of
+    /// Held-out problems for evaluation (a dataset without `eval_path`: the last this-many rows of
     /// a seeded shuffle).
     #[serde(default = "default_eval_size")]
     pub eval_size: usize,
-    /// `jsonl`: the training file (relative paths start at the workflow file's folder).
+    /// `jsonl`, `parquet`: the training file (relative paths start at the workflow file's folder).
     #[serde(default)]
     pub path: Option<PathBuf>,
-    /// `jsonl`: a held-out file.
+    /// `jsonl`, `parquet`: a held-out file.
     #[serde(default)]
     pub eval_path: Option<PathBuf>,
-    /// `jsonl`: the key of the prompt.
+    /// `jsonl`, `parquet`: the key (column) of the prompt.
     #[serde(default = "default_prompt_key")]
     pub prompt_key: String,
-    /// `jsonl`: the key of the answer.
+    /// `jsonl`, `parquet`: the key (column) of the answer.
     #[serde(default = "default_answer_key")]
     pub answer_key: String,
+    /// `jsonl`, `parquet`: text around each prompt, `{prompt}` standing for it (e.g. VeRL's
+    /// GSM8K instruction: `"{prompt} Let's think step by step and output the final answer after
+    /// \"####\"."`); applied before the chat template.
+    #[serde(default)]
+    pub prompt_template: Option<String>,
     /// Render each prompt as a user message through the checkpoint's chat template
     /// (`tokenizer_config.json` of `model.path`).
     #[serde(default)]
@@ -194,7 +200,7 @@ fn default_answer_key() -> String {
 pub enum Source {
     /// The built-in arithmetic task.
     Arith(ArithTask),
-    /// A JSON-lines dataset, read once.
+    /// A JSON-lines or Parquet dataset, read once.
     Jsonl(std::sync::Arc<rollout::task::Dataset>),
 }
 
@@ -203,25 +209,37 @@ impl Data {
     pub fn source(&self, seed: u64) -> Result<Source, String> {
         match self.task.as_str() {
             "arith" => Ok(Source::Arith(self.arith.clone())),
-            "jsonl" => {
+            task @ ("jsonl" | "parquet") => {
+                let read = if task == "jsonl" {
+                    rollout::task::read_jsonl
+                } else {
+                    rollout::task::read_parquet
+                };
                 let path = self
                     .path
                     .as_ref()
-                    .ok_or("data.path is required with task: jsonl")?;
-                let train = rollout::task::read_jsonl(path, &self.prompt_key, &self.answer_key)?;
+                    .ok_or_else(|| format!("data.path is required with task: {task}"))?;
+                let read = |p: &Path| -> Result<Vec<Problem>, String> {
+                    let mut rows = read(p, &self.prompt_key, &self.answer_key)?;
+                    if let Some(t) = &self.prompt_template {
+                        for r in &mut rows {
+                            r.prompt = t.replace("{prompt}", &r.prompt);
+                        }
+                    }
+                    Ok(rows)
+                };
+                let train = read(path)?;
                 let eval = match &self.eval_path {
-                    Some(p) => Some(rollout::task::read_jsonl(
-                        p,
-                        &self.prompt_key,
-                        &self.answer_key,
-                    )?),
+                    Some(p) => Some(read(p)?),
                     None => None,
                 };
                 Ok(Source::Jsonl(std::sync::Arc::new(
                     rollout::task::Dataset::split(train, eval, self.eval_size, seed),
                 )))
             }
-            other => Err(format!("data.task `{other}`: expected arith or jsonl")),
+            other => Err(format!(
+                "data.task `{other}`: expected arith, jsonl or parquet"
+            )),
         }
     }
 }
@@ -875,6 +893,13 @@ pub fn validate(wf: &Workflow, origin: &str) -> Result<(), WorkflowError> {
                 d.arith
                     .validate()
                     .or_else(|m| bad(format!("stages[{i}].data: {m}")))?;
+            }
+            if let Some(t) = &d.prompt_template
+                && !t.contains("{prompt}")
+            {
+                return bad(format!(
+                    "stages[{i}].data.prompt_template `{t}` has no `{{prompt}}` where the prompt goes"
+                ));
             }
             if d.chat_template {
                 let Some(p) = &wf.model.path else {

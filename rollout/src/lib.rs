@@ -13,6 +13,7 @@ pub mod external;
 pub mod http;
 pub mod kv;
 pub mod native;
+pub mod parquet;
 pub mod reward;
 pub mod router;
 pub mod sampling;

@@ -160,6 +160,37 @@ pub fn read_jsonl(
     Ok(out)
 }
 
+/// Reads the problems of a Parquet file: the columns `prompt_key` and `answer_key` (text, or
+/// numbers and booleans by their JSON text), one problem per row (errors name the file, the row
+/// and the column).
+pub fn read_parquet(
+    path: &std::path::Path,
+    prompt_key: &str,
+    answer_key: &str,
+) -> Result<Vec<Problem>, String> {
+    let rows = crate::parquet::read_columns(path, &[prompt_key, answer_key])?;
+    let mut out = Vec::with_capacity(rows.len());
+    for (i, row) in rows.into_iter().enumerate() {
+        let mut cells = row.into_iter();
+        let mut next = |key: &str| match cells.next() {
+            Some(crate::parquet::Cell::Null) | None => Err(format!(
+                "{}: row {}: `{key}` is null",
+                path.display(),
+                i + 1
+            )),
+            Some(c) => Ok(c.to_string()),
+        };
+        out.push(Problem {
+            prompt: next(prompt_key)?,
+            answer: next(answer_key)?,
+        });
+    }
+    if out.is_empty() {
+        return Err(format!("{}: no problems in the file", path.display()));
+    }
+    Ok(out)
+}
+
 /// A permutation of `0..n` drawn from `seed`.
 fn permutation(n: usize, seed: u64) -> Vec<usize> {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);

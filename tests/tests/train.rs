@@ -657,6 +657,55 @@ fn jsonl_datasets_train_and_bad_rows_are_named() {
 }
 
 #[test]
+fn parquet_datasets_train_with_a_prompt_template() {
+    // GSM8K-shaped rows written by pyarrow (tests/data/parquet), a checkpoint with a real
+    // tokenizer, VeRL's way of appending an instruction to each question.
+    let dir = run_dir("parquet");
+    std::fs::create_dir_all(&dir).unwrap();
+    let data = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data");
+    let workflow = |answer_key: &str| {
+        format!(
+            "name: parquet\nseed: 1\nmodel: {{path: {model}}}\nstages:\n  - id: rl\n    kind: rl\n    \
+             data: {{task: parquet, path: {train}, eval_path: {eval}, prompt_key: question,\n           \
+             answer_key: {answer_key}, prompt_template: \"{{prompt}} Answer after ####.\"}}\n    \
+             algorithm: {{rollout_n: 2, train_batch_size: 4, ppo_mini_batch_size: 4, lr: 1.0e-5,\n                \
+             max_response_length: 6}}\n    reward: {{type: gsm8k}}\n    trainer: {{steps: 2, eval_freq: 2}}\n",
+            model = data.join("tiny-qwen2/checkpoint").display(),
+            train = data.join("parquet/snappy.parquet").display(),
+            eval = data.join("parquet/plain-v2.parquet").display(),
+        )
+    };
+    let file = dir.join("parquet.yaml");
+    std::fs::write(&file, workflow("answer")).unwrap();
+    run_ok(
+        trellis()
+            .arg("train")
+            .arg(&file)
+            .args(["--quiet", "--run-dir"])
+            .arg(dir.join("run")),
+    );
+    let m = metrics(&dir.join("run"));
+    assert_eq!(m.iter().filter(|v| v["stage"] == "rl").count(), 2);
+    assert!(m.iter().any(|v| v.get("eval/accuracy").is_some()));
+    // A column the file lacks stops the run before it starts, naming the file and the columns.
+    std::fs::write(&file, workflow("solution")).unwrap();
+    let out = trellis()
+        .arg("train")
+        .arg(&file)
+        .arg("--run-dir")
+        .arg(dir.join("run2"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("snappy.parquet: no column `solution` (columns: question, answer, id"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
 fn chat_templates_render_prompts_from_the_checkpoint() {
     let dir = run_dir("chat");
     // A checkpoint to start from: the tiny recipe's SFT stage, briefly.
