@@ -187,10 +187,13 @@ impl RlState {
         let mut opt = Optimizer::new(
             &run.model.params,
             Default::default(),
-            LrSchedule {
-                warmup_steps: a.lr_warmup_steps,
-                ..LrSchedule::constant(a.lr)
-            },
+            crate::train::lr_schedule(
+                a.lr,
+                a.lr_warmup_steps,
+                &a.lr_schedule,
+                a.min_lr_ratio,
+                stage.trainer.steps * optimiser_calls_per_step(stage),
+            ),
             Some(a.grad_clip),
         );
         if let Some(ck) = checkpoint {
@@ -1112,4 +1115,11 @@ mod tests {
         let e = run_program(&p, Vec::new(), 1).unwrap_err();
         assert!(e.contains("MemoryError") || e.contains("exited"), "{e}");
     }
+}
+
+/// Optimiser calls an RL step makes: one per mini-batch per PPO epoch (the length a cosine
+/// schedule spans is the stage's steps times this).
+fn optimiser_calls_per_step(stage: &Stage) -> u64 {
+    let a = &stage.algorithm;
+    (a.ppo_epochs * (a.train_batch_size / a.ppo_mini_batch_size.max(1)).max(1)) as u64
 }

@@ -13,7 +13,7 @@ use crate::rl::RlState;
 use crate::store::{CheckpointRecord, JobState, Progress, Store, StoreError};
 use crate::workflow::{Stage, StageKind, Workflow};
 use learner::checkpoint::Checkpoint;
-use learner::optim::{LrSchedule, Optimizer};
+use learner::optim::{LrSchedule, Optimizer, ScheduleKind};
 use learner::rl::Metrics;
 use learner::snapshot::WeightSnapshot;
 use learner::tokenizer::Tokenizer;
@@ -295,6 +295,28 @@ fn tokenizer_for(wf: &Workflow) -> Result<(Tokenizer, String), RunError> {
         Path::new(wf.model.tokenizer.as_deref().unwrap_or("tokenizer.json")),
     )?;
     Ok((tok, json))
+}
+
+/// A stage's learning-rate schedule: linear warmup, then constant or cosine decay to
+/// `min_ratio · lr` at optimiser call `total`.
+pub(crate) fn lr_schedule(
+    lr: f32,
+    warmup: u64,
+    kind: &str,
+    min_ratio: f32,
+    total: u64,
+) -> LrSchedule {
+    LrSchedule {
+        warmup_steps: warmup,
+        total_steps: total,
+        kind: if kind == "cosine" {
+            ScheduleKind::Cosine
+        } else {
+            ScheduleKind::Constant
+        },
+        min_lr_ratio: min_ratio,
+        ..LrSchedule::constant(lr)
+    }
 }
 
 /// The model a run of `wf` starts from (its checkpoint, or its `init` config with seeded
@@ -626,10 +648,13 @@ impl Run<'_> {
             let mut o = Optimizer::new(
                 &self.model.params,
                 Default::default(),
-                LrSchedule {
-                    warmup_steps: stage.sft.lr_warmup_steps,
-                    ..LrSchedule::constant(stage.sft.lr)
-                },
+                lr_schedule(
+                    stage.sft.lr,
+                    stage.sft.lr_warmup_steps,
+                    &stage.sft.lr_schedule,
+                    stage.sft.min_lr_ratio,
+                    stage.trainer.steps,
+                ),
                 Some(1.0),
             );
             if let Some(ck) = &ck_dir {

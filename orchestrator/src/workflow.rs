@@ -310,6 +310,11 @@ pub struct Algorithm {
     pub lr: f32,
     /// Warmup steps.
     pub lr_warmup_steps: u64,
+    /// `constant`, or `cosine` decay to `min_lr_ratio · lr` at the stage's last step (VeRL's
+    /// `warmup_style`).
+    pub lr_schedule: String,
+    /// Floor of the cosine schedule, as a fraction of `lr`.
+    pub min_lr_ratio: f32,
     /// Global gradient-norm clip.
     pub grad_clip: f64,
     /// Sampling temperature.
@@ -360,6 +365,8 @@ impl Default for Algorithm {
             entropy_coeff: 0.0,
             lr: 1e-4,
             lr_warmup_steps: 0,
+            lr_schedule: "constant".into(),
+            min_lr_ratio: 0.0,
             grad_clip: 1.0,
             temperature: 1.0,
             top_p: 1.0,
@@ -430,6 +437,10 @@ pub struct Sft {
     pub lr: f32,
     /// Warmup steps.
     pub lr_warmup_steps: u64,
+    /// `constant`, or `cosine` decay to `min_lr_ratio · lr` at the stage's last step.
+    pub lr_schedule: String,
+    /// Floor of the cosine schedule, as a fraction of `lr`.
+    pub min_lr_ratio: f32,
 }
 
 impl Default for Sft {
@@ -438,6 +449,8 @@ impl Default for Sft {
             batch_size: 64,
             lr: 1e-3,
             lr_warmup_steps: 10,
+            lr_schedule: "constant".into(),
+            min_lr_ratio: 0.0,
         }
     }
 }
@@ -893,6 +906,16 @@ pub fn validate(wf: &Workflow, origin: &str) -> Result<(), WorkflowError> {
                 d.arith
                     .validate()
                     .or_else(|m| bad(format!("stages[{i}].data: {m}")))?;
+            }
+            for (what, v) in [
+                ("sft", &s.sft.lr_schedule),
+                ("algorithm", &s.algorithm.lr_schedule),
+            ] {
+                if !["constant", "cosine"].contains(&v.as_str()) {
+                    return bad(format!(
+                        "stages[{i}].{what}.lr_schedule `{v}`: expected constant or cosine"
+                    ));
+                }
             }
             if let Some(t) = &d.prompt_template
                 && !t.contains("{prompt}")
