@@ -456,7 +456,7 @@ fn hybrid(data: &[u8], width: u32, n: usize) -> Result<Vec<u32>, String> {
                 }
                 let bit = k * width as usize;
                 let mut v = 0u64;
-                for b in 0..=((width as usize + 7) / 8) {
+                for b in 0..=(width as usize).div_ceil(8) {
                     if let Some(&x) = packed.get(bit / 8 + b) {
                         v |= u64::from(x) << (8 * b);
                     }
