@@ -1046,6 +1046,13 @@ fn run_program(p: &ProgramNode, input: Vec<u8>, expect: usize) -> Result<Vec<Opt
         .collect())
 }
 
+/// Optimiser calls an RL step makes: one per mini-batch per PPO epoch (the length a cosine
+/// schedule spans is the stage's steps times this).
+fn optimiser_calls_per_step(stage: &Stage) -> u64 {
+    let a = &stage.algorithm;
+    (a.ppo_epochs * (a.train_batch_size / a.ppo_mini_batch_size.max(1)).max(1)) as u64
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1115,11 +1122,4 @@ mod tests {
         let e = run_program(&p, Vec::new(), 1).unwrap_err();
         assert!(e.contains("MemoryError") || e.contains("exited"), "{e}");
     }
-}
-
-/// Optimiser calls an RL step makes: one per mini-batch per PPO epoch (the length a cosine
-/// schedule spans is the stage's steps times this).
-fn optimiser_calls_per_step(stage: &Stage) -> u64 {
-    let a = &stage.algorithm;
-    (a.ppo_epochs * (a.train_batch_size / a.ppo_mini_batch_size.max(1)).max(1)) as u64
 }
