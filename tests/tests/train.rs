@@ -779,8 +779,8 @@ fn every_recipe_resolves_and_the_gsm8k_one_finds_its_files() {
             run_ok(trellis().args(["config", "show"]).arg(&f));
         }
     }
-    // The GSM8K recipe, laid out as its header says: a model folder and JSON-lines data beside
-    // the recipes folder.
+    // The GSM8K recipe, laid out as its header says: a model folder and HF's parquet files
+    // beside the recipes folder.
     let dir = run_dir("gsm8k-layout");
     std::fs::create_dir_all(dir.join("recipes")).unwrap();
     let recipe = dir.join("recipes/grpo-gsm8k-qwen2.5-0.5b.yaml");
@@ -803,26 +803,30 @@ fn every_recipe_resolves_and_the_gsm8k_one_finds_its_files() {
         r#"{"chat_template": "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n"}"#,
     )
     .unwrap();
+    // HF's GSM8K parquet files, stood in for by GSM8K-shaped files pyarrow wrote (40 and 40
+    // rows with `question` and `answer` columns).
     std::fs::create_dir_all(dir.join("data/gsm8k")).unwrap();
-    let row = serde_json::json!({
-        "prompt": "Natalia sold 48 clips. Let's think step by step and output the final answer after \"####\".",
-        "answer": "48 #### 48",
-    })
-    .to_string();
-    std::fs::write(
-        dir.join("data/gsm8k/train.jsonl"),
-        format!("{row}\n").repeat(100),
+    let fixtures = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data/parquet");
+    std::fs::copy(
+        fixtures.join("snappy.parquet"),
+        dir.join("data/gsm8k/train-00000-of-00001.parquet"),
     )
     .unwrap();
-    std::fs::write(
-        dir.join("data/gsm8k/test.jsonl"),
-        format!("{row}\n").repeat(3),
+    std::fs::copy(
+        fixtures.join("plain-v2.parquet"),
+        dir.join("data/gsm8k/test-00000-of-00001.parquet"),
     )
     .unwrap();
     let out = run_ok(trellis().args(["config", "show"]).arg(&recipe)).stdout;
     let v: Value = serde_json::from_slice(&out).unwrap();
-    // One epoch of 100 rows at 64 prompts a step.
-    assert_eq!(v["stages"][0]["trainer"]["steps"], 2);
+    // One epoch of 40 rows at 64 prompts a step.
+    assert_eq!(v["stages"][0]["trainer"]["steps"], 1);
+    assert!(
+        v["stages"][0]["data"]["prompt_template"]
+            .as_str()
+            .unwrap()
+            .starts_with("{prompt} Let's think step by step")
+    );
     assert_eq!(v["stages"][0]["reward"]["type"], "gsm8k");
     std::fs::remove_dir_all(&dir).unwrap();
 }
