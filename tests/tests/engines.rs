@@ -303,7 +303,10 @@ fn a_grpo_run_on_two_served_engines_trains_like_in_process_and_routes_around_a_k
         trellis()
             .arg("train")
             .arg(&recipe)
-            .args(["-o", steps, "-o", "pools.rollout.engine=served", "-o"])
+            // A call the killed engine never answers costs 10 s, not the default 300 (once in
+            // CI a call stalled until its timeout after the kill; the run was right all the same).
+            .args(["-o", steps, "-o", "pools.rollout.engine=served"])
+            .args(["-o", "pools.rollout.timeout_s=10", "-o"])
             .arg(format!("pools.rollout.endpoints=[{url_a},{url_b}]"))
             .arg("--run-dir")
             .arg(&run)
