@@ -93,6 +93,21 @@ impl WeightFolders {
     }
 }
 
+/// Writes `snapshot`'s folder for an adapter's own `InferenceEngine::update_weights` (the pool
+/// writes once for all its engines instead); an adapter without folders set says so.
+pub(crate) fn write_folder(
+    folders: Option<&(WeightFolders, ModelConfig)>,
+    url: &str,
+    snapshot: &WeightSnapshot,
+) -> Result<PathBuf, EngineError> {
+    let (folders, config) = folders.ok_or_else(|| {
+        EngineError::BadWeights(format!(
+            "{url}: no weight folder root set (with_weight_folders)"
+        ))
+    })?;
+    folders.write(snapshot, config)
+}
+
 /// The parameters plus `lm_head.weight` = the embedding, for a tied model.
 fn with_explicit_head(params: &Params) -> Option<Params> {
     if params.tensors.iter().any(|t| t.name == "lm_head.weight") {

@@ -8,7 +8,7 @@
 //!
 //! Owns: the JSON shapes of SGLang's API. Never: checks that a push took (the pool probes).
 
-use crate::external::{ExternalConfig, Load, WeightFolders, prometheus_sum};
+use crate::external::{ExternalConfig, Load, WeightFolders, prometheus_sum, write_folder};
 use crate::http::{HttpClient, as_u64};
 use crate::vllm::sampling_json;
 use crate::{Completion, EngineError, FinishReason, GenerateRequest, InferenceEngine, VersionSpan};
@@ -239,13 +239,7 @@ impl InferenceEngine for SglangEngine {
     }
 
     async fn update_weights(&self, snapshot: WeightSnapshot) -> Result<(), EngineError> {
-        let (folders, config) = self.folders.as_ref().ok_or_else(|| {
-            EngineError::BadWeights(format!(
-                "{}: no weight folder root set (with_weight_folders)",
-                self.url()
-            ))
-        })?;
-        let dir = folders.write(&snapshot, config)?;
+        let dir = write_folder(self.folders.as_ref(), self.url(), &snapshot)?;
         self.reload(&dir, snapshot.version).await
     }
 

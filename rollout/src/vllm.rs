@@ -14,7 +14,7 @@
 //! Owns: the JSON shapes of vLLM's API. Never: checks that a push took (the pool probes the
 //! engine's log-probs against the learner's after every push).
 
-use crate::external::{ExternalConfig, Load, WeightFolders, prometheus_sum};
+use crate::external::{ExternalConfig, Load, WeightFolders, prometheus_sum, write_folder};
 use crate::http::{HttpClient, as_u64};
 use crate::{
     Completion, EngineError, FinishReason, GenerateRequest, InferenceEngine, SamplingParams,
@@ -390,13 +390,7 @@ impl InferenceEngine for VllmEngine {
     }
 
     async fn update_weights(&self, snapshot: WeightSnapshot) -> Result<(), EngineError> {
-        let (folders, config) = self.folders.as_ref().ok_or_else(|| {
-            EngineError::BadWeights(format!(
-                "{}: no weight folder root set (with_weight_folders)",
-                self.url()
-            ))
-        })?;
-        let dir = folders.write(&snapshot, config)?;
+        let dir = write_folder(self.folders.as_ref(), self.url(), &snapshot)?;
         self.reload(&dir, snapshot.version).await
     }
 
