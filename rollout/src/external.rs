@@ -93,6 +93,31 @@ impl WeightFolders {
     }
 }
 
+/// Runs `call(i, request)` for every request at once, one task each (so a server batches
+/// them), and gathers the completions ordered by request, then sample.
+pub(crate) async fn fan_out<F, Fut>(
+    url: &str,
+    reqs: Vec<GenerateRequest>,
+    call: F,
+) -> Result<Vec<Completion>, EngineError>
+where
+    F: Fn(usize, GenerateRequest) -> Fut,
+    Fut: std::future::Future<Output = Result<Vec<Completion>, EngineError>> + Send + 'static,
+{
+    let mut calls = tokio::task::JoinSet::new();
+    for (i, r) in reqs.into_iter().enumerate() {
+        calls.spawn(call(i, r));
+    }
+    let mut all = Vec::new();
+    while let Some(done) = calls.join_next().await {
+        all.extend(
+            done.map_err(|e| EngineError::Unavailable(format!("a call to {url} was lost: {e}")))??,
+        );
+    }
+    all.sort_by_key(|c| (c.request, c.index));
+    Ok(all)
+}
+
 /// Writes `snapshot`'s folder for an adapter's own `InferenceEngine::update_weights` (the pool
 /// writes once for all its engines instead); an adapter without folders set says so.
 pub(crate) fn write_folder(

@@ -8,7 +8,7 @@
 //!
 //! Owns: the JSON shapes of SGLang's API. Never: checks that a push took (the pool probes).
 
-use crate::external::{ExternalConfig, Load, WeightFolders, prometheus_sum, write_folder};
+use crate::external::{ExternalConfig, Load, WeightFolders, fan_out, prometheus_sum, write_folder};
 use crate::http::{HttpClient, as_u64};
 use crate::vllm::sampling_json;
 use crate::{Completion, EngineError, FinishReason, GenerateRequest, InferenceEngine, VersionSpan};
@@ -78,20 +78,12 @@ impl SglangEngine {
         &self,
         reqs: Vec<GenerateRequest>,
     ) -> Result<Vec<Completion>, EngineError> {
-        let mut calls = tokio::task::JoinSet::new();
-        for (i, r) in reqs.into_iter().enumerate() {
+        fan_out(self.url(), reqs, |i, r| {
             let http = self.http.clone();
             let version = self.version.load(Ordering::Acquire);
-            calls.spawn(async move { generate(&http, version, i, r).await });
-        }
-        let mut all = Vec::new();
-        while let Some(done) = calls.join_next().await {
-            all.extend(done.map_err(|e| {
-                EngineError::Unavailable(format!("a call to {} was lost: {e}", self.url()))
-            })??);
-        }
-        all.sort_by_key(|c| (c.request, c.index));
-        Ok(all)
+            async move { generate(&http, version, i, r).await }
+        })
+        .await
     }
 
     /// Pause, load `dir` as `version` (flushing the cache), continue.

@@ -14,7 +14,7 @@
 //! Owns: the JSON shapes of vLLM's API. Never: checks that a push took (the pool probes the
 //! engine's log-probs against the learner's after every push).
 
-use crate::external::{ExternalConfig, Load, WeightFolders, prometheus_sum, write_folder};
+use crate::external::{ExternalConfig, Load, WeightFolders, fan_out, prometheus_sum, write_folder};
 use crate::http::{HttpClient, as_u64};
 use crate::{
     Completion, EngineError, FinishReason, GenerateRequest, InferenceEngine, SamplingParams,
@@ -101,25 +101,16 @@ impl VllmEngine {
         &self,
         reqs: Vec<GenerateRequest>,
     ) -> Result<Vec<Completion>, EngineError> {
-        let mut calls = tokio::task::JoinSet::new();
-        for (i, r) in reqs.into_iter().enumerate() {
+        fan_out(self.url(), reqs, |i, r| {
             let call = Call {
                 http: self.http.clone(),
                 model: self.model.clone(),
                 tokens_route: Arc::clone(&self.tokens_route),
                 version: self.version.load(Ordering::Acquire),
             };
-            calls.spawn(async move { (i, call.generate(i, r).await) });
-        }
-        let mut all = Vec::new();
-        while let Some(done) = calls.join_next().await {
-            let (_, out) = done.map_err(|e| {
-                EngineError::Unavailable(format!("a call to {} was lost: {e}", self.url()))
-            })?;
-            all.extend(out?);
-        }
-        all.sort_by_key(|c| (c.request, c.index));
-        Ok(all)
+            async move { call.generate(i, r).await }
+        })
+        .await
     }
 
     /// Pause, reload from `dir`, reset the prefix cache, set the version, resume.
