@@ -1,0 +1,637 @@
+//! A safe wrapper over the PJRT C API: load and initialise a plugin once per process, create a
+//! client, compile StableHLO text, move f32/i32 buffers to and from the device, execute, and
+//! await events. Every failure is a [`PjrtError`] carrying the plugin's own message.
+//!
+//! Owns: the lifetimes of PJRT objects (each wrapper destroys what it created). Never: builds
+//! programs (the learner emits StableHLO) or knows what a model is.
+
+use crate::*;
+use std::collections::HashMap;
+use std::mem::offset_of;
+use std::sync::{Arc, Mutex, OnceLock};
+
+/// Why a PJRT call failed.
+#[derive(Debug, thiserror::Error)]
+pub enum PjrtError {
+    #[error(transparent)]
+    Plugin(#[from] PluginError),
+    #[error("{call} failed (code {code}): {message}")]
+    Call {
+        call: &'static str,
+        code: i32,
+        message: String,
+    },
+    #[error("the plugin implements PJRT API {major}.{minor}, which has no {call}")]
+    Missing {
+        call: &'static str,
+        major: i32,
+        minor: i32,
+    },
+    #[error("{0}")]
+    Usage(String),
+}
+
+/// A loaded, initialised plugin. Plugins are never unloaded.
+#[derive(Debug)]
+pub struct Plugin {
+    api: &'static PjrtApi,
+    /// Where it was loaded from.
+    pub info: PluginInfo,
+}
+
+fn registry() -> &'static Mutex<HashMap<PathBuf, Arc<Plugin>>> {
+    static R: OnceLock<Mutex<HashMap<PathBuf, Arc<Plugin>>>> = OnceLock::new();
+    R.get_or_init(Default::default)
+}
+
+impl Plugin {
+    /// Loads the plugin at `path` and calls `PJRT_Plugin_Initialize`, once per process and path.
+    pub fn load(path: &Path) -> Result<Arc<Plugin>, PjrtError> {
+        let mut reg = registry()
+            .lock()
+            .map_err(|_| PjrtError::Usage("the plugin registry is poisoned".into()))?;
+        if let Some(p) = reg.get(path) {
+            return Ok(p.clone());
+        }
+        let info = probe(path)?;
+        // SAFETY: `probe` checked the symbol exists and returns a non-null table at least as
+        // large as its head; the library stays loaded for the life of the process.
+        let api: &'static PjrtApi = unsafe {
+            let lib = libloading::Library::new(path).map_err(|e| PluginError::Load {
+                path: path.into(),
+                message: e.to_string(),
+            })?;
+            let get: libloading::Symbol<'_, GetPjrtApi> = lib
+                .get(b"GetPjrtApi\0")
+                .map_err(|_| PluginError::NotPjrt { path: path.into() })?;
+            let api = get() as *const PjrtApi;
+            std::mem::forget(lib);
+            &*api
+        };
+        let plugin = Arc::new(Plugin { api, info });
+        let mut args = PluginInitializeArgs::new();
+        plugin.call(
+            offset_of!(PjrtApi, plugin_initialize),
+            api.plugin_initialize,
+            "PJRT_Plugin_Initialize",
+            &mut args,
+        )?;
+        reg.insert(path.to_path_buf(), plugin.clone());
+        Ok(plugin)
+    }
+
+    /// Calls a table entry with its args struct, turning a returned `PJRT_Error` into
+    /// [`PjrtError::Call`].
+    fn call<A>(
+        &self,
+        offset: usize,
+        f: Call,
+        name: &'static str,
+        args: &mut A,
+    ) -> Result<(), PjrtError> {
+        let f = match f {
+            Some(f) if self.api.has(offset) => f,
+            _ => {
+                return Err(PjrtError::Missing {
+                    call: name,
+                    major: self.info.major,
+                    minor: self.info.minor,
+                });
+            }
+        };
+        // SAFETY: `args` is the `*_Args` struct of entry `name`, laid out as the header says,
+        // with `struct_size` set by its constructor.
+        let err = unsafe { f(args as *mut A as *mut c_void) };
+        if err.is_null() {
+            Ok(())
+        } else {
+            Err(self.take_error(err, name))
+        }
+    }
+
+    fn take_error(&self, err: *mut PjrtErrorRaw, call: &'static str) -> PjrtError {
+        let mut msg = ErrorMessageArgs::new();
+        msg.error = err;
+        let message = match self.api.error_message {
+            // SAFETY: `err` is a live error returned by the plugin.
+            Some(f) => unsafe {
+                f(&mut msg as *mut _ as *mut c_void);
+                if msg.message.is_null() {
+                    String::new()
+                } else {
+                    let bytes =
+                        std::slice::from_raw_parts(msg.message as *const u8, msg.message_size);
+                    String::from_utf8_lossy(bytes).into_owned()
+                }
+            },
+            None => String::new(),
+        };
+        let mut code = ErrorGetCodeArgs::new();
+        code.error = err;
+        if let Some(f) = self.api.error_get_code {
+            // SAFETY: as above; a failure here leaves `code` at 0.
+            unsafe { f(&mut code as *mut _ as *mut c_void) };
+        }
+        if let Some(f) = self.api.error_destroy {
+            let mut d = ErrorDestroyArgs::new();
+            d.error = err;
+            // SAFETY: destroys the error exactly once.
+            unsafe { f(&mut d as *mut _ as *mut c_void) };
+        }
+        PjrtError::Call {
+            call,
+            code: code.code,
+            message,
+        }
+    }
+
+    fn await_event(&self, event: *mut c_void, call: &'static str) -> Result<(), PjrtError> {
+        if event.is_null() {
+            return Ok(());
+        }
+        let mut a = EventAwaitArgs::new();
+        a.event = event;
+        let r = self.call(
+            offset_of!(PjrtApi, event_await),
+            self.api.event_await,
+            call,
+            &mut a,
+        );
+        let mut d = EventDestroyArgs::new();
+        d.event = event;
+        let _ = self.call(
+            offset_of!(PjrtApi, event_destroy),
+            self.api.event_destroy,
+            "PJRT_Event_Destroy",
+            &mut d,
+        );
+        r
+    }
+}
+
+struct ClientInner {
+    plugin: Arc<Plugin>,
+    raw: *mut c_void,
+    device: *mut c_void,
+}
+
+// SAFETY: PJRT clients, buffers and executables are thread-safe by the C API's contract.
+unsafe impl Send for ClientInner {}
+// SAFETY: the table is immutable and its entries thread-safe by the C API's contract.
+unsafe impl Send for Plugin {}
+// SAFETY: as above.
+unsafe impl Sync for Plugin {}
+// SAFETY: as above.
+unsafe impl Sync for ClientInner {}
+
+impl Drop for ClientInner {
+    fn drop(&mut self) {
+        let mut a = ClientDestroyArgs::new();
+        a.client = self.raw;
+        let _ = self.plugin.call(
+            offset_of!(PjrtApi, client_destroy),
+            self.plugin.api.client_destroy,
+            "PJRT_Client_Destroy",
+            &mut a,
+        );
+    }
+}
+
+/// A PJRT client on one plugin, using its first addressable device.
+#[derive(Clone)]
+pub struct Client {
+    inner: Arc<ClientInner>,
+    platform: String,
+}
+
+/// An f32 or i32 array on the device.
+pub struct Buffer {
+    client: Arc<ClientInner>,
+    raw: *mut c_void,
+}
+
+// SAFETY: see `ClientInner`.
+unsafe impl Send for Buffer {}
+// SAFETY: see `ClientInner`.
+unsafe impl Sync for Buffer {}
+
+/// A compiled program, loaded on the client's device.
+pub struct Executable {
+    client: Arc<ClientInner>,
+    raw: *mut c_void,
+    num_outputs: usize,
+}
+
+// SAFETY: see `ClientInner`.
+unsafe impl Send for Executable {}
+// SAFETY: see `ClientInner`.
+unsafe impl Sync for Executable {}
+
+/// `xla.CompileOptionsProto{executable_build_options: {num_replicas: 1, num_partitions: 1}}`:
+/// the smallest options the plugins accept (empty options abort the CPU plugin).
+const COMPILE_OPTIONS: [u8; 6] = [0x1a, 0x04, 0x20, 0x01, 0x28, 0x01];
+
+impl Client {
+    /// Creates a client on `plugin` (loaded and initialised by [`Plugin::load`]).
+    pub fn new(plugin: Arc<Plugin>) -> Result<Self, PjrtError> {
+        let api = plugin.api;
+        let mut c = ClientCreateArgs::new();
+        plugin.call(
+            offset_of!(PjrtApi, client_create),
+            api.client_create,
+            "PJRT_Client_Create",
+            &mut c,
+        )?;
+        let mut d = ClientAddressableDevicesArgs::new();
+        d.client = c.client;
+        let mut name = ClientPlatformNameArgs::new();
+        name.client = c.client;
+        let mut inner = ClientInner {
+            plugin: plugin.clone(),
+            raw: c.client,
+            device: std::ptr::null_mut(),
+        };
+        plugin.call(
+            offset_of!(PjrtApi, client_addressable_devices),
+            api.client_addressable_devices,
+            "PJRT_Client_AddressableDevices",
+            &mut d,
+        )?;
+        if d.num_addressable_devices == 0 || d.addressable_devices.is_null() {
+            return Err(PjrtError::Usage(format!(
+                "{}: the plugin sees no addressable device",
+                plugin.info.path.display()
+            )));
+        }
+        plugin.call(
+            offset_of!(PjrtApi, client_platform_name),
+            api.client_platform_name,
+            "PJRT_Client_PlatformName",
+            &mut name,
+        )?;
+        // SAFETY: the plugin returned `num_addressable_devices` (> 0) device pointers, and a
+        // platform name of `platform_name_size` bytes, both owned by the client.
+        let platform = unsafe {
+            inner.device = *d.addressable_devices;
+            String::from_utf8_lossy(std::slice::from_raw_parts(
+                name.platform_name as *const u8,
+                name.platform_name_size,
+            ))
+            .into_owned()
+        };
+        Ok(Client {
+            inner: Arc::new(inner),
+            platform,
+        })
+    }
+
+    /// Loads the plugin at `path` and creates a client on it.
+    pub fn open(path: &Path) -> Result<Self, PjrtError> {
+        Self::new(Plugin::load(path)?)
+    }
+
+    /// The platform the plugin reports (`cpu`, `tpu`, `cuda`).
+    pub fn platform(&self) -> &str {
+        &self.platform
+    }
+
+    fn plugin(&self) -> &Plugin {
+        &self.inner.plugin
+    }
+
+    /// Compiles a StableHLO module given as MLIR text.
+    pub fn compile(&self, mlir: &str) -> Result<Executable, PjrtError> {
+        let p = self.plugin();
+        let format = "mlir";
+        let mut prog = Program::new();
+        prog.code = mlir.as_ptr() as *const c_char;
+        prog.code_size = mlir.len();
+        prog.format = format.as_ptr() as *const c_char;
+        prog.format_size = format.len();
+        let mut a = ClientCompileArgs::new();
+        a.client = self.inner.raw;
+        a.program = &prog;
+        a.compile_options = COMPILE_OPTIONS.as_ptr() as *const c_char;
+        a.compile_options_size = COMPILE_OPTIONS.len();
+        p.call(
+            offset_of!(PjrtApi, client_compile),
+            p.api.client_compile,
+            "PJRT_Client_Compile",
+            &mut a,
+        )?;
+        let loaded = a.executable;
+        let mut g = LoadedExecutableGetExecutableArgs::new();
+        g.loaded_executable = loaded;
+        let mut exe = Executable {
+            client: self.inner.clone(),
+            raw: loaded,
+            num_outputs: 0,
+        };
+        p.call(
+            offset_of!(PjrtApi, loaded_executable_get_executable),
+            p.api.loaded_executable_get_executable,
+            "PJRT_LoadedExecutable_GetExecutable",
+            &mut g,
+        )?;
+        let mut n = ExecutableNumOutputsArgs::new();
+        n.executable = g.executable;
+        let r = p.call(
+            offset_of!(PjrtApi, executable_num_outputs),
+            p.api.executable_num_outputs,
+            "PJRT_Executable_NumOutputs",
+            &mut n,
+        );
+        let mut d = ExecutableDestroyArgs::new();
+        d.executable = g.executable;
+        let _ = p.call(
+            offset_of!(PjrtApi, executable_destroy),
+            p.api.executable_destroy,
+            "PJRT_Executable_Destroy",
+            &mut d,
+        );
+        r?;
+        exe.num_outputs = n.num_outputs;
+        Ok(exe)
+    }
+
+    fn buffer(&self, data: *const c_void, ty: c_int, dims: &[usize]) -> Result<Buffer, PjrtError> {
+        let p = self.plugin();
+        let dims: Vec<i64> = dims.iter().map(|&d| d as i64).collect();
+        let mut a = ClientBufferFromHostBufferArgs::new();
+        a.client = self.inner.raw;
+        a.data = data;
+        a.type_ = ty;
+        a.dims = dims.as_ptr();
+        a.num_dims = dims.len();
+        a.host_buffer_semantics = IMMUTABLE_ONLY_DURING_CALL;
+        a.device = self.inner.device;
+        p.call(
+            offset_of!(PjrtApi, client_buffer_from_host_buffer),
+            p.api.client_buffer_from_host_buffer,
+            "PJRT_Client_BufferFromHostBuffer",
+            &mut a,
+        )?;
+        let b = Buffer {
+            client: self.inner.clone(),
+            raw: a.buffer,
+        };
+        p.await_event(a.done_with_host_buffer, "PJRT_Event_Await (host buffer)")?;
+        Ok(b)
+    }
+
+    fn check(len: usize, dims: &[usize]) -> Result<(), PjrtError> {
+        let n: usize = dims.iter().product();
+        if n != len {
+            return Err(PjrtError::Usage(format!(
+                "{len} values do not fill shape {dims:?} ({n} elements)"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Copies `data` (row-major, shape `dims`) to a new f32 device buffer.
+    pub fn f32(&self, data: &[f32], dims: &[usize]) -> Result<Buffer, PjrtError> {
+        Self::check(data.len(), dims)?;
+        self.buffer(data.as_ptr() as *const c_void, buffer_type::F32, dims)
+    }
+
+    /// Copies `data` (row-major, shape `dims`) to a new i32 device buffer.
+    pub fn i32(&self, data: &[i32], dims: &[usize]) -> Result<Buffer, PjrtError> {
+        Self::check(data.len(), dims)?;
+        self.buffer(data.as_ptr() as *const c_void, buffer_type::S32, dims)
+    }
+}
+
+impl Buffer {
+    fn plugin(&self) -> &Plugin {
+        &self.client.plugin
+    }
+
+    /// The buffer's dimensions.
+    pub fn dims(&self) -> Result<Vec<usize>, PjrtError> {
+        let p = self.plugin();
+        let mut a = BufferDimensionsArgs::new();
+        a.buffer = self.raw;
+        p.call(
+            offset_of!(PjrtApi, buffer_dimensions),
+            p.api.buffer_dimensions,
+            "PJRT_Buffer_Dimensions",
+            &mut a,
+        )?;
+        if a.num_dims == 0 {
+            return Ok(Vec::new());
+        }
+        // SAFETY: the plugin returned `num_dims` dimensions owned by the buffer.
+        let d = unsafe { std::slice::from_raw_parts(a.dims, a.num_dims) };
+        Ok(d.iter().map(|&x| x as usize).collect())
+    }
+
+    fn element_type(&self) -> Result<c_int, PjrtError> {
+        let p = self.plugin();
+        let mut a = BufferElementTypeArgs::new();
+        a.buffer = self.raw;
+        p.call(
+            offset_of!(PjrtApi, buffer_element_type),
+            p.api.buffer_element_type,
+            "PJRT_Buffer_ElementType",
+            &mut a,
+        )?;
+        Ok(a.type_)
+    }
+
+    fn read_into(&self, dst: *mut c_void, bytes: usize) -> Result<(), PjrtError> {
+        let p = self.plugin();
+        let mut a = BufferToHostBufferArgs::new();
+        a.src = self.raw;
+        a.dst = dst;
+        a.dst_size = bytes;
+        p.call(
+            offset_of!(PjrtApi, buffer_to_host_buffer),
+            p.api.buffer_to_host_buffer,
+            "PJRT_Buffer_ToHostBuffer",
+            &mut a,
+        )?;
+        p.await_event(a.event, "PJRT_Event_Await (to host)")
+    }
+
+    /// Copies an f32 buffer to the host.
+    pub fn to_f32(&self) -> Result<Vec<f32>, PjrtError> {
+        let ty = self.element_type()?;
+        if ty != buffer_type::F32 {
+            return Err(PjrtError::Usage(format!(
+                "the buffer holds element type {ty}, not f32"
+            )));
+        }
+        let n: usize = self.dims()?.iter().product();
+        let mut out = vec![0.0f32; n];
+        self.read_into(out.as_mut_ptr() as *mut c_void, n * 4)?;
+        Ok(out)
+    }
+
+    /// Copies an f32 buffer into `out`, whose length must be the buffer's element count.
+    pub fn read_f32(&self, out: &mut [f32]) -> Result<(), PjrtError> {
+        let n: usize = self.dims()?.iter().product();
+        if n != out.len() {
+            return Err(PjrtError::Usage(format!(
+                "a buffer of {n} values read into {} slots",
+                out.len()
+            )));
+        }
+        self.read_into(out.as_mut_ptr() as *mut c_void, n * 4)
+    }
+}
+
+impl Drop for Buffer {
+    fn drop(&mut self) {
+        let p = &self.client.plugin;
+        let mut a = BufferDestroyArgs::new();
+        a.buffer = self.raw;
+        let _ = p.call(
+            offset_of!(PjrtApi, buffer_destroy),
+            p.api.buffer_destroy,
+            "PJRT_Buffer_Destroy",
+            &mut a,
+        );
+    }
+}
+
+impl Executable {
+    /// Number of results the program returns.
+    pub fn num_outputs(&self) -> usize {
+        self.num_outputs
+    }
+
+    /// Runs the program on `args` and waits for it. Arguments the program marks as donated
+    /// (`tf.aliasing_output`) are consumed: their buffers must not be used afterwards, which
+    /// is why they are passed by value in `donated` positions.
+    pub fn run(&self, args: &[&Buffer]) -> Result<Vec<Buffer>, PjrtError> {
+        let p = &self.client.plugin;
+        let raw_args: Vec<*mut c_void> = args.iter().map(|b| b.raw).collect();
+        let lists: [*const *mut c_void; 1] = [raw_args.as_ptr()];
+        let mut outs: Vec<*mut c_void> = vec![std::ptr::null_mut(); self.num_outputs];
+        let out_lists: [*mut *mut c_void; 1] = [outs.as_mut_ptr()];
+        let mut events: [*mut c_void; 1] = [std::ptr::null_mut()];
+        let mut opts = ExecuteOptions::new();
+        let mut a = LoadedExecutableExecuteArgs::new();
+        a.executable = self.raw;
+        a.options = &mut opts;
+        a.argument_lists = lists.as_ptr();
+        a.num_devices = 1;
+        a.num_args = raw_args.len();
+        a.output_lists = out_lists.as_ptr();
+        a.device_complete_events = events.as_mut_ptr();
+        p.call(
+            offset_of!(PjrtApi, loaded_executable_execute),
+            p.api.loaded_executable_execute,
+            "PJRT_LoadedExecutable_Execute",
+            &mut a,
+        )?;
+        let outs: Vec<Buffer> = outs
+            .into_iter()
+            .map(|raw| Buffer {
+                client: self.client.clone(),
+                raw,
+            })
+            .collect();
+        p.await_event(events[0], "PJRT_Event_Await (execute)")?;
+        Ok(outs)
+    }
+}
+
+impl Drop for Executable {
+    fn drop(&mut self) {
+        let p = &self.client.plugin;
+        let mut a = LoadedExecutableDestroyArgs::new();
+        a.executable = self.raw;
+        let _ = p.call(
+            offset_of!(PjrtApi, loaded_executable_destroy),
+            p.api.loaded_executable_destroy,
+            "PJRT_LoadedExecutable_Destroy",
+            &mut a,
+        );
+    }
+}
+
+/// The plugin the tests and the `pjrt` engine on `device: cpu` use: `TRELLIS_PJRT_CPU_PLUGIN`,
+/// else `target/pjrt/xla_cpu_pjrt.so` above the current directory (where `.ci/run` unpacks
+/// the `xla-cpu-pjrt` wheel).
+pub fn cpu_plugin_path() -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os("TRELLIS_PJRT_CPU_PLUGIN") {
+        return Some(PathBuf::from(p));
+    }
+    let mut dir = std::env::current_dir().ok()?;
+    loop {
+        let p = dir.join("target/pjrt/xla_plugins/xla_cpu_pjrt/xla_cpu_pjrt.so");
+        if p.is_file() {
+            return Some(p);
+        }
+        if !dir.pop() {
+            return None;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The CPU plugin's client, or `None` (said loudly) when it is not installed; with
+    /// `TRELLIS_REQUIRE_PJRT=1` (CI) a missing plugin fails the test.
+    pub(crate) fn cpu_client() -> Option<Client> {
+        match cpu_plugin_path() {
+            Some(p) => Some(Client::open(&p).unwrap()),
+            None if std::env::var_os("TRELLIS_REQUIRE_PJRT").is_some() => {
+                panic!("TRELLIS_REQUIRE_PJRT is set but the XLA CPU plugin is not found")
+            }
+            None => {
+                eprintln!(
+                    "*** SKIPPED: no XLA CPU plugin (run .ci/run's setup, or set TRELLIS_PJRT_CPU_PLUGIN) ***"
+                );
+                None
+            }
+        }
+    }
+
+    #[test]
+    fn a_stablehlo_program_compiles_runs_and_reads_back() {
+        let Some(c) = cpu_client() else { return };
+        assert_eq!(c.platform(), "cpu");
+        let exe = c
+            .compile(
+                r#"func.func @main(%a: tensor<2x3xf32>, %b: tensor<3x2xf32>) -> (tensor<2x2xf32>, tensor<2x3xf32>) {
+  %0 = stablehlo.dot_general %a, %b, contracting_dims = [1] x [0] : (tensor<2x3xf32>, tensor<3x2xf32>) -> tensor<2x2xf32>
+  %1 = stablehlo.add %a, %a : tensor<2x3xf32>
+  return %0, %1 : tensor<2x2xf32>, tensor<2x3xf32>
+}"#,
+            )
+            .unwrap();
+        assert_eq!(exe.num_outputs(), 2);
+        let a = c.f32(&[1., 2., 3., 4., 5., 6.], &[2, 3]).unwrap();
+        let b = c.f32(&[1., 0., 0., 1., 1., 1.], &[3, 2]).unwrap();
+        let out = exe.run(&[&a, &b]).unwrap();
+        assert_eq!(out[0].dims().unwrap(), vec![2, 2]);
+        assert_eq!(out[0].to_f32().unwrap(), vec![4., 5., 10., 11.]);
+        assert_eq!(out[1].to_f32().unwrap(), vec![2., 4., 6., 8., 10., 12.]);
+        // Buffers stay usable: run again on the same inputs.
+        let again = exe.run(&[&a, &b]).unwrap();
+        assert_eq!(again[0].to_f32().unwrap(), vec![4., 5., 10., 11.]);
+    }
+
+    #[test]
+    fn compile_errors_carry_the_plugins_message() {
+        let Some(c) = cpu_client() else { return };
+        let Err(e) = c.compile(
+            "func.func @main(%a: tensor<2xf32>) -> tensor<3xf32> { return %a : tensor<2xf32> }",
+        ) else {
+            panic!("a mistyped program compiled");
+        };
+        let s = e.to_string();
+        assert!(s.contains("PJRT_Client_Compile"), "{s}");
+        assert!(matches!(e, PjrtError::Call { .. }), "{s}");
+        let Err(e) = c.f32(&[1.0; 5], &[2, 3]) else {
+            panic!("5 values filled a 2x3 buffer");
+        };
+        let e = e.to_string();
+        assert!(e.contains("5 values") && e.contains("[2, 3]"), "{e}");
+    }
+}
