@@ -3,7 +3,8 @@
 //!
 //! Owns: GEMM (through `gemm`, AVX-512 when the CPU has it), RMSNorm, RoPE, causal grouped-query
 //! attention, SwiGLU, embedding gather/scatter-add, the fused log-softmax/log-prob/entropy head,
-//! AdamW and gradient-norm utilities, and the thread-count setting.
+//! AdamW and gradient-norm utilities, and the thread-count setting; and [`hlo`], the same ops
+//! traced into StableHLO (with their gradients) for the `pjrt` engines.
 //!
 //! Never: knows about models, checkpoints, configs, or anything asynchronous. Kernels take
 //! slices and shapes and write into caller-provided outputs; allocation policy is the caller's.
@@ -14,6 +15,7 @@ pub mod activation;
 pub mod attention;
 pub mod embedding;
 pub mod head;
+pub mod hlo;
 pub mod matmul;
 pub mod norm;
 pub mod optim;
