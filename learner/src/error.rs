@@ -47,6 +47,9 @@ pub enum Error {
         /// What is wrong with it.
         msg: String,
     },
+    /// The PJRT plugin refused or failed a call (its own message, naming the call).
+    #[error("pjrt device: {0}")]
+    Device(String),
     /// The tokenizer could not be loaded or used.
     #[error("tokenizer {path}: {msg}")]
     Tokenizer {

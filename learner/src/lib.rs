@@ -14,6 +14,7 @@ pub mod error;
 pub mod model;
 pub mod optim;
 pub mod params;
+pub mod pjrt;
 pub mod rl;
 pub mod rng;
 pub mod snapshot;

@@ -70,6 +70,17 @@ pub struct StepReport {
     pub skipped: bool,
 }
 
+/// One update to apply, as [`Optimizer::plan`] decided it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Plan {
+    /// AdamW at this call's learning rate.
+    pub hparams: AdamW,
+    /// Updates applied so far, this one included (bias correction).
+    pub step: u64,
+    /// Factor the gradient is scaled by (1: not clipped).
+    pub clip: f32,
+}
+
 /// AdamW with its moments, schedule and clipping.
 #[derive(Clone, Debug)]
 pub struct Optimizer {
@@ -109,24 +120,15 @@ impl Optimizer {
     /// Applies `grads` to `params`: clip, skip if not finite, AdamW at the scheduled rate.
     /// Leaves `grads` clipped; the caller zeroes them for the next step.
     pub fn step(&mut self, params: &mut Params, grads: &mut Params) -> StepReport {
-        let lr = self.schedule.lr(self.calls);
-        self.calls += 1;
         let norm = global_norm(grads.tensors.iter().map(|t| t.data.as_slice()));
-        if !norm.is_finite() {
-            return StepReport {
-                grad_norm: norm,
-                lr,
-                skipped: true,
-            };
+        let (report, plan) = self.plan(norm);
+        let Some(plan) = plan else { return report };
+        if plan.clip < 1.0 {
+            grads
+                .tensors
+                .iter_mut()
+                .for_each(|t| scale(&mut t.data, plan.clip));
         }
-        if let Some(max) = self.grad_clip {
-            let f = clip_factor(norm, max);
-            if f < 1.0 {
-                grads.tensors.iter_mut().for_each(|t| scale(&mut t.data, f));
-            }
-        }
-        self.applied += 1;
-        let hp = AdamW { lr, ..self.hparams };
         for (((p, g), m), v) in params
             .tensors
             .iter_mut()
@@ -134,13 +136,41 @@ impl Optimizer {
             .zip(&mut self.m.tensors)
             .zip(&mut self.v.tensors)
         {
-            hp.update(self.applied, &mut p.data, &g.data, &mut m.data, &mut v.data);
+            plan.hparams
+                .update(plan.step, &mut p.data, &g.data, &mut m.data, &mut v.data);
         }
-        StepReport {
+        report
+    }
+
+    /// The decision of one optimiser call for a gradient of global norm `norm`, for engines
+    /// that apply the update themselves (the `pjrt` engine, on the device): advances the
+    /// counters and returns what to apply, or `None` when the update is skipped.
+    pub fn plan(&mut self, norm: f64) -> (StepReport, Option<Plan>) {
+        let lr = self.schedule.lr(self.calls);
+        self.calls += 1;
+        let mut report = StepReport {
             grad_norm: norm,
             lr,
-            skipped: false,
+            skipped: !norm.is_finite(),
+        };
+        if report.skipped {
+            return (report, None);
         }
+        let clip = self.grad_clip.map_or(1.0, |max| clip_factor(norm, max));
+        self.applied += 1;
+        report.skipped = false;
+        let plan = Plan {
+            hparams: AdamW { lr, ..self.hparams },
+            step: self.applied,
+            clip,
+        };
+        (report, Some(plan))
+    }
+
+    /// The first and second moments (same layout as the parameters), for engines that keep
+    /// them elsewhere between saves.
+    pub fn moments_mut(&mut self) -> (&mut Params, &mut Params) {
+        (&mut self.m, &mut self.v)
     }
 
     /// Writes the moments (`state.safetensors`) and counters (`state.json`) into `dir`.

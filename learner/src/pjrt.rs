@@ -1,0 +1,545 @@
+//! The `pjrt` training engine: the model of [`crate::model`] traced into StableHLO with
+//! [`kernels::hlo`] (forward to log-probs and entropy; forward and backward from per-token
+//! gradients; AdamW), compiled once per shape bucket by a PJRT plugin (`libtpu.so`, the CUDA
+//! plugin, the XLA CPU plugin), with the weights and the optimiser's moments kept on the device
+//! between steps.
+//!
+//! Owns: the trace of the model, shape buckets and their compiled programs, the device copies
+//! of parameters, moments and gradients. Never: decides the schedule, clipping or skipping
+//! (that is [`Optimizer::plan`], shared with the native engine), or computes losses (the RL
+//! loss gives per-token gradients on the host, exactly as for the native engine).
+
+use crate::config::ModelConfig;
+use crate::error::{Error, Result};
+use crate::model::{Batch, Model, PAD_SEGMENT, Scores};
+use crate::optim::{Optimizer, StepReport};
+use crate::params::{Layout, Params};
+use kernels::hlo::ops::{self, Attn};
+use kernels::hlo::{Graph, Shape, V};
+use kernels::rope::{RopeTable, inv_freq};
+use libtpu_sys::pjrt::{Buffer, Client, Executable, PjrtError};
+use std::collections::HashMap;
+use std::time::Instant;
+
+fn dev(e: PjrtError) -> Error {
+    Error::Device(e.to_string())
+}
+
+/// The traced model: arguments in order are the parameters (layout order), then the batch
+/// inputs of [`Inputs`].
+struct Trace {
+    g: Graph,
+    params: Vec<V>,
+    logp: V,
+    entropy: V,
+}
+
+/// Batch inputs after the parameters, in argument order.
+struct Inputs {
+    tokens: Vec<i32>,
+    targets: Vec<i32>,
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+    bias: Vec<f32>,
+}
+
+fn trace(
+    c: &ModelConfig,
+    layout: &Layout,
+    specs: &[(String, Vec<usize>)],
+    rows: usize,
+    seq: usize,
+) -> Trace {
+    let mut g = Graph::new();
+    let params: Vec<V> = specs.iter().map(|(_, s)| g.arg(Shape::f32(s))).collect();
+    let n = rows * seq;
+    let d = c.head_dim;
+    let tokens = g.arg(Shape::i32(&[n]));
+    let targets = g.arg(Shape::i32(&[n]));
+    let cos = g.arg(Shape::f32(&[n, d]));
+    let sin = g.arg(Shape::f32(&[n, d]));
+    let rot = g.arg(Shape::f32(&[d, d]));
+    let bias = g.arg(Shape::f32(&[rows, seq, seq]));
+    let inv_t = g.arg(Shape::f32(&[]));
+    let p = |i: usize| params[i];
+    let eps = c.rms_norm_eps;
+    let attn = Attn {
+        rows,
+        seq,
+        heads: c.num_heads,
+        kv_heads: c.num_kv_heads,
+        head_dim: d,
+        scale: 1.0 / (d as f32).sqrt(),
+    };
+    let mut x = g.gather(p(layout.embed), tokens);
+    for ids in &layout.layers {
+        let h1 = ops::rmsnorm(&mut g, x, p(ids.ln1), eps);
+        let mut q = ops::linear(&mut g, h1, p(ids.q), ids.q_bias.map(p));
+        let mut k = ops::linear(&mut g, h1, p(ids.k), ids.k_bias.map(p));
+        let v = ops::linear(&mut g, h1, p(ids.v), ids.v_bias.map(p));
+        if let (Some(qn), Some(kn)) = (ids.q_norm, ids.k_norm) {
+            let q3 = g.reshape(q, &[n, c.num_heads, d]);
+            let q3 = ops::rmsnorm(&mut g, q3, p(qn), eps);
+            q = g.reshape(q3, &[n, c.num_heads * d]);
+            let k3 = g.reshape(k, &[n, c.num_kv_heads, d]);
+            let k3 = ops::rmsnorm(&mut g, k3, p(kn), eps);
+            k = g.reshape(k3, &[n, c.num_kv_heads * d]);
+        }
+        let q = ops::rope(&mut g, q, c.num_heads, cos, sin, rot);
+        let k = ops::rope(&mut g, k, c.num_kv_heads, cos, sin, rot);
+        let o = ops::attention(&mut g, attn, q, k, v, bias);
+        let a = ops::linear(&mut g, o, p(ids.o), ids.o_bias.map(p));
+        let x2 = g.add(x, a);
+        let h2 = ops::rmsnorm(&mut g, x2, p(ids.ln2), eps);
+        let gate = ops::linear(&mut g, h2, p(ids.gate), None);
+        let up = ops::linear(&mut g, h2, p(ids.up), None);
+        let m = ops::swiglu(&mut g, gate, up);
+        let f = ops::linear(&mut g, m, p(ids.down), None);
+        x = g.add(x2, f);
+    }
+    let hf = ops::rmsnorm(&mut g, x, p(layout.norm), eps);
+    let head = p(layout.lm_head.unwrap_or(layout.embed));
+    let (logp, entropy) = ops::logprob_entropy(&mut g, hf, head, targets, inv_t);
+    Trace {
+        g,
+        params,
+        logp,
+        entropy,
+    }
+}
+
+/// Rows rounded up to a power of two, tokens per row to a multiple of 16: each bucket
+/// compiles once.
+pub fn bucket(rows: usize, seq: usize) -> (usize, usize) {
+    (
+        rows.max(1).next_power_of_two(),
+        seq.max(1).div_ceil(16) * 16,
+    )
+}
+
+/// Compilation and execution counters, for benchmarks and logs.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Stats {
+    /// Programs compiled.
+    pub compiles: u64,
+    /// Seconds spent compiling.
+    pub compile_s: f64,
+}
+
+/// A model whose forward, backward and optimiser run on a PJRT device.
+pub struct PjrtModel {
+    client: Client,
+    config: ModelConfig,
+    layout: Layout,
+    specs: Vec<(String, Vec<usize>)>,
+    inv_freq: Vec<f64>,
+    params: Vec<Buffer>,
+    moments: Option<(Vec<Buffer>, Vec<Buffer>)>,
+    /// Gradients summed since the last step, and their Σ x².
+    grads: Option<(Vec<Buffer>, f64)>,
+    rot: Buffer,
+    score: HashMap<(usize, usize), Executable>,
+    grad: HashMap<(usize, usize), Executable>,
+    adamw: Option<(Executable, [u32; 3])>,
+    /// What compiling cost so far.
+    pub stats: Stats,
+}
+
+impl PjrtModel {
+    /// Copies `model`'s weights to the client's device.
+    pub fn new(client: Client, model: &Model) -> Result<Self> {
+        let c = model.config.clone();
+        let (layout, specs) = Layout::new(&c);
+        let params = model
+            .params
+            .tensors
+            .iter()
+            .map(|t| client.f32(&t.data, &t.shape).map_err(dev))
+            .collect::<Result<Vec<_>>>()?;
+        let rot = client
+            .f32(&ops::rotate_half(c.head_dim), &[c.head_dim, c.head_dim])
+            .map_err(dev)?;
+        Ok(Self {
+            inv_freq: inv_freq(c.head_dim, c.rope_theta, c.rope_scaling),
+            client,
+            config: c,
+            layout,
+            specs,
+            params,
+            moments: None,
+            grads: None,
+            rot,
+            score: HashMap::new(),
+            grad: HashMap::new(),
+            adamw: None,
+            stats: Stats::default(),
+        })
+    }
+
+    /// The platform the plugin runs on (`cpu`, `tpu`, `cuda`).
+    pub fn platform(&self) -> &str {
+        self.client.platform()
+    }
+
+    fn compile(&mut self, text: &str) -> Result<Executable> {
+        let t = Instant::now();
+        let exe = self.client.compile(text).map_err(dev)?;
+        self.stats.compiles += 1;
+        self.stats.compile_s += t.elapsed().as_secs_f64();
+        tracing::debug!(
+            bytes = text.len(),
+            secs = t.elapsed().as_secs_f64(),
+            "compiled a program"
+        );
+        Ok(exe)
+    }
+
+    /// The batch padded to its bucket, as the trace's inputs.
+    fn inputs(&self, b: &Batch, rows: usize, seq: usize) -> Inputs {
+        let n = rows * seq;
+        let mut tokens = vec![0i32; n];
+        let mut targets = vec![0i32; n];
+        let mut positions = vec![0u32; n];
+        let mut segments = vec![PAD_SEGMENT; n];
+        for r in 0..b.rows {
+            for t in 0..b.seq {
+                let (i, j) = (r * b.seq + t, r * seq + t);
+                tokens[j] = b.tokens[i] as i32;
+                targets[j] = b.targets[i] as i32;
+                positions[j] = b.positions[i];
+                segments[j] = b.segments[i];
+            }
+        }
+        let table = RopeTable::new(&positions, &self.inv_freq);
+        let (cos, sin) = ops::rope_tables(&table);
+        Inputs {
+            tokens,
+            targets,
+            cos,
+            sin,
+            bias: ops::attention_bias(rows, seq, &segments),
+        }
+    }
+
+    fn batch_buffers(
+        &self,
+        x: &Inputs,
+        rows: usize,
+        seq: usize,
+        temperature: f32,
+    ) -> Result<Vec<Buffer>> {
+        let (n, d) = (rows * seq, self.config.head_dim);
+        let c = &self.client;
+        Ok(vec![
+            c.i32(&x.tokens, &[n]).map_err(dev)?,
+            c.i32(&x.targets, &[n]).map_err(dev)?,
+            c.f32(&x.cos, &[n, d]).map_err(dev)?,
+            c.f32(&x.sin, &[n, d]).map_err(dev)?,
+            c.f32(&x.bias, &[rows, seq, seq]).map_err(dev)?,
+            c.f32(&[1.0 / temperature], &[]).map_err(dev)?,
+        ])
+    }
+
+    /// Unpads `[rows·seq]` values of the bucket to the batch's `[b.rows·b.seq]`.
+    fn unpad(b: &Batch, seq: usize, v: &[f32]) -> Vec<f32> {
+        let mut out = Vec::with_capacity(b.len());
+        for r in 0..b.rows {
+            out.extend_from_slice(&v[r * seq..r * seq + b.seq]);
+        }
+        out
+    }
+
+    fn check(&self, b: &Batch, temperature: f32) -> Result<()> {
+        b.validate(&self.config)?;
+        if !(temperature > 0.0 && temperature.is_finite()) {
+            return Err(Error::Batch(format!(
+                "temperature must be positive, got {temperature}"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Log-probs of `b.targets` and entropies under logits / `temperature` (as
+    /// [`Model::score`]).
+    pub fn score(&mut self, b: &Batch, temperature: f32) -> Result<Scores> {
+        self.check(b, temperature)?;
+        let (rows, seq) = bucket(b.rows, b.seq);
+        if !self.score.contains_key(&(rows, seq)) {
+            let t = trace(&self.config, &self.layout, &self.specs, rows, seq);
+            let text = t.g.emit(&[t.logp, t.entropy], &[]);
+            let exe = self.compile(&text)?;
+            self.score.insert((rows, seq), exe);
+        }
+        let x = self.inputs(b, rows, seq);
+        let extra = self.batch_buffers(&x, rows, seq, temperature)?;
+        let mut args: Vec<&Buffer> = self.params.iter().collect();
+        args.extend(&extra[..4]);
+        args.push(&self.rot);
+        args.extend(&extra[4..]);
+        let out = self.score[&(rows, seq)].run(&args).map_err(dev)?;
+        let logp = out[0].to_f32().map_err(dev)?;
+        let entropy = out[1].to_f32().map_err(dev)?;
+        Ok(Scores {
+            logp: Self::unpad(b, seq, &logp),
+            entropy: Self::unpad(b, seq, &entropy),
+        })
+    }
+
+    /// Forward and backward from d(loss)/d(logp) and d(loss)/d(entropy) per position (as
+    /// [`Model::forward`] then [`Model::backward`]); the gradients stay on the device, summed
+    /// over calls until [`PjrtModel::step`]. Returns the forward's scores.
+    pub fn backward(
+        &mut self,
+        b: &Batch,
+        temperature: f32,
+        d_logp: &[f32],
+        d_entropy: &[f32],
+    ) -> Result<Scores> {
+        self.check(b, temperature)?;
+        if d_logp.len() != b.len() || d_entropy.len() != b.len() {
+            return Err(Error::Batch(format!(
+                "{} / {} gradients for {} positions",
+                d_logp.len(),
+                d_entropy.len(),
+                b.len()
+            )));
+        }
+        let (rows, seq) = bucket(b.rows, b.seq);
+        let np = self.params.len();
+        if !self.grad.contains_key(&(rows, seq)) {
+            let mut t = trace(&self.config, &self.layout, &self.specs, rows, seq);
+            let n = rows * seq;
+            let dl = t.g.arg(Shape::f32(&[n]));
+            let de = t.g.arg(Shape::f32(&[n]));
+            let acc: Vec<V> = self
+                .specs
+                .iter()
+                .map(|(_, s)| t.g.arg(Shape::f32(s)))
+                .collect();
+            let grads = t.g.vjp(&[(t.logp, dl), (t.entropy, de)], &t.params);
+            let sums: Vec<V> = grads
+                .iter()
+                .zip(&acc)
+                .map(|(gr, a)| t.g.add(*gr, *a))
+                .collect();
+            // Σ grad² of the sums, for the clipping norm, without copying gradients back.
+            let mut sq = None;
+            for &x in &sums {
+                let s = ops::sum_sq(&mut t.g, x);
+                sq = Some(match sq {
+                    None => s,
+                    Some(prev) => t.g.add(prev, s),
+                });
+            }
+            let sq = sq.unwrap_or_else(|| t.g.scalar(0.0));
+            let mut outs = vec![t.logp, t.entropy, sq];
+            outs.extend(&sums);
+            // The accumulators are donated: each comes back as its updated sum.
+            let first_acc = np + 9;
+            let donate: Vec<(usize, usize)> = (0..np).map(|i| (first_acc + i, 3 + i)).collect();
+            let text = t.g.emit(&outs, &donate);
+            let exe = self.compile(&text)?;
+            self.grad.insert((rows, seq), exe);
+        }
+        let x = self.inputs(b, rows, seq);
+        let extra = self.batch_buffers(&x, rows, seq, temperature)?;
+        let pad = |v: &[f32]| {
+            let mut out = vec![0.0f32; rows * seq];
+            for r in 0..b.rows {
+                out[r * seq..r * seq + b.seq].copy_from_slice(&v[r * b.seq..(r + 1) * b.seq]);
+            }
+            out
+        };
+        let dl = self.client.f32(&pad(d_logp), &[rows * seq]).map_err(dev)?;
+        let de = self
+            .client
+            .f32(&pad(d_entropy), &[rows * seq])
+            .map_err(dev)?;
+        let acc = match self.grads.take() {
+            Some((g, _)) => g,
+            None => self.zeros()?,
+        };
+        let mut args: Vec<&Buffer> = self.params.iter().collect();
+        args.extend(&extra[..4]);
+        args.push(&self.rot);
+        args.extend(&extra[4..]);
+        args.push(&dl);
+        args.push(&de);
+        args.extend(acc.iter());
+        let mut out = self.grad[&(rows, seq)].run(&args).map_err(dev)?;
+        drop(args);
+        drop(acc);
+        let grads = out.split_off(3);
+        let sq = out[2].to_f32().map_err(dev)?;
+        self.grads = Some((grads, sq.first().copied().unwrap_or(f32::NAN) as f64));
+        let logp = out[0].to_f32().map_err(dev)?;
+        let entropy = out[1].to_f32().map_err(dev)?;
+        Ok(Scores {
+            logp: Self::unpad(b, seq, &logp),
+            entropy: Self::unpad(b, seq, &entropy),
+        })
+    }
+
+    fn zeros(&self) -> Result<Vec<Buffer>> {
+        self.specs
+            .iter()
+            .map(|(_, s)| {
+                let n: usize = s.iter().product();
+                self.client.f32(&vec![0.0; n], s).map_err(dev)
+            })
+            .collect()
+    }
+
+    /// Applies the gradients summed since the last step with `opt`'s schedule and clipping
+    /// (decided by [`Optimizer::plan`] from the norm computed on the device); the moments live
+    /// on the device ([`PjrtModel::sync_optimizer`] copies them back for a save).
+    pub fn step(&mut self, opt: &mut Optimizer) -> Result<StepReport> {
+        let (grads, sum_sq) = self
+            .grads
+            .take()
+            .ok_or_else(|| Error::Batch("step without a backward".into()))?;
+        let np = self.params.len();
+        let key = [opt.hparams.beta1, opt.hparams.beta2, opt.hparams.eps].map(f32::to_bits);
+        if self.adamw.as_ref().is_none_or(|(_, k)| *k != key) {
+            let mut g = Graph::new();
+            let p: Vec<V> = self
+                .specs
+                .iter()
+                .map(|(_, s)| g.arg(Shape::f32(s)))
+                .collect();
+            let gr: Vec<V> = self
+                .specs
+                .iter()
+                .map(|(_, s)| g.arg(Shape::f32(s)))
+                .collect();
+            let m: Vec<V> = self
+                .specs
+                .iter()
+                .map(|(_, s)| g.arg(Shape::f32(s)))
+                .collect();
+            let v: Vec<V> = self
+                .specs
+                .iter()
+                .map(|(_, s)| g.arg(Shape::f32(s)))
+                .collect();
+            let s = [0; 4].map(|_| g.arg(Shape::f32(&[])));
+            let mut outs = Vec::with_capacity(3 * np);
+            let (mut om, mut ov) = (Vec::new(), Vec::new());
+            for i in 0..np {
+                let (p2, m2, v2) = ops::adamw(&mut g, p[i], gr[i], m[i], v[i], s, &opt.hparams);
+                outs.push(p2);
+                om.push(m2);
+                ov.push(v2);
+            }
+            outs.extend(om);
+            outs.extend(ov);
+            // Parameters and moments are updated in place (donated); gradients are consumed.
+            let mut donate: Vec<(usize, usize)> = (0..np).map(|i| (i, i)).collect();
+            donate.extend((0..np).map(|i| (2 * np + i, np + i)));
+            donate.extend((0..np).map(|i| (3 * np + i, 2 * np + i)));
+            let text = g.emit(&outs, &donate);
+            let exe = self.compile(&text)?;
+            self.adamw = Some((exe, key));
+        }
+        let norm = sum_sq.sqrt();
+        let (report, plan) = opt.plan(norm);
+        let Some(plan) = plan else {
+            return Ok(report);
+        };
+        let (m, v) = match self.moments.take() {
+            Some(mv) => mv,
+            None => self.moments_from(opt)?,
+        };
+        let sc = ops::AdamwScalars::new(&plan.hparams, plan.step, plan.clip).to_vec();
+        let scalars = sc
+            .iter()
+            .map(|x| self.client.f32(&[*x], &[]).map_err(dev))
+            .collect::<Result<Vec<_>>>()?;
+        let mut args: Vec<&Buffer> = self.params.iter().collect();
+        args.extend(grads.iter());
+        args.extend(m.iter());
+        args.extend(v.iter());
+        args.extend(scalars.iter());
+        let out = self
+            .adamw
+            .as_ref()
+            .map(|(e, _)| e.run(&args))
+            .transpose()
+            .map_err(dev)?;
+        drop(args);
+        let mut out = out.ok_or_else(|| Error::Device("no AdamW program".into()))?;
+        let v2 = out.split_off(2 * np);
+        let m2 = out.split_off(np);
+        self.params = out;
+        self.moments = Some((m2, v2));
+        Ok(report)
+    }
+
+    fn moments_from(&self, opt: &mut Optimizer) -> Result<(Vec<Buffer>, Vec<Buffer>)> {
+        let (m, v) = opt.moments_mut();
+        let up = |p: &Params| -> Result<Vec<Buffer>> {
+            p.tensors
+                .iter()
+                .map(|t| self.client.f32(&t.data, &t.shape).map_err(dev))
+                .collect()
+        };
+        Ok((up(m)?, up(v)?))
+    }
+
+    /// Copies the gradients summed since the last step into `grads` (same layout as the
+    /// parameters); zeros when there are none.
+    pub fn read_grads(&self, grads: &mut Params) -> Result<()> {
+        match &self.grads {
+            Some((g, _)) => {
+                for (b, t) in g.iter().zip(&mut grads.tensors) {
+                    b.read_f32(&mut t.data).map_err(dev)?;
+                }
+            }
+            None => grads.fill_zero(),
+        }
+        Ok(())
+    }
+
+    /// Drops summed gradients without applying them.
+    pub fn zero_grads(&mut self) {
+        self.grads = None;
+    }
+
+    /// Copies the device's parameters into `params` (for a weight push or a checkpoint).
+    pub fn read_params(&self, params: &mut Params) -> Result<()> {
+        for (b, t) in self.params.iter().zip(&mut params.tensors) {
+            b.read_f32(&mut t.data).map_err(dev)?;
+        }
+        Ok(())
+    }
+
+    /// Replaces the device's parameters with `params` (after a resume or a host-side change).
+    pub fn write_params(&mut self, params: &Params) -> Result<()> {
+        self.params = params
+            .tensors
+            .iter()
+            .map(|t| self.client.f32(&t.data, &t.shape).map_err(dev))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(())
+    }
+
+    /// Copies the device's AdamW moments into `opt` (before it is saved); a no-op before the
+    /// first step.
+    pub fn sync_optimizer(&self, opt: &mut Optimizer) -> Result<()> {
+        if let Some((m, v)) = &self.moments {
+            let (hm, hv) = opt.moments_mut();
+            for (b, t) in m.iter().zip(&mut hm.tensors) {
+                b.read_f32(&mut t.data).map_err(dev)?;
+            }
+            for (b, t) in v.iter().zip(&mut hv.tensors) {
+                b.read_f32(&mut t.data).map_err(dev)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Forgets the device's moments, so the next step starts from `opt`'s (after a resume).
+    pub fn reset_optimizer(&mut self) {
+        self.moments = None;
+    }
+}

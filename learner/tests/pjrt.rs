@@ -1,0 +1,268 @@
+//! The `pjrt` engine on the XLA CPU plugin against `transformers` (the fixture) and against the
+//! native engine: log-probs, entropy, gradients of every parameter, AdamW steps, other
+//! architectures (Qwen3's q/k norms with tied embeddings; Llama with biases and RoPE scaling).
+//! Without the plugin each test says so loudly and passes; with `TRELLIS_REQUIRE_PJRT=1` (CI)
+//! it fails.
+
+use kernels::optim::AdamW;
+use learner::checkpoint::Checkpoint;
+use learner::optim::{LrSchedule, Optimizer};
+use learner::pjrt::PjrtModel;
+use learner::{Batch, Model, ModelConfig};
+use libtpu_sys::pjrt::{Client, cpu_plugin_path};
+use safetensors::SafeTensors;
+use serde_json::{Value, json};
+use std::path::{Path, PathBuf};
+
+fn client() -> Option<Client> {
+    match cpu_plugin_path() {
+        Some(p) => Some(Client::open(&p).expect("the XLA CPU plugin loads")),
+        None if std::env::var_os("TRELLIS_REQUIRE_PJRT").is_some() => {
+            panic!("TRELLIS_REQUIRE_PJRT is set but the XLA CPU plugin is not found")
+        }
+        None => {
+            eprintln!(
+                "*** SKIPPED: no XLA CPU plugin (run .ci/run's setup, or set TRELLIS_PJRT_CPU_PLUGIN) ***"
+            );
+            None
+        }
+    }
+}
+
+fn data() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/data/tiny-qwen2")
+}
+
+fn reference() -> (Value, Vec<u8>) {
+    let json =
+        serde_json::from_str(&std::fs::read_to_string(data().join("reference.json")).unwrap())
+            .unwrap();
+    (
+        json,
+        std::fs::read(data().join("reference.safetensors")).unwrap(),
+    )
+}
+
+fn tensor(bytes: &[u8], name: &str) -> Vec<f32> {
+    let st = SafeTensors::deserialize(bytes).unwrap();
+    st.tensor(name)
+        .unwrap()
+        .data()
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+        .collect()
+}
+
+fn ids(json: &Value) -> Vec<Vec<u32>> {
+    json["input_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            r.as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_u64().unwrap() as u32)
+                .collect()
+        })
+        .collect()
+}
+
+fn worst(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+#[test]
+fn logprobs_and_entropy_match_transformers_and_the_native_engine() {
+    let Some(c) = client() else { return };
+    let ckpt = Checkpoint::load(&data().join("checkpoint")).unwrap();
+    let (json, _) = reference();
+    let inputs = ids(&json);
+    let refs: Vec<&[u32]> = inputs.iter().map(|s| s.as_slice()).collect();
+    let batch = Batch::padded(&refs);
+    let mut pj = PjrtModel::new(c, &ckpt.model).unwrap();
+    assert_eq!(pj.platform(), "cpu");
+    let got = pj.score(&batch, 1.0).unwrap();
+    for (k, row) in json["token_logprobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .enumerate()
+    {
+        let want: Vec<f32> = row
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_f64().unwrap() as f32)
+            .collect();
+        let g = &got.logp[k * batch.seq..k * batch.seq + want.len()];
+        let w = worst(g, &want);
+        assert!(w <= 1e-4, "token_logprobs[{k}]: max |diff| {w}");
+    }
+    let native = ckpt.model.score(&batch, 0.7).unwrap();
+    let tempered = pj.score(&batch, 0.7).unwrap();
+    assert!(worst(&tempered.logp, &native.logp) <= 1e-4);
+    assert!(worst(&tempered.entropy, &native.entropy) <= 1e-4);
+    // Same bucket (3 rows → 4, seq → 16): one program for both temperatures.
+    assert_eq!(pj.stats.compiles, 1);
+}
+
+#[test]
+fn the_gradient_of_the_mean_nll_matches_every_parameter() {
+    let Some(c) = client() else { return };
+    let ckpt = Checkpoint::load(&data().join("checkpoint")).unwrap();
+    let (json, bytes) = reference();
+    let ids0 = &ids(&json)[0];
+    let batch = Batch::padded(&[ids0]);
+    let n = ids0.len() - 1;
+    let mut d_logp = vec![0.0; batch.len()];
+    d_logp[..n].fill(-1.0 / n as f32);
+    let mut pj = PjrtModel::new(c, &ckpt.model).unwrap();
+    let scores = pj
+        .backward(&batch, 1.0, &d_logp, &vec![0.0; batch.len()])
+        .unwrap();
+    let nll = -scores.logp[..n].iter().sum::<f32>() / n as f32;
+    let want_nll = json["nll_seq0"].as_f64().unwrap() as f32;
+    assert!((nll - want_nll).abs() < 1e-4, "nll {nll} vs {want_nll}");
+    let mut grads = ckpt.model.params.zeros_like();
+    pj.read_grads(&mut grads).unwrap();
+    for g in &grads.tensors {
+        let want = tensor(&bytes, &format!("grad.{}", g.name));
+        let scale = want.iter().map(|v| v.abs()).fold(0.0f32, f32::max);
+        let w = worst(&g.data, &want);
+        assert!(
+            w <= 1e-4 * scale,
+            "grad.{}: max |diff| {w} > 1e-4 × {scale}",
+            g.name
+        );
+    }
+}
+
+fn tiny(arch: &str, extra: Value) -> Model {
+    let mut cfg = json!({"model_type": arch, "vocab_size": 50, "hidden_size": 16, "intermediate_size": 24,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+        "max_position_embeddings": 64});
+    for (k, v) in extra.as_object().unwrap() {
+        cfg[k] = v.clone();
+    }
+    let config = ModelConfig::from_json(cfg, Path::new("test")).unwrap();
+    let mut m = Model::init(config, 7);
+    // Wider than the 0.02 init so every path carries signal.
+    for (i, t) in m.params.tensors.iter_mut().enumerate() {
+        for (j, v) in t.data.iter_mut().enumerate() {
+            *v += 0.3 * (((i * 31 + j * 17) % 13) as f32 / 6.0 - 1.0);
+        }
+    }
+    m
+}
+
+/// Three optimiser steps (with clipping) on the same losses: the pjrt engine's parameters,
+/// log-probs and reports follow the native engine's.
+fn training_follows_the_native_engine(mut native: Model) {
+    let Some(c) = client() else { return };
+    let batch = Batch::padded(&[&[1u32, 5, 9, 13, 2, 7][..], &[3, 4, 11][..]]);
+    let n = batch.len();
+    let coef: Vec<f32> = (0..n).map(|i| ((i * 7 % 5) as f32 - 2.0) * 0.3).collect();
+    let ent: Vec<f32> = (0..n).map(|i| ((i * 3 % 4) as f32 - 1.5) * 0.02).collect();
+    let mut pj = PjrtModel::new(c, &native).unwrap();
+    let hp = AdamW {
+        lr: 1e-2,
+        weight_decay: 0.1,
+        ..Default::default()
+    };
+    let mut opt_n = Optimizer::new(&native.params, hp, LrSchedule::constant(1e-2), Some(0.5));
+    let mut opt_p = opt_n.clone();
+    let mut grads = native.params.zeros_like();
+    for step in 0..3 {
+        let (sn, tape) = native.forward(&batch, 0.9).unwrap();
+        native.backward(tape, &coef, &ent, &mut grads);
+        let rn = opt_n.step(&mut native.params, &mut grads);
+        grads.fill_zero();
+        let sp = pj.backward(&batch, 0.9, &coef, &ent).unwrap();
+        let rp = pj.step(&mut opt_p).unwrap();
+        assert!(worst(&sp.logp, &sn.logp) <= 2e-4, "step {step}: logp");
+        assert!(
+            worst(&sp.entropy, &sn.entropy) <= 2e-4,
+            "step {step}: entropy"
+        );
+        assert!(
+            (rp.grad_norm - rn.grad_norm).abs() <= 1e-4 * rn.grad_norm,
+            "step {step}: {rp:?} vs {rn:?}"
+        );
+        assert_eq!((rp.lr, rp.skipped), (rn.lr, rn.skipped));
+    }
+    let mut params = native.params.clone();
+    pj.read_params(&mut params).unwrap();
+    // Adam divides by √v: where a gradient is near zero (k biases barely move the loss) the
+    // update's size is the learning rate whatever the rounding, so allow a tenth of one step.
+    for (a, b) in params.tensors.iter().zip(&native.params.tensors) {
+        let w = worst(&a.data, &b.data);
+        assert!(w <= 1e-3, "{}: max |diff| {w} after 3 steps", a.name);
+    }
+    // The moments come back for a save, equal to the native optimiser's.
+    pj.sync_optimizer(&mut opt_p).unwrap();
+    let (mp, vp) = opt_p.moments_mut();
+    let (mp, vp) = (mp.clone(), vp.clone());
+    let (mn, vn) = opt_n.moments_mut();
+    for (a, b) in mp
+        .tensors
+        .iter()
+        .zip(&mn.tensors)
+        .chain(vp.tensors.iter().zip(&vn.tensors))
+    {
+        let scale = b.data.iter().map(|v| v.abs()).fold(1e-12f32, f32::max);
+        assert!(
+            worst(&a.data, &b.data) <= 1e-3 * scale,
+            "{}: moments",
+            a.name
+        );
+    }
+}
+
+#[test]
+fn qwen3_with_tied_embeddings_trains_as_the_native_engine() {
+    training_follows_the_native_engine(tiny("qwen3", json!({"tie_word_embeddings": true})));
+}
+
+#[test]
+fn llama_with_biases_and_rope_scaling_trains_as_the_native_engine() {
+    training_follows_the_native_engine(tiny(
+        "llama",
+        json!({"attention_bias": true, "rope_scaling":
+        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+         "original_max_position_embeddings": 32}}),
+    ));
+}
+
+#[test]
+fn bad_batches_are_refused_before_the_device() {
+    let Some(c) = client() else { return };
+    let mut pj = PjrtModel::new(c, &tiny("qwen2", json!({}))).unwrap();
+    let e = pj
+        .score(&Batch::padded(&[&[3u32, 50][..]]), 1.0)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("token id 50"), "{e}");
+    let e = pj
+        .score(&Batch::padded(&[&[3u32][..]]), 0.0)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("temperature"), "{e}");
+    let e = pj
+        .backward(&Batch::padded(&[&[3u32, 4][..]]), 1.0, &[0.0], &[0.0, 0.0])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("gradients for 2 positions"), "{e}");
+    let mut opt = Optimizer::new(
+        &tiny("qwen2", json!({})).params,
+        AdamW::default(),
+        LrSchedule::constant(1e-3),
+        None,
+    );
+    let e = pj.step(&mut opt).unwrap_err().to_string();
+    assert!(e.contains("step without a backward"), "{e}");
+}
