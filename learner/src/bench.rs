@@ -1,6 +1,7 @@
 //! `trellis bench train`: one full training step (forward, backward, AdamW) of a reference
 //! model on random tokens, reported as tokens/s, GFLOP/s and MFU against the f32 FMA peak
-//! measured in the same run, with the GEMM rate at 1024³ and peak RSS.
+//! measured in the same run, with the GEMM rate at 1024³ and peak RSS; with a PJRT client, the
+//! same step on the `pjrt` engine in the same run (compile time apart).
 
 use crate::config::ModelConfig;
 use crate::model::{Batch, Model};
@@ -60,6 +61,25 @@ pub struct TrainBenchReport {
     pub gemm_1024_gflops: f64,
     pub gemm_fraction_of_peak: f64,
     pub peak_rss_mib: f64,
+    /// The same step on the `pjrt` engine, when asked for.
+    pub pjrt: Option<PjrtBenchReport>,
+}
+
+/// The `pjrt` engine's step in the same run.
+#[derive(Clone, Debug, Serialize)]
+pub struct PjrtBenchReport {
+    /// The plugin's platform.
+    pub platform: String,
+    /// Seconds spent compiling (the first step's programs).
+    pub compile_seconds: f64,
+    pub step_seconds_median: f64,
+    pub step_seconds_all: Vec<f64>,
+    pub tokens_per_second: f64,
+    pub achieved_gflops: f64,
+    /// Against the host CPU's FMA peak (meaningful for the CPU plugin only).
+    pub mfu_vs_host_peak: f64,
+    /// Native step time ÷ pjrt step time (above 1: pjrt is faster).
+    pub speedup_vs_native: f64,
 }
 
 /// Model FLOPs of one forward+backward over `tokens` tokens in rows of `seq`: 6 per
@@ -108,8 +128,11 @@ pub fn gemm_gflops(n: usize) -> f64 {
     2.0 * (n * n * n) as f64 / best / 1e9
 }
 
-/// Runs the benchmark.
-pub fn train_bench(opts: &TrainBenchOptions) -> TrainBenchReport {
+/// Runs the benchmark; with `pjrt`, also on that client's device.
+pub fn train_bench(
+    opts: &TrainBenchOptions,
+    pjrt: Option<libtpu_sys::pjrt::Client>,
+) -> crate::Result<TrainBenchReport> {
     let threads = kernels::threads::current();
     let peak = kernels::peak::fma_peak_gflops(threads);
     let gemm = gemm_gflops(1024);
@@ -149,7 +172,41 @@ pub fn train_bench(opts: &TrainBenchOptions) -> TrainBenchReport {
     let step = median(&times);
     let flops = train_flops(&c, n, opts.seq);
     let achieved = flops / step / 1e9;
-    TrainBenchReport {
+    let pjrt = match pjrt {
+        None => None,
+        Some(client) => {
+            let model = Model::init(c.clone(), 0);
+            let mut dev = crate::pjrt::PjrtModel::new(client, &model)?;
+            let mut opt = Optimizer::new(
+                &model.params,
+                AdamW::default(),
+                LrSchedule::constant(1e-4),
+                Some(1.0),
+            );
+            let mut ptimes = Vec::new();
+            for i in 0..=opts.steps {
+                let t = Instant::now();
+                dev.backward(&batch, 1.0, &d_logp, &d_ent)?;
+                dev.step(&mut opt)?;
+                if i > 0 {
+                    ptimes.push(t.elapsed().as_secs_f64());
+                }
+            }
+            let ps = median(&ptimes);
+            let pa = flops / ps / 1e9;
+            Some(PjrtBenchReport {
+                platform: dev.platform().to_string(),
+                compile_seconds: dev.stats().compile_s,
+                step_seconds_median: ps,
+                step_seconds_all: ptimes,
+                tokens_per_second: n as f64 / ps,
+                achieved_gflops: pa,
+                mfu_vs_host_peak: pa / peak,
+                speedup_vs_native: step / ps,
+            })
+        }
+    };
+    Ok(TrainBenchReport {
         threads,
         params: c.num_params(),
         tokens_per_step: n,
@@ -163,5 +220,6 @@ pub fn train_bench(opts: &TrainBenchOptions) -> TrainBenchReport {
         gemm_1024_gflops: gemm,
         gemm_fraction_of_peak: gemm / peak,
         peak_rss_mib: peak_rss_mib(),
-    }
+        pjrt,
+    })
 }

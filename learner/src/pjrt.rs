@@ -19,6 +19,7 @@ use kernels::hlo::{Graph, Shape, V};
 use kernels::rope::{RopeTable, inv_freq};
 use libtpu_sys::pjrt::{Buffer, Client, Executable, PjrtError};
 use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 fn dev(e: PjrtError) -> Error {
@@ -138,11 +139,11 @@ pub struct PjrtModel {
     /// Gradients summed since the last step, and their Σ x².
     grads: Option<(Vec<Buffer>, f64)>,
     rot: Buffer,
-    score: HashMap<(usize, usize), Executable>,
+    /// Scoring programs per bucket, shared by concurrent scorers.
+    score: Mutex<HashMap<(usize, usize), Arc<Executable>>>,
     grad: HashMap<(usize, usize), Executable>,
     adamw: Option<(Executable, [u32; 3])>,
-    /// What compiling cost so far.
-    pub stats: Stats,
+    stats: Mutex<Stats>,
 }
 
 impl PjrtModel {
@@ -169,10 +170,10 @@ impl PjrtModel {
             moments: None,
             grads: None,
             rot,
-            score: HashMap::new(),
+            score: Mutex::new(HashMap::new()),
             grad: HashMap::new(),
             adamw: None,
-            stats: Stats::default(),
+            stats: Mutex::new(Stats::default()),
         })
     }
 
@@ -181,11 +182,18 @@ impl PjrtModel {
         self.client.platform()
     }
 
-    fn compile(&mut self, text: &str) -> Result<Executable> {
+    /// What compiling has cost so far.
+    pub fn stats(&self) -> Stats {
+        self.stats.lock().map(|s| *s).unwrap_or_default()
+    }
+
+    fn compile(&self, text: &str) -> Result<Executable> {
         let t = Instant::now();
         let exe = self.client.compile(text).map_err(dev)?;
-        self.stats.compiles += 1;
-        self.stats.compile_s += t.elapsed().as_secs_f64();
+        if let Ok(mut s) = self.stats.lock() {
+            s.compiles += 1;
+            s.compile_s += t.elapsed().as_secs_f64();
+        }
         tracing::debug!(
             bytes = text.len(),
             secs = t.elapsed().as_secs_f64(),
@@ -261,22 +269,33 @@ impl PjrtModel {
 
     /// Log-probs of `b.targets` and entropies under logits / `temperature` (as
     /// [`Model::score`]).
-    pub fn score(&mut self, b: &Batch, temperature: f32) -> Result<Scores> {
+    pub fn score(&self, b: &Batch, temperature: f32) -> Result<Scores> {
         self.check(b, temperature)?;
         let (rows, seq) = bucket(b.rows, b.seq);
-        if !self.score.contains_key(&(rows, seq)) {
-            let t = trace(&self.config, &self.layout, &self.specs, rows, seq);
-            let text = t.g.emit(&[t.logp, t.entropy], &[]);
-            let exe = self.compile(&text)?;
-            self.score.insert((rows, seq), exe);
-        }
+        let exe = {
+            // Held while compiling: two scorers of one new bucket compile it once.
+            let mut cache = self
+                .score
+                .lock()
+                .map_err(|_| Error::Device("the program cache is poisoned".into()))?;
+            match cache.get(&(rows, seq)) {
+                Some(e) => e.clone(),
+                None => {
+                    let t = trace(&self.config, &self.layout, &self.specs, rows, seq);
+                    let text = t.g.emit(&[t.logp, t.entropy], &[]);
+                    let e = Arc::new(self.compile(&text)?);
+                    cache.insert((rows, seq), e.clone());
+                    e
+                }
+            }
+        };
         let x = self.inputs(b, rows, seq);
         let extra = self.batch_buffers(&x, rows, seq, temperature)?;
         let mut args: Vec<&Buffer> = self.params.iter().collect();
         args.extend(&extra[..4]);
         args.push(&self.rot);
         args.extend(&extra[4..]);
-        let out = self.score[&(rows, seq)].run(&args).map_err(dev)?;
+        let out = exe.run(&args).map_err(dev)?;
         let logp = out[0].to_f32().map_err(dev)?;
         let entropy = out[1].to_f32().map_err(dev)?;
         Ok(Scores {

@@ -84,7 +84,7 @@ fn logprobs_and_entropy_match_transformers_and_the_native_engine() {
     let inputs = ids(&json);
     let refs: Vec<&[u32]> = inputs.iter().map(|s| s.as_slice()).collect();
     let batch = Batch::padded(&refs);
-    let mut pj = PjrtModel::new(c, &ckpt.model).unwrap();
+    let pj = PjrtModel::new(c, &ckpt.model).unwrap();
     assert_eq!(pj.platform(), "cpu");
     let got = pj.score(&batch, 1.0).unwrap();
     for (k, row) in json["token_logprobs"]
@@ -108,7 +108,7 @@ fn logprobs_and_entropy_match_transformers_and_the_native_engine() {
     assert!(worst(&tempered.logp, &native.logp) <= 1e-4);
     assert!(worst(&tempered.entropy, &native.entropy) <= 1e-4);
     // Same bucket (3 rows → 4, seq → 16): one program for both temperatures.
-    assert_eq!(pj.stats.compiles, 1);
+    assert_eq!(pj.stats().compiles, 1);
 }
 
 #[test]

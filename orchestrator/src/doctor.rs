@@ -254,6 +254,29 @@ fn site_packages() -> Vec<PathBuf> {
     out
 }
 
+/// The PJRT plugin for pools on `device` (`cpu`, `gpu`, `tpu`): `TRELLIS_PJRT_PLUGIN`, else
+/// the one pip installed for that device (for `cpu` also the wheel `.ci/run` unpacks under
+/// `target/pjrt`).
+pub fn find_plugin(device: &str) -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os("TRELLIS_PJRT_PLUGIN") {
+        return Some(PathBuf::from(p));
+    }
+    let wanted: &[&str] = match device {
+        "tpu" => &PLUGIN_PATHS[..1],
+        "gpu" => &PLUGIN_PATHS[1..3],
+        _ => &PLUGIN_PATHS[3..],
+    };
+    if device == "cpu"
+        && let Some(p) = libtpu_sys::pjrt::cpu_plugin_path()
+    {
+        return Some(p);
+    }
+    site_packages()
+        .iter()
+        .flat_map(|site| wanted.iter().map(move |rel| site.join(rel)))
+        .find(|p| p.is_file())
+}
+
 fn plugins(extra: &[PathBuf]) -> Vec<Check> {
     let mut paths: Vec<PathBuf> = extra.to_vec();
     if let Some(p) = std::env::var_os("TRELLIS_PJRT_PLUGIN") {

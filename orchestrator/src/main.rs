@@ -424,6 +424,13 @@ enum BenchCommand {
         /// Timed steps (after one warm-up).
         #[arg(long, default_value_t = 5)]
         steps: usize,
+        /// `native`, or `pjrt`: also the same step on a PJRT plugin, in the same run.
+        #[arg(long, default_value = "native")]
+        engine: String,
+        /// The PJRT plugin for `--engine pjrt` (default: TRELLIS_PJRT_PLUGIN, else the XLA CPU
+        /// plugin pip installed).
+        #[arg(long)]
+        plugin: Option<PathBuf>,
         /// Print JSON.
         #[arg(long)]
         json: bool,
@@ -485,17 +492,37 @@ fn score(model: &std::path::Path, text: &str, json: bool) -> Result<()> {
     Ok(())
 }
 
-fn bench_train(batch: usize, seq: usize, steps: usize, json: bool) -> Result<()> {
+fn bench_train(
+    batch: usize,
+    seq: usize,
+    steps: usize,
+    engine: &str,
+    plugin: Option<PathBuf>,
+    json: bool,
+) -> Result<()> {
     if batch == 0 || seq < 2 || steps == 0 {
         bail!("--batch and --steps must be positive and --seq at least 2");
     }
+    let client = match engine {
+        "native" => None,
+        "pjrt" => {
+            let path = plugin
+                .or_else(|| orchestrator::doctor::find_plugin("cpu"))
+                .context("--engine pjrt needs a PJRT plugin: pass --plugin PATH, set TRELLIS_PJRT_PLUGIN, or `pip install xla-cpu-pjrt`")?;
+            Some(
+                libtpu_sys::pjrt::Client::open(&path)
+                    .with_context(|| format!("--plugin {}", path.display()))?,
+            )
+        }
+        other => bail!("--engine `{other}`: expected native or pjrt"),
+    };
     let opts = bench::TrainBenchOptions {
         batch,
         seq,
         steps,
         ..Default::default()
     };
-    let r = bench::train_bench(&opts);
+    let r = bench::train_bench(&opts, client)?;
     if json {
         println!("{}", serde_json::to_string(&r)?);
         return Ok(());
@@ -525,6 +552,20 @@ fn bench_train(batch: usize, seq: usize, steps: usize, json: bool) -> Result<()>
         100.0 * r.gemm_fraction_of_peak
     );
     println!("  peak RSS                   {:.0} MiB", r.peak_rss_mib);
+    if let Some(p) = &r.pjrt {
+        println!("pjrt engine ({}), same step, same run", p.platform);
+        println!("  compile (first step)       {:.1} s", p.compile_seconds);
+        println!(
+            "  step time (median of {steps}) {:.3} s ({:.2}× native)",
+            p.step_seconds_median, p.speedup_vs_native
+        );
+        println!("  tokens/s                   {:.0}", p.tokens_per_second);
+        println!(
+            "  achieved                   {:.1} GFLOP/s ({:.1}% of the host's FMA peak)",
+            p.achieved_gflops,
+            100.0 * p.mfu_vs_host_peak
+        );
+    }
     Ok(())
 }
 
@@ -1020,9 +1061,11 @@ fn run() -> Result<()> {
                     batch,
                     seq,
                     steps,
+                    engine,
+                    plugin,
                     json,
                 },
-        } => bench_train(batch, seq, steps, json),
+        } => bench_train(batch, seq, steps, &engine, plugin, json),
         Command::Bench {
             what: BenchCommand::Generate { model, json },
         } => bench_generate(model, json),

@@ -253,6 +253,11 @@ impl RlState {
         &self.opt
     }
 
+    /// The optimiser, to copy a device's moments into before a checkpoint.
+    pub(crate) fn optimizer_mut(&mut self) -> &mut Optimizer {
+        &mut self.opt
+    }
+
     /// Writes the critic and its optimiser into checkpoint folder `dir`.
     pub(crate) fn save(&self, dir: &Path) -> Result<(), RunError> {
         if let Some((critic, opt, _)) = &self.critic {
@@ -522,7 +527,16 @@ impl Run<'_> {
             ),
             Op::User(UserNode::Program(p)) => Out::Scores(program_scores(p, &board.groups, &mut m)),
             Op::User(UserNode::Filter(f)) => Out::Keep(filter_keep(f, &board.groups, &mut m)),
-            Op::OldLogp => Out::OldLogp(self.logp_of(&self.model, a, &board.groups)?),
+            Op::OldLogp => Out::OldLogp(match &self.device {
+                // The policy's log-probs where it trains, so ratios start at 1 exactly there.
+                Some(dev) => {
+                    let per = a.ppo_mini_batch_size * a.rollout_n;
+                    per_response_token(&board.groups, per, |b| {
+                        Ok(dev.score(b, a.temperature.max(1e-6))?.logp)
+                    })?
+                }
+                None => self.logp_of(&self.model, a, &board.groups)?,
+            }),
             Op::RefLogp => {
                 let r = st
                     .reference
@@ -716,7 +730,14 @@ impl Run<'_> {
                 let (r0, r1) = (k * per, k * per + chunk.len());
                 let b = padded_rows(chunk);
                 let slots = response_slots(chunk, b.seq, cols);
-                let (sc, tape) = self.model.forward(&b, a.temperature.max(1e-6))?;
+                let temp = a.temperature.max(1e-6);
+                let (sc, tape) = match &self.device {
+                    Some(dev) => (dev.score(&b, temp)?, None),
+                    None => {
+                        let (sc, tape) = self.model.forward(&b, temp)?;
+                        (sc, Some(tape))
+                    }
+                };
                 let logp = gather(&sc.logp, &slots, chunk.len() * cols);
                 let ent = gather(&sc.entropy, &slots, chunk.len() * cols);
                 let sub = Shape {
@@ -747,11 +768,26 @@ impl Run<'_> {
                     d_logp[bi] = out.grad[r];
                     d_ent[bi] = out.grad_entropy[r];
                 }
-                self.model.backward(tape, &d_logp, &d_ent, &mut st.grads);
-                report = Some(st.opt.step(&mut self.model.params, &mut st.grads));
-                st.grads.fill_zero();
+                match (tape, self.device.as_mut()) {
+                    (Some(tape), _) => {
+                        self.model.backward(tape, &d_logp, &d_ent, &mut st.grads);
+                        report = Some(st.opt.step(&mut self.model.params, &mut st.grads));
+                        st.grads.fill_zero();
+                    }
+                    (None, Some(dev)) => {
+                        // The device recomputes the forward it needs for the backward.
+                        dev.backward(&b, temp, &d_logp, &d_ent)?;
+                        report = Some(dev.step(&mut st.opt)?);
+                    }
+                    (None, None) => unreachable!("a tape without a device engine"),
+                }
                 losses.push(out.metrics);
             }
+        }
+        // The host copy follows the device's weights: the rollout push, eval and checkpoints
+        // read it.
+        if let Some(dev) = &self.device {
+            dev.read_params(&mut self.model.params)?;
         }
         for l in &losses {
             for (k, v) in l {

@@ -14,6 +14,7 @@ use crate::store::{CheckpointRecord, JobState, Progress, Store, StoreError};
 use crate::workflow::{Stage, StageKind, Workflow};
 use learner::checkpoint::Checkpoint;
 use learner::optim::{LrSchedule, Optimizer, ScheduleKind};
+use learner::pjrt::PjrtModel;
 use learner::rl::Metrics;
 use learner::snapshot::WeightSnapshot;
 use learner::tokenizer::Tokenizer;
@@ -160,6 +161,9 @@ pub(crate) struct Run<'a> {
     pub(crate) wf: &'a Workflow,
     pub(crate) dir: PathBuf,
     pub(crate) model: Model,
+    /// The learner's `pjrt` engine (`pools.learner.engine: pjrt`): trains on the device, and
+    /// `model` mirrors its weights after every update.
+    pub(crate) device: Option<PjrtModel>,
     pub(crate) tokenizer: Tokenizer,
     assets: Vec<(String, Vec<u8>)>,
     pub(crate) eos: u32,
@@ -223,8 +227,52 @@ impl RunOptions {
     }
 }
 
+/// A client on the learner's PJRT plugin when `pools.learner.engine` is `pjrt`: the plugin
+/// found (`pools.learner.plugin`, `TRELLIS_PJRT_PLUGIN`, or pip's for the device), loaded, and
+/// checked to run on `pools.learner.device`.
+fn learner_client(wf: &Workflow) -> Result<Option<libtpu_sys::pjrt::Client>, RunError> {
+    let p = &wf.pools.learner;
+    if p.engine != "pjrt" {
+        return Ok(None);
+    }
+    let path = match &p.plugin {
+        Some(x) => x.clone(),
+        None => crate::doctor::find_plugin(&p.device).ok_or_else(|| {
+            let wheel = match p.device.as_str() {
+                "tpu" => "libtpu",
+                "gpu" => "jax-cuda12-pjrt",
+                _ => "xla-cpu-pjrt",
+            };
+            RunError::Other(format!(
+                "pools.learner: engine pjrt on {} needs a PJRT plugin and none was found: set pools.learner.plugin or TRELLIS_PJRT_PLUGIN to its .so, or `pip install {wheel}`",
+                p.device
+            ))
+        })?,
+    };
+    let fail =
+        |e: libtpu_sys::pjrt::PjrtError| RunError::Other(format!("pools.learner.plugin: {e}"));
+    libtpu_sys::probe(&path).map_err(|e| fail(e.into()))?;
+    let client = libtpu_sys::pjrt::Client::open(&path).map_err(fail)?;
+    let platform = client.platform().to_string();
+    let fits = match p.device.as_str() {
+        "gpu" => ["cuda", "rocm", "gpu"].contains(&platform.as_str()),
+        d => platform == d,
+    };
+    if !fits {
+        return Err(RunError::Other(format!(
+            "pools.learner: device is {} but the plugin {} runs on `{platform}`",
+            p.device,
+            path.display()
+        )));
+    }
+    tracing::info!(plugin = %path.display(), %platform, "learner on the pjrt engine");
+    Ok(Some(client))
+}
+
 /// Starts a run of `wf` in `dir` (which must not hold another run).
 pub fn start(wf: &Workflow, dir: &Path, opts: &RunOptions) -> Result<Summary, RunError> {
+    // A learner device that cannot be had fails before the run exists.
+    learner_client(wf)?;
     if store_path(dir).exists() {
         return Err(RunError::Other(format!(
             "{} already holds a run: continue it with `trellis resume {}`, or pick another --run-dir",
@@ -440,9 +488,14 @@ pub fn run_job(
         .map_err(io(&metrics_path))?;
     let tb = dir.join("tensorboard");
     let events = crate::tensorboard::EventWriter::create(&tb).map_err(io(&tb))?;
+    let device = match learner_client(wf)? {
+        Some(client) => Some(PjrtModel::new(client, &model)?),
+        None => None,
+    };
     let mut run = Run {
         wf,
         dir: dir.to_path_buf(),
+        device,
         model,
         tokenizer,
         assets,
@@ -666,6 +719,12 @@ impl Run<'_> {
             StageKind::Rl => Some(RlState::new(self, stage, ck_dir.as_deref())?),
             _ => None,
         };
+        // A stage's optimiser is new (or restored from its checkpoint): the device's moments
+        // start from it.
+        if let Some(dev) = self.device.as_mut() {
+            dev.reset_optimizer();
+            dev.zero_grads();
+        }
         if stage.kind == StageKind::Eval {
             let (acc, reward) = self.evaluate(&eval_set, &stage.reward, eval_tokens)?;
             let m: Metrics = [
@@ -722,6 +781,14 @@ impl Run<'_> {
                 let save = stage.trainer.save_freq;
                 let stop = self.opts.stop_requested() && step < total;
                 if stop || (save > 0 && step % save == 0 && step < total) {
+                    if let Some(dev) = &self.device {
+                        if let Some(o) = sft_opt.as_mut() {
+                            dev.sync_optimizer(o)?;
+                        }
+                        if let Some(r) = rl.as_mut() {
+                            dev.sync_optimizer(r.optimizer_mut())?;
+                        }
+                    }
                     self.checkpoint(
                         &stage.id,
                         step,
@@ -772,16 +839,27 @@ impl Run<'_> {
             d_logp[r * batch.seq + plen - 1..r * batch.seq + plen - 1 + alen]
                 .fill(-1.0 / count as f32);
         }
-        let (scores, tape) = self.model.forward(&batch, 1.0)?;
+        let zeros = vec![0.0; batch.len()];
+        let (scores, report) = match self.device.as_mut() {
+            Some(dev) => {
+                let scores = dev.backward(&batch, 1.0, &d_logp, &zeros)?;
+                let report = dev.step(opt)?;
+                dev.read_params(&mut self.model.params)?;
+                (scores, report)
+            }
+            None => {
+                let (scores, tape) = self.model.forward(&batch, 1.0)?;
+                self.model.backward(tape, &d_logp, &zeros, grads);
+                let report = opt.step(&mut self.model.params, grads);
+                grads.fill_zero();
+                (scores, report)
+            }
+        };
         let loss: f64 = d_logp
             .iter()
             .zip(&scores.logp)
             .map(|(g, l)| (g * l) as f64)
             .sum();
-        self.model
-            .backward(tape, &d_logp, &vec![0.0; batch.len()], grads);
-        let report = opt.step(&mut self.model.params, grads);
-        grads.fill_zero();
         let sync = self.sync_weights()?;
         let secs = t.elapsed().as_secs_f64();
         Ok([

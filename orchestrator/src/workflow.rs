@@ -63,8 +63,9 @@ pub struct Pool {
     /// spread over them; the native learner trains on one.
     #[serde(default = "one")]
     pub count: usize,
-    /// `native` (this build's CPU engine), or, for rollout, an external engine server reached
-    /// over HTTP: `vllm`, `sglang`, or `served` (`trellis engine serve`).
+    /// `native` (this build's CPU engine); for the learner, `pjrt` (the model compiled to
+    /// StableHLO and run by a PJRT plugin on `device`); for rollout, an external engine server
+    /// reached over HTTP: `vllm`, `sglang`, or `served` (`trellis engine serve`).
     #[serde(default = "default_engine")]
     pub engine: String,
     /// `local` (in the driver process), or on registered agents (`trellis agent`): `pack` (fewest
@@ -89,6 +90,10 @@ pub struct Pool {
     /// that checks every weight push (raise it for bf16 engines).
     #[serde(default = "default_tolerance")]
     pub verify_tolerance: f64,
+    /// The PJRT plugin of `engine: pjrt` (`libtpu.so`, the CUDA plugin, `xla_cpu_pjrt.so`);
+    /// unset: `TRELLIS_PJRT_PLUGIN`, else the one pip installed for `device`.
+    #[serde(default)]
+    pub plugin: Option<PathBuf>,
 }
 
 impl Default for Pool {
@@ -103,6 +108,7 @@ impl Default for Pool {
             weights_dir: None,
             timeout_s: default_timeout(),
             verify_tolerance: default_tolerance(),
+            plugin: None,
         }
     }
 }
@@ -875,11 +881,26 @@ pub fn validate(wf: &Workflow, origin: &str) -> Result<(), WorkflowError> {
                 p.engine
             ));
         }
+        if p.plugin.is_some() && p.engine != "pjrt" {
+            return bad(format!(
+                "pools.{role}.plugin is for engine: pjrt, not `{}`",
+                p.engine
+            ));
+        }
+        if role == "learner" && p.engine == "pjrt" {
+            if p.count != 1 {
+                return bad(format!(
+                    "pools.learner.count is {}: the pjrt learner trains on one device (data parallelism over several is not built yet)",
+                    p.count
+                ));
+            }
+            continue;
+        }
         if p.engine != "native" || p.device != "cpu" {
             let also = if role == "rollout" {
                 "; rollout pools also take vllm, sglang or served with endpoints"
             } else {
-                ""
+                "; the learner also takes engine: pjrt on cpu, gpu or tpu"
             };
             return bad(format!(
                 "pools.{role}: engine `{}` on `{}` cannot be placed: this build runs the native engine on cpu{also}",

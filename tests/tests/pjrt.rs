@@ -1,0 +1,216 @@
+//! `pools.learner.engine: pjrt` as a user runs it: `trellis train` with the learner compiled to
+//! StableHLO and run by the XLA CPU plugin (`xla-cpu-pjrt`, which `.ci/run` installs under
+//! target/pjrt). Without the plugin these tests say so loudly and pass; with
+//! `TRELLIS_REQUIRE_PJRT=1` (CI) they fail.
+
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+use trellis_tests::{run_ok, trellis};
+
+fn recipe() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data/tiny-arith.yaml")
+}
+
+fn run_dir(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("trellis-pjrt-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+fn have_plugin() -> bool {
+    if libtpu_sys::pjrt::cpu_plugin_path().is_some() {
+        return true;
+    }
+    if std::env::var_os("TRELLIS_REQUIRE_PJRT").is_some() {
+        panic!("TRELLIS_REQUIRE_PJRT is set but the XLA CPU plugin is not found");
+    }
+    eprintln!(
+        "*** SKIPPED: no XLA CPU plugin (run .ci/run's setup, or set TRELLIS_PJRT_CPU_PLUGIN) ***"
+    );
+    false
+}
+
+fn metrics(dir: &Path) -> Vec<Value> {
+    std::fs::read_to_string(dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+fn num(v: &Value, k: &str) -> f64 {
+    v[k].as_f64().unwrap_or_else(|| panic!("no `{k}` in {v}"))
+}
+
+const PJRT: [&str; 2] = ["-o", "pools.learner.engine=pjrt"];
+const SHORT: [&str; 4] = [
+    "-o",
+    "stages.rl.trainer.steps=8",
+    "-o",
+    "stages.rl.trainer.save_freq=2",
+];
+
+/// The same recipe on the native and the pjrt learner: the same SFT losses and gradient
+/// norms, the same rewards in RL (the weights agree so closely that sampling picks the same
+/// tokens), the same eval accuracy; then a pjrt run killed -9 inside RL and resumed (moments
+/// restored from the checkpoint onto the device) ends where the uninterrupted one did.
+#[test]
+fn the_pjrt_learner_trains_as_the_native_one_and_resumes_after_kill_9() {
+    if !have_plugin() {
+        return;
+    }
+    let (native, pjrt, killed) = (run_dir("native"), run_dir("pjrt"), run_dir("killed"));
+    run_ok(
+        trellis()
+            .arg("train")
+            .arg(recipe())
+            .arg("--quiet")
+            .args(SHORT)
+            .arg("--run-dir")
+            .arg(&native),
+    );
+    let out = run_ok(
+        trellis()
+            .arg("train")
+            .arg(recipe())
+            .arg("--quiet")
+            .args(SHORT)
+            .args(PJRT)
+            .arg("--run-dir")
+            .arg(&pjrt),
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("learner on the pjrt engine") && err.contains("platform=cpu"),
+        "{err}"
+    );
+    let (mn, mp) = (metrics(&native), metrics(&pjrt));
+    assert_eq!(mn.len(), mp.len());
+    let close = |a: f64, b: f64, tol: f64| (a - b).abs() <= tol * (1.0 + b.abs());
+    for (n, p) in mn.iter().zip(&mp) {
+        assert_eq!((&n["stage"], &n["step"]), (&p["stage"], &p["step"]));
+        for k in ["sft/loss", "actor/grad_norm", "actor/pg_loss"] {
+            if n.get(k).is_some() {
+                assert!(
+                    close(num(p, k), num(n, k), 1e-3),
+                    "{k}: pjrt {p} vs native {n}"
+                );
+            }
+        }
+        for k in ["critic/score/mean", "eval/accuracy"] {
+            if n.get(k).is_some() {
+                assert_eq!(num(p, k), num(n, k), "{k}: pjrt {p} vs native {n}");
+            }
+        }
+    }
+    // Kill -9 after an RL checkpoint, resume on the device, compare.
+    let mut child = trellis()
+        .arg("train")
+        .arg(recipe())
+        .arg("--quiet")
+        .args(SHORT)
+        .args(PJRT)
+        .arg("--run-dir")
+        .arg(&killed)
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let t0 = Instant::now();
+    while !killed
+        .join("checkpoints/rl/step_000004/trainer_state.json")
+        .exists()
+    {
+        assert!(t0.elapsed() < Duration::from_secs(120), "no RL checkpoint");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    // The device's moments were copied into the checkpoint's optimiser state.
+    let m = std::fs::metadata(killed.join("checkpoints/rl/step_000004/optimizer/m.safetensors"))
+        .unwrap();
+    assert!(m.len() > 1000);
+    run_ok(trellis().arg("resume").arg(&killed).arg("--quiet"));
+    let mk = metrics(&killed);
+    assert_eq!(mk.len(), mp.len(), "no step lost or doubled");
+    let strip = |v: &Value| {
+        let mut v = v.clone();
+        v.as_object_mut()
+            .unwrap()
+            .retain(|k, _| !k.starts_with("timing_s/") && !k.starts_with("perf/"));
+        v
+    };
+    for (k, p) in mk.iter().zip(&mp) {
+        let (k, p) = (strip(k), strip(p));
+        for (key, want) in p.as_object().unwrap() {
+            match (want.as_f64(), k[key].as_f64()) {
+                (Some(w), Some(g)) => assert!(close(g, w, 1e-4), "{key}: resumed {k} vs {p}"),
+                _ => assert_eq!(&k[key], want, "{key}"),
+            }
+        }
+    }
+    for d in [native, pjrt, killed] {
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+}
+
+#[test]
+fn a_learner_device_that_cannot_be_had_is_refused_before_the_run_starts() {
+    if !have_plugin() {
+        return;
+    }
+    let dir = run_dir("bad");
+    let cases: [(&[&str], &str); 5] = [
+        (
+            &[
+                "-o",
+                "pools.learner.engine=pjrt",
+                "-o",
+                "pools.learner.plugin=/nonexistent/libtpu.so",
+            ],
+            "/nonexistent/libtpu.so",
+        ),
+        (
+            &[
+                "-o",
+                "pools.learner.engine=pjrt",
+                "-o",
+                "pools.learner.device=tpu",
+            ],
+            "runs on `cpu`",
+        ),
+        (
+            &[
+                "-o",
+                "pools.learner.engine=pjrt",
+                "-o",
+                "pools.learner.count=2",
+            ],
+            "trains on one device",
+        ),
+        (&["-o", "pools.rollout.engine=pjrt"], "cannot be placed"),
+        (
+            &["-o", "pools.learner.plugin=/x.so"],
+            "pools.learner.plugin is for engine: pjrt",
+        ),
+    ];
+    for (args, want) in cases {
+        // The CPU plugin is found for `device: tpu` only through TRELLIS_PJRT_PLUGIN.
+        let plugin = libtpu_sys::pjrt::cpu_plugin_path().unwrap();
+        let out = trellis()
+            .arg("train")
+            .arg(recipe())
+            .arg("--quiet")
+            .args(args)
+            .arg("--run-dir")
+            .arg(&dir)
+            .env("TRELLIS_PJRT_PLUGIN", &plugin)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} ran");
+        assert!(err.contains(want), "{args:?}: {err}");
+        assert!(!dir.exists(), "{args:?}: nothing may run");
+    }
+}
