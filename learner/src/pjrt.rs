@@ -62,43 +62,22 @@ fn trace(
     let rot = g.arg(Shape::f32(&[d, d]));
     let bias = g.arg(Shape::f32(&[rows, seq, seq]));
     let inv_t = g.arg(Shape::f32(&[]));
-    let p = |i: usize| params[i];
-    let eps = c.rms_norm_eps;
     let attn = Attn {
         rows,
         seq,
+        keys: seq,
         heads: c.num_heads,
         kv_heads: c.num_kv_heads,
         head_dim: d,
         scale: 1.0 / (d as f32).sqrt(),
     };
-    let mut x = g.gather(p(layout.embed), tokens);
-    for ids in &layout.layers {
-        let h1 = ops::rmsnorm(&mut g, x, p(ids.ln1), eps);
-        let mut q = ops::linear(&mut g, h1, p(ids.q), ids.q_bias.map(p));
-        let mut k = ops::linear(&mut g, h1, p(ids.k), ids.k_bias.map(p));
-        let v = ops::linear(&mut g, h1, p(ids.v), ids.v_bias.map(p));
-        if let (Some(qn), Some(kn)) = (ids.q_norm, ids.k_norm) {
-            let q3 = g.reshape(q, &[n, c.num_heads, d]);
-            let q3 = ops::rmsnorm(&mut g, q3, p(qn), eps);
-            q = g.reshape(q3, &[n, c.num_heads * d]);
-            let k3 = g.reshape(k, &[n, c.num_kv_heads, d]);
-            let k3 = ops::rmsnorm(&mut g, k3, p(kn), eps);
-            k = g.reshape(k3, &[n, c.num_kv_heads * d]);
-        }
-        let q = ops::rope(&mut g, q, c.num_heads, cos, sin, rot);
-        let k = ops::rope(&mut g, k, c.num_kv_heads, cos, sin, rot);
-        let o = ops::attention(&mut g, attn, q, k, v, bias);
-        let a = ops::linear(&mut g, o, p(ids.o), ids.o_bias.map(p));
-        let x2 = g.add(x, a);
-        let h2 = ops::rmsnorm(&mut g, x2, p(ids.ln2), eps);
-        let gate = ops::linear(&mut g, h2, p(ids.gate), None);
-        let up = ops::linear(&mut g, h2, p(ids.up), None);
-        let m = ops::swiglu(&mut g, gate, up);
-        let f = ops::linear(&mut g, m, p(ids.down), None);
-        x = g.add(x2, f);
-    }
-    let hf = ops::rmsnorm(&mut g, x, p(layout.norm), eps);
+    let x = g.gather(params[layout.embed], tokens);
+    let rope = Rope { cos, sin, rot };
+    let x = stack(&mut g, c, layout, &params, x, rope, &mut |g, _, q, k, v| {
+        ops::attention(g, attn, q, k, v, bias)
+    });
+    let p = |i: usize| params[i];
+    let hf = ops::rmsnorm(&mut g, x, p(layout.norm), c.rms_norm_eps);
     let head = p(layout.lm_head.unwrap_or(layout.embed));
     let (logp, entropy) = ops::logprob_entropy(&mut g, hf, head, targets, inv_t);
     Trace {
@@ -107,6 +86,57 @@ fn trace(
         logp,
         entropy,
     }
+}
+
+/// RoPE inputs of a trace: per-token cos and sin (`[n, d]`) and the rotate-half matrix.
+#[derive(Clone, Copy)]
+struct Rope {
+    cos: V,
+    sin: V,
+    rot: V,
+}
+
+/// The decoder stack over embedded tokens `x` (`[n, hidden]`), before the final norm; `attend`
+/// computes a layer's attention from its rotated q, k and v (over the batch, or a KV cache).
+fn stack(
+    g: &mut Graph,
+    c: &ModelConfig,
+    layout: &Layout,
+    params: &[V],
+    mut x: V,
+    rope: Rope,
+    attend: &mut dyn FnMut(&mut Graph, usize, V, V, V) -> V,
+) -> V {
+    let n = g.dims(x)[0];
+    let d = c.head_dim;
+    let p = |i: usize| params[i];
+    let eps = c.rms_norm_eps;
+    for (layer, ids) in layout.layers.iter().enumerate() {
+        let h1 = ops::rmsnorm(g, x, p(ids.ln1), eps);
+        let mut q = ops::linear(g, h1, p(ids.q), ids.q_bias.map(p));
+        let mut k = ops::linear(g, h1, p(ids.k), ids.k_bias.map(p));
+        let v = ops::linear(g, h1, p(ids.v), ids.v_bias.map(p));
+        if let (Some(qn), Some(kn)) = (ids.q_norm, ids.k_norm) {
+            let q3 = g.reshape(q, &[n, c.num_heads, d]);
+            let q3 = ops::rmsnorm(g, q3, p(qn), eps);
+            q = g.reshape(q3, &[n, c.num_heads * d]);
+            let k3 = g.reshape(k, &[n, c.num_kv_heads, d]);
+            let k3 = ops::rmsnorm(g, k3, p(kn), eps);
+            k = g.reshape(k3, &[n, c.num_kv_heads * d]);
+        }
+        let q = ops::rope(g, q, c.num_heads, rope.cos, rope.sin, rope.rot);
+        let k = ops::rope(g, k, c.num_kv_heads, rope.cos, rope.sin, rope.rot);
+        let o = attend(g, layer, q, k, v);
+        let a = ops::linear(g, o, p(ids.o), ids.o_bias.map(p));
+        let x2 = g.add(x, a);
+        let h2 = ops::rmsnorm(g, x2, p(ids.ln2), eps);
+        let gate = ops::linear(g, h2, p(ids.gate), None);
+        let up = ops::linear(g, h2, p(ids.up), None);
+        let m = ops::swiglu(g, gate, up);
+        let f = ops::linear(g, m, p(ids.down), None);
+        x = g.add(x2, f);
+    }
+    x
 }
 
 /// Rows rounded up to a power of two, tokens per row to a multiple of 16: each bucket
@@ -560,5 +590,252 @@ impl PjrtModel {
     /// Forgets the device's moments, so the next step starts from `opt`'s (after a resume).
     pub fn reset_optimizer(&mut self) {
         self.moments = None;
+    }
+}
+
+/// The KV caches of one batch of rows on the device (keys and values of every layer, each
+/// `[rows·len, kv_heads·head_dim]`), for [`PjrtDecoder::extend`].
+pub struct KvBatch {
+    rows: usize,
+    len: usize,
+    caches: Vec<Buffer>,
+}
+
+impl KvBatch {
+    /// Rows the programs run (a bucket: at least the rows asked for).
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Token slots per row.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether rows have no slot.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+/// Generation on a PJRT device: the model traced with its attention over a KV cache kept on
+/// the device, one program per (rows, new tokens, cache length) bucket; a prompt is one call
+/// with all its tokens (prefill), each decode step one call with one token per row. Returns
+/// logits to the host, where the rollout engine samples.
+pub struct PjrtDecoder {
+    client: Client,
+    config: ModelConfig,
+    layout: Layout,
+    specs: Vec<(String, Vec<usize>)>,
+    inv_freq: Vec<f64>,
+    params: Vec<Buffer>,
+    rot: Buffer,
+    programs: HashMap<(usize, usize, usize), Executable>,
+    stats: Stats,
+}
+
+impl PjrtDecoder {
+    /// Copies `model`'s weights to the client's device.
+    pub fn new(client: Client, model: &Model) -> Result<Self> {
+        let c = model.config.clone();
+        let (layout, specs) = Layout::new(&c);
+        let rot = client
+            .f32(&ops::rotate_half(c.head_dim), &[c.head_dim, c.head_dim])
+            .map_err(dev)?;
+        let mut d = Self {
+            inv_freq: inv_freq(c.head_dim, c.rope_theta, c.rope_scaling),
+            client,
+            config: c,
+            layout,
+            specs,
+            params: Vec::new(),
+            rot,
+            programs: HashMap::new(),
+            stats: Stats::default(),
+        };
+        d.set_params(&model.params)?;
+        Ok(d)
+    }
+
+    /// The model's config.
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    /// The platform the plugin runs on.
+    pub fn platform(&self) -> &str {
+        self.client.platform()
+    }
+
+    /// What compiling has cost so far.
+    pub fn stats(&self) -> Stats {
+        self.stats
+    }
+
+    /// Replaces the weights (a new version from the learner).
+    pub fn set_params(&mut self, params: &Params) -> Result<()> {
+        if params.tensors.len() != self.specs.len()
+            || params
+                .tensors
+                .iter()
+                .zip(&self.specs)
+                .any(|(t, (name, shape))| t.name != *name || t.shape != *shape)
+        {
+            return Err(Error::BadTensor {
+                path: "<snapshot>".into(),
+                name: "*".into(),
+                msg: "the weights do not have this model's names and shapes".into(),
+            });
+        }
+        self.params = params
+            .tensors
+            .iter()
+            .map(|t| self.client.f32(&t.data, &t.shape).map_err(dev))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(())
+    }
+
+    /// Zeroed caches for `rows` rows of `len` slots each (both rounded up to their buckets).
+    pub fn start(&self, rows: usize, len: usize) -> Result<KvBatch> {
+        let (rows, len) = bucket(rows, len);
+        let kvd = self.config.num_kv_heads * self.config.head_dim;
+        let zeros = vec![0.0f32; rows * len * kvd];
+        let caches = (0..2 * self.config.num_layers)
+            .map(|_| self.client.f32(&zeros, &[rows * len, kvd]).map_err(dev))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(KvBatch { rows, len, caches })
+    }
+
+    fn program(&mut self, rows: usize, new: usize, len: usize) -> Result<()> {
+        if !self.programs.contains_key(&(rows, new, len)) {
+            let c = &self.config;
+            let (d, kvd) = (c.head_dim, c.num_kv_heads * c.head_dim);
+            let n = rows * new;
+            let mut g = Graph::new();
+            let params: Vec<V> = self.specs.iter().map(|(_, s)| g.arg(Shape::f32(s))).collect();
+            let tokens = g.arg(Shape::i32(&[n]));
+            let sel = g.arg(Shape::i32(&[rows]));
+            let cos = g.arg(Shape::f32(&[n, d]));
+            let sin = g.arg(Shape::f32(&[n, d]));
+            let rot = g.arg(Shape::f32(&[d, d]));
+            let bias = g.arg(Shape::f32(&[rows, new, len]));
+            let slots = g.arg(Shape::i32(&[n]));
+            let first_cache = g.num_args();
+            let caches: Vec<V> = (0..2 * c.num_layers)
+                .map(|_| g.arg(Shape::f32(&[rows * len, kvd])))
+                .collect();
+            let attn = Attn {
+                rows,
+                seq: new,
+                keys: len,
+                heads: c.num_heads,
+                kv_heads: c.num_kv_heads,
+                head_dim: d,
+                scale: 1.0 / (d as f32).sqrt(),
+            };
+            let mut updated = vec![None; caches.len()];
+            let x = g.gather(params[self.layout.embed], tokens);
+            let rope = Rope { cos, sin, rot };
+            let x = stack(&mut g, c, &self.layout, &params, x, rope, &mut |g, layer, q, k, v| {
+                // Write this call's keys and values, then attend over the whole cache.
+                let kc = g.scatter_set(caches[2 * layer], slots, k);
+                let vc = g.scatter_set(caches[2 * layer + 1], slots, v);
+                updated[2 * layer] = Some(kc);
+                updated[2 * layer + 1] = Some(vc);
+                ops::attention(g, attn, q, kc, vc, bias)
+            });
+            let last = g.gather(x, sel);
+            let hf = ops::rmsnorm(&mut g, last, params[self.layout.norm], c.rms_norm_eps);
+            let head = params[self.layout.lm_head.unwrap_or(self.layout.embed)];
+            let logits = g.dot(hf, head, 0, 1, 1);
+            let mut outs = vec![logits];
+            outs.extend(updated.into_iter().flatten());
+            let donate: Vec<(usize, usize)> = (0..caches.len())
+                .map(|i| (first_cache + i, 1 + i))
+                .collect();
+            let text = g.emit(&outs, &donate);
+            let t = Instant::now();
+            let exe = self.client.compile(&text).map_err(dev)?;
+            self.stats.compiles += 1;
+            self.stats.compile_s += t.elapsed().as_secs_f64();
+            self.programs.insert((rows, new, len), exe);
+        }
+        Ok(())
+    }
+
+    /// Runs `tokens[r]` of each row `r` (at most [`KvBatch::rows`] rows; rows may differ in
+    /// length, none empty) at positions `starts[r]..`, writing their keys and values into `kv`,
+    /// and returns the logits (`[tokens.len(), vocab]`) after each row's last token.
+    pub fn extend(&mut self, kv: &mut KvBatch, tokens: &[&[u32]], starts: &[usize]) -> Result<Vec<f32>> {
+        let c = &self.config;
+        let (rows, len) = (kv.rows, kv.len);
+        if tokens.len() > rows || tokens.len() != starts.len() || tokens.iter().any(|t| t.is_empty()) {
+            return Err(Error::Batch(format!(
+                "extend: {} rows of tokens, {} starts, for a batch of {rows} rows",
+                tokens.len(),
+                starts.len()
+            )));
+        }
+        let longest = tokens.iter().map(|t| t.len()).max().unwrap_or(1);
+        let new = if longest == 1 { 1 } else { longest.div_ceil(16) * 16 };
+        if let Some((r, _)) = tokens
+            .iter()
+            .zip(starts)
+            .enumerate()
+            .find(|(_, (t, s))| **s + t.len() > len)
+        {
+            return Err(Error::Batch(format!(
+                "extend: row {r} runs past the cache of {len} slots"
+            )));
+        }
+        let n = rows * new;
+        let mut tok = vec![0i32; n];
+        let mut pos = vec![0u32; n];
+        let mut slots = vec![0i32; n];
+        let mut sel = vec![0i32; rows];
+        let mut row_starts = vec![0usize; rows];
+        for r in 0..rows {
+            let (t, s) = match tokens.get(r) {
+                Some(t) => (*t, starts[r]),
+                None => (&[][..], 0),
+            };
+            row_starts[r] = s;
+            for i in 0..new {
+                let j = r * new + i;
+                // Padding writes slots past the row's tokens: each is written again (by the
+                // token that belongs there) before any query can see it.
+                let p = (s + i).min(len - 1);
+                tok[j] = t.get(i).map_or(0, |&x| x as i32);
+                pos[j] = p as u32;
+                slots[j] = (r * len + p) as i32;
+            }
+            sel[r] = (r * new + t.len().max(1) - 1) as i32;
+        }
+        let table = RopeTable::new(&pos, &self.inv_freq);
+        let (cos, sin) = ops::rope_tables(&table);
+        let bias = ops::cache_bias(&row_starts, new, len);
+        let d = c.head_dim;
+        let cl = &self.client;
+        let inputs = [
+            cl.i32(&tok, &[n]).map_err(dev)?,
+            cl.i32(&sel, &[rows]).map_err(dev)?,
+            cl.f32(&cos, &[n, d]).map_err(dev)?,
+            cl.f32(&sin, &[n, d]).map_err(dev)?,
+            cl.f32(&bias, &[rows, new, len]).map_err(dev)?,
+            cl.i32(&slots, &[n]).map_err(dev)?,
+        ];
+        let vocab = c.vocab_size;
+        self.program(rows, new, len)?;
+        let exe = &self.programs[&(rows, new, len)];
+        let mut args: Vec<&Buffer> = self.params.iter().collect();
+        args.extend(&inputs[..4]);
+        args.push(&self.rot);
+        args.extend(&inputs[4..]);
+        args.extend(kv.caches.iter());
+        let mut out = exe.run(&args).map_err(dev)?;
+        drop(args);
+        kv.caches = out.split_off(1);
+        let logits = out[0].to_f32().map_err(dev)?;
+        Ok(logits[..tokens.len() * vocab].to_vec())
     }
 }

@@ -266,3 +266,54 @@ fn bad_batches_are_refused_before_the_device() {
     let e = pj.step(&mut opt).unwrap_err().to_string();
     assert!(e.contains("step without a backward"), "{e}");
 }
+
+/// Prefill of the three fixture inputs together (different lengths) then greedy decoding on the
+/// device's KV cache: the 16 tokens `transformers`' `generate` gave, and at every step logits
+/// equal to the native engine's full forward over the sequence so far.
+#[test]
+fn the_decoder_prefills_and_decodes_greedy_as_transformers() {
+    let Some(c) = client() else { return };
+    let ckpt = Checkpoint::load(&data().join("checkpoint")).unwrap();
+    let (json, _) = reference();
+    let inputs = ids(&json);
+    let greedy = json["greedy"].as_array().unwrap();
+    let mut dec = learner::pjrt::PjrtDecoder::new(c, &ckpt.model).unwrap();
+    let longest = inputs.iter().map(|s| s.len()).max().unwrap();
+    let mut kv = dec.start(inputs.len(), longest + 16).unwrap();
+    let vocab = ckpt.model.config.vocab_size;
+    let prompts: Vec<&[u32]> = inputs.iter().map(|s| s.as_slice()).collect();
+    let mut logits = dec.extend(&mut kv, &prompts, &vec![0; inputs.len()]).unwrap();
+    let mut seqs = inputs.clone();
+    for step in 0..16 {
+        let mut next = Vec::new();
+        for (r, s) in seqs.iter_mut().enumerate() {
+            let row = &logits[r * vocab..(r + 1) * vocab];
+            let native = ckpt.model.logits(&Batch::padded(&[s])).unwrap();
+            let want = &native[(s.len() - 1) * vocab..];
+            assert!(worst(row, want) <= 1e-4, "row {r} step {step}: logits");
+            let tok = row
+                .iter()
+                .enumerate()
+                .max_by(|a, b| a.1.total_cmp(b.1))
+                .unwrap()
+                .0 as u32;
+            s.push(tok);
+            next.push(tok);
+        }
+        let toks: Vec<[u32; 1]> = next.iter().map(|&t| [t]).collect();
+        let rows: Vec<&[u32]> = toks.iter().map(|t| t.as_slice()).collect();
+        let starts: Vec<usize> = seqs.iter().map(|s| s.len() - 1).collect();
+        logits = dec.extend(&mut kv, &rows, &starts).unwrap();
+    }
+    for (r, s) in seqs.iter().enumerate() {
+        let want: Vec<u32> = greedy[r]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect();
+        assert_eq!(s[inputs[r].len()..], want[..], "greedy continuation of input {r}");
+    }
+    // One prefill program and one decode program.
+    assert_eq!(dec.stats().compiles, 2);
+}

@@ -156,6 +156,9 @@ enum Op {
     Gather(V, V),
     /// A `[R, C]` zero table with `[n, C]` updates added at rows `[n]`.
     ScatterAdd(V, V),
+    /// `table` (`[R, C]`) with rows `idx` (`[n]`, distinct) replaced by `upd` (`[n, C]`); not
+    /// differentiable (KV-cache writes in inference programs).
+    ScatterSet(V, V, V),
     Convert(V),
 }
 
@@ -397,6 +400,18 @@ impl Graph {
         self.push(Op::ScatterAdd(idx, upd), Shape::f32(&[rows, u[1]]))
     }
 
+    /// `table` (`[R, C]`) with its rows `idx` (i32 `[n]`, distinct) replaced by `upd`
+    /// (`[n, C]`). Not differentiable: for KV-cache writes in inference programs.
+    pub fn scatter_set(&mut self, table: V, idx: V, upd: V) -> V {
+        let (t, u) = (self.dims(table), self.dims(upd));
+        assert!(
+            t.len() == 2 && u.len() == 2 && t[1] == u[1] && self.dims(idx) == [u[0]],
+            "scatter_set: {t:?} {u:?}"
+        );
+        let s = self.shape(table).clone();
+        self.push(Op::ScatterSet(table, idx, upd), s)
+    }
+
     /// An i32 value as f32.
     pub fn to_f32(&mut self, x: V) -> V {
         let dims = self.dims(x);
@@ -417,7 +432,7 @@ impl Graph {
             | Op::Dot { a, b, .. }
             | Op::Gather(a, b)
             | Op::ScatterAdd(a, b) => vec![*a, *b],
-            Op::Select(p, a, b) => vec![*p, *a, *b],
+            Op::Select(p, a, b) | Op::ScatterSet(p, a, b) => vec![*p, *a, *b],
         }
     }
 
@@ -459,6 +474,7 @@ impl Graph {
     fn backprop(&mut self, adj: &mut HashMap<V, V>, y: V, op: Op, g: V) {
         match op {
             Op::Arg | Op::Const(_) | Op::Iota(_) | Op::Cmp(..) | Op::Convert(_) => {}
+            Op::ScatterSet(..) => panic!("vjp through scatter_set: inference programs only"),
             Op::Un(f, x) => {
                 let d = match f {
                     Un::Neg => self.un(Un::Neg, g),
@@ -835,6 +851,18 @@ impl Graph {
                     "  %x{r} = \"stablehlo.reshape\"(%v{}) : ({}) -> tensor<{n}x1xi32>\n  %z{r} = stablehlo.constant dense<0.0> : {out}\n  %v{r} = \"stablehlo.scatter\"(%z{r}, %x{r}, %v{}) ({{\n  ^bb0(%a{r}: tensor<f32>, %b{r}: tensor<f32>):\n    %c{r} = \"stablehlo.add\"(%a{r}, %b{r}) : (tensor<f32>, tensor<f32>) -> tensor<f32>\n    \"stablehlo.return\"(%c{r}) : (tensor<f32>) -> ()\n  }}) {{scatter_dimension_numbers = #stablehlo.scatter<update_window_dims = [1], inserted_window_dims = [0], scatter_dims_to_operand_dims = [0], index_vector_dim = 1>, indices_are_sorted = false, unique_indices = false}} : ({out}, tensor<{n}x1xi32>, {}) -> {out}",
                     i.0,
                     ty(*i),
+                    u.0,
+                    ty(*u)
+                );
+            }
+            Op::ScatterSet(t, i, u) => {
+                let n = self.dims(*i)[0];
+                let _ = writeln!(
+                    s,
+                    "  %x{r} = \"stablehlo.reshape\"(%v{}) : ({}) -> tensor<{n}x1xi32>\n  %v{r} = \"stablehlo.scatter\"(%v{}, %x{r}, %v{}) ({{\n  ^bb0(%a{r}: tensor<f32>, %b{r}: tensor<f32>):\n    \"stablehlo.return\"(%b{r}) : (tensor<f32>) -> ()\n  }}) {{scatter_dimension_numbers = #stablehlo.scatter<update_window_dims = [1], inserted_window_dims = [0], scatter_dims_to_operand_dims = [0], index_vector_dim = 1>, indices_are_sorted = false, unique_indices = true}} : ({out}, tensor<{n}x1xi32>, {}) -> {out}",
+                    i.0,
+                    ty(*i),
+                    t.0,
                     u.0,
                     ty(*u)
                 );

@@ -104,41 +104,58 @@ pub fn attention_bias(rows: usize, seq: usize, segments: &[u32]) -> Vec<f32> {
 #[derive(Clone, Copy, Debug)]
 pub struct Attn {
     pub rows: usize,
+    /// Queries per row.
     pub seq: usize,
+    /// Keys per row: `seq` within a batch, the cache length over a KV cache.
+    pub keys: usize,
     pub heads: usize,
     pub kv_heads: usize,
     pub head_dim: usize,
     pub scale: f32,
 }
 
-/// Causal grouped-query attention: `q` `[n, heads·d]`, `k`, `v` `[n, kv_heads·d]`, `bias` from
-/// [`attention_bias`]; returns `[n, heads·d]`. Query head `h` reads kv head `h / (heads /
+/// Grouped-query attention: `q` `[rows·seq, heads·d]`, `k`, `v` `[rows·keys, kv_heads·d]`,
+/// `bias` `[rows, seq, keys]` (from [`attention_bias`] for causal attention within a batch, or
+/// a cache mask); returns `[rows·seq, heads·d]`. Query head `h` reads kv head `h / (heads /
 /// kv_heads)`, as `transformers`' `repeat_kv`.
 pub fn attention(g: &mut Graph, a: Attn, q: V, k: V, v: V, bias: V) -> V {
-    let (r, s, d, kv) = (a.rows, a.seq, a.head_dim, a.kv_heads);
+    let (r, s, l, d, kv) = (a.rows, a.seq, a.keys, a.head_dim, a.kv_heads);
     let grp = a.heads / kv;
     // q: [r, s, kv, grp, d] → [r, kv, grp, s, d] → [r·kv, grp·s, d]
     let q5 = g.reshape(q, &[r, s, kv, grp, d]);
     let q5 = g.transpose(q5, &[0, 2, 3, 1, 4]);
     let q3 = g.reshape(q5, &[r * kv, grp * s, d]);
-    // k, v: [r, s, kv, d] → [r, kv, s, d] → [r·kv, s, d]
+    // k, v: [r, l, kv, d] → [r, kv, l, d] → [r·kv, l, d]
     let kv3 = |g: &mut Graph, x: V| {
-        let x4 = g.reshape(x, &[r, s, kv, d]);
+        let x4 = g.reshape(x, &[r, l, kv, d]);
         let x4 = g.transpose(x4, &[0, 2, 1, 3]);
-        g.reshape(x4, &[r * kv, s, d])
+        g.reshape(x4, &[r * kv, l, d])
     };
     let k3 = kv3(g, k);
     let v3 = kv3(g, v);
-    let scores = g.dot(q3, k3, 1, 2, 2); // [r·kv, grp·s, s]
+    let scores = g.dot(q3, k3, 1, 2, 2); // [r·kv, grp·s, l]
     let scores = g.scale(scores, a.scale);
-    let b5 = g.broadcast(bias, &[r, kv, grp, s, s], &[0, 3, 4]);
-    let b3 = g.reshape(b5, &[r * kv, grp * s, s]);
+    let b5 = g.broadcast(bias, &[r, kv, grp, s, l], &[0, 3, 4]);
+    let b3 = g.reshape(b5, &[r * kv, grp * s, l]);
     let z = g.add(scores, b3);
     let p = softmax_last(g, z);
     let o = g.dot(p, v3, 1, 2, 1); // [r·kv, grp·s, d]
     let o5 = g.reshape(o, &[r, kv, grp, s, d]);
     let o5 = g.transpose(o5, &[0, 3, 1, 2, 4]);
     g.reshape(o5, &[r * s, a.heads * d])
+}
+
+/// The mask of new tokens over a KV cache (`[rows, new, len]`): query `t` of row `r`, at
+/// position `starts[r] + t`, sees cache slots `0..=starts[r] + t`.
+pub fn cache_bias(starts: &[usize], new: usize, len: usize) -> Vec<f32> {
+    let mut b = vec![-1e30f32; starts.len() * new * len];
+    for (r, &s) in starts.iter().enumerate() {
+        for t in 0..new {
+            let visible = (s + t + 1).min(len);
+            b[(r * new + t) * len..(r * new + t) * len + visible].fill(0.0);
+        }
+    }
+    b
 }
 
 /// Softmax over the last dimension.

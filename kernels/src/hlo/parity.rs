@@ -143,6 +143,7 @@ fn grouped_query_attention_with_padding_matches_the_kernel() {
     let a = Attn {
         rows: sh.batch,
         seq: sh.seq,
+        keys: sh.seq,
         heads: sh.heads,
         kv_heads: sh.kv_heads,
         head_dim: sh.head_dim,
