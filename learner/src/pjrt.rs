@@ -17,7 +17,8 @@ use crate::params::{Layout, Params};
 use kernels::hlo::ops::{self, Attn};
 use kernels::hlo::{Graph, Shape, V};
 use kernels::rope::{RopeTable, inv_freq};
-use libtpu_sys::pjrt::{Buffer, Client, Executable, PjrtError};
+pub use libtpu_sys::pjrt::Client;
+use libtpu_sys::pjrt::{Buffer, Executable, PjrtError};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -712,7 +713,11 @@ impl PjrtDecoder {
             let (d, kvd) = (c.head_dim, c.num_kv_heads * c.head_dim);
             let n = rows * new;
             let mut g = Graph::new();
-            let params: Vec<V> = self.specs.iter().map(|(_, s)| g.arg(Shape::f32(s))).collect();
+            let params: Vec<V> = self
+                .specs
+                .iter()
+                .map(|(_, s)| g.arg(Shape::f32(s)))
+                .collect();
             let tokens = g.arg(Shape::i32(&[n]));
             let sel = g.arg(Shape::i32(&[rows]));
             let cos = g.arg(Shape::f32(&[n, d]));
@@ -736,14 +741,22 @@ impl PjrtDecoder {
             let mut updated = vec![None; caches.len()];
             let x = g.gather(params[self.layout.embed], tokens);
             let rope = Rope { cos, sin, rot };
-            let x = stack(&mut g, c, &self.layout, &params, x, rope, &mut |g, layer, q, k, v| {
-                // Write this call's keys and values, then attend over the whole cache.
-                let kc = g.scatter_set(caches[2 * layer], slots, k);
-                let vc = g.scatter_set(caches[2 * layer + 1], slots, v);
-                updated[2 * layer] = Some(kc);
-                updated[2 * layer + 1] = Some(vc);
-                ops::attention(g, attn, q, kc, vc, bias)
-            });
+            let x = stack(
+                &mut g,
+                c,
+                &self.layout,
+                &params,
+                x,
+                rope,
+                &mut |g, layer, q, k, v| {
+                    // Write this call's keys and values, then attend over the whole cache.
+                    let kc = g.scatter_set(caches[2 * layer], slots, k);
+                    let vc = g.scatter_set(caches[2 * layer + 1], slots, v);
+                    updated[2 * layer] = Some(kc);
+                    updated[2 * layer + 1] = Some(vc);
+                    ops::attention(g, attn, q, kc, vc, bias)
+                },
+            );
             let last = g.gather(x, sel);
             let hf = ops::rmsnorm(&mut g, last, params[self.layout.norm], c.rms_norm_eps);
             let head = params[self.layout.lm_head.unwrap_or(self.layout.embed)];
@@ -766,10 +779,18 @@ impl PjrtDecoder {
     /// Runs `tokens[r]` of each row `r` (at most [`KvBatch::rows`] rows; rows may differ in
     /// length, none empty) at positions `starts[r]..`, writing their keys and values into `kv`,
     /// and returns the logits (`[tokens.len(), vocab]`) after each row's last token.
-    pub fn extend(&mut self, kv: &mut KvBatch, tokens: &[&[u32]], starts: &[usize]) -> Result<Vec<f32>> {
+    pub fn extend(
+        &mut self,
+        kv: &mut KvBatch,
+        tokens: &[&[u32]],
+        starts: &[usize],
+    ) -> Result<Vec<f32>> {
         let c = &self.config;
         let (rows, len) = (kv.rows, kv.len);
-        if tokens.len() > rows || tokens.len() != starts.len() || tokens.iter().any(|t| t.is_empty()) {
+        if tokens.len() > rows
+            || tokens.len() != starts.len()
+            || tokens.iter().any(|t| t.is_empty())
+        {
             return Err(Error::Batch(format!(
                 "extend: {} rows of tokens, {} starts, for a batch of {rows} rows",
                 tokens.len(),
@@ -777,7 +798,11 @@ impl PjrtDecoder {
             )));
         }
         let longest = tokens.iter().map(|t| t.len()).max().unwrap_or(1);
-        let new = if longest == 1 { 1 } else { longest.div_ceil(16) * 16 };
+        let new = if longest == 1 {
+            1
+        } else {
+            longest.div_ceil(16) * 16
+        };
         if let Some((r, _)) = tokens
             .iter()
             .zip(starts)

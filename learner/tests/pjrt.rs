@@ -282,7 +282,9 @@ fn the_decoder_prefills_and_decodes_greedy_as_transformers() {
     let mut kv = dec.start(inputs.len(), longest + 16).unwrap();
     let vocab = ckpt.model.config.vocab_size;
     let prompts: Vec<&[u32]> = inputs.iter().map(|s| s.as_slice()).collect();
-    let mut logits = dec.extend(&mut kv, &prompts, &vec![0; inputs.len()]).unwrap();
+    let mut logits = dec
+        .extend(&mut kv, &prompts, &vec![0; inputs.len()])
+        .unwrap();
     let mut seqs = inputs.clone();
     for step in 0..16 {
         let mut next = Vec::new();
@@ -312,7 +314,11 @@ fn the_decoder_prefills_and_decodes_greedy_as_transformers() {
             .iter()
             .map(|v| v.as_u64().unwrap() as u32)
             .collect();
-        assert_eq!(s[inputs[r].len()..], want[..], "greedy continuation of input {r}");
+        assert_eq!(
+            s[inputs[r].len()..],
+            want[..],
+            "greedy continuation of input {r}"
+        );
     }
     // One prefill program and one decode program.
     assert_eq!(dec.stats().compiles, 2);

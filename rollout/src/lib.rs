@@ -14,6 +14,7 @@ pub mod http;
 pub mod kv;
 pub mod native;
 pub mod parquet;
+pub mod pjrt;
 pub mod reward;
 pub mod router;
 pub mod sampling;

@@ -188,28 +188,10 @@ impl NativeEngine {
     }
 
     fn validate(&self, reqs: &[GenerateRequest]) -> Result<(), EngineError> {
-        let c = &self.config;
+        check_requests(&self.config, reqs)?;
         for (i, r) in reqs.iter().enumerate() {
             let bad = |msg: String| Err(EngineError::InvalidRequest { request: i, msg });
-            if r.prompt.is_empty() {
-                return bad("the prompt is empty".into());
-            }
-            if let Some(t) = r.prompt.iter().find(|&&t| t as usize >= c.vocab_size) {
-                return bad(format!(
-                    "token id {t} is not below the vocabulary size {}",
-                    c.vocab_size
-                ));
-            }
-            if let Err(e) = r.params.validate() {
-                return bad(e);
-            }
             let (p, k) = (r.prompt.len(), r.params.max_tokens);
-            if p + k > c.max_position_embeddings {
-                return bad(format!(
-                    "prompt of {p} tokens + max_tokens {k} exceeds the model's context of {} tokens",
-                    c.max_position_embeddings
-                ));
-            }
             let need = blocks_needed(self.kv, p, k, r.params.n);
             if need > self.kv.num_blocks {
                 return bad(format!(
@@ -288,6 +270,34 @@ impl InferenceEngine for NativeEngine {
     fn weight_version(&self) -> u64 {
         self.version.load(Ordering::Acquire)
     }
+}
+
+/// Refuses requests no engine of `c`'s model can serve (empty prompt, token ids past the
+/// vocabulary, invalid sampling parameters, longer than the context), naming the request.
+pub(crate) fn check_requests(c: &ModelConfig, reqs: &[GenerateRequest]) -> Result<(), EngineError> {
+    for (i, r) in reqs.iter().enumerate() {
+        let bad = |msg: String| Err(EngineError::InvalidRequest { request: i, msg });
+        if r.prompt.is_empty() {
+            return bad("the prompt is empty".into());
+        }
+        if let Some(t) = r.prompt.iter().find(|&&t| t as usize >= c.vocab_size) {
+            return bad(format!(
+                "token id {t} is not below the vocabulary size {}",
+                c.vocab_size
+            ));
+        }
+        if let Err(e) = r.params.validate() {
+            return bad(e);
+        }
+        let (p, k) = (r.prompt.len(), r.params.max_tokens);
+        if p + k > c.max_position_embeddings {
+            return bad(format!(
+                "prompt of {p} tokens + max_tokens {k} exceeds the model's context of {} tokens",
+                c.max_position_embeddings
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Peak blocks one request holds: its prompt, then per sample the shared full prompt blocks plus
