@@ -34,6 +34,53 @@ pub struct RolloutConfig {
     pub model: serde_json::Value,
     /// KV-cache budget of this actor's engine, in bytes.
     pub kv_cache_bytes: usize,
+    /// `native`, or `pjrt` (on `device`, through `plugin` or the one found on the host that runs
+    /// the actor).
+    #[serde(default = "native_engine")]
+    pub engine: String,
+    /// `cpu`, `gpu` or `tpu`: where a `pjrt` engine runs.
+    #[serde(default = "cpu_device")]
+    pub device: String,
+    /// The PJRT plugin of a `pjrt` engine.
+    #[serde(default)]
+    pub plugin: Option<PathBuf>,
+}
+
+fn native_engine() -> String {
+    "native".into()
+}
+
+fn cpu_device() -> String {
+    "cpu".into()
+}
+
+/// The engine a rollout actor owns.
+enum Engine {
+    Native(NativeEngine),
+    Pjrt(rollout::pjrt::PjrtEngine),
+}
+
+impl Engine {
+    fn weight_version(&self) -> u64 {
+        match self {
+            Self::Native(e) => e.weight_version(),
+            Self::Pjrt(e) => e.weight_version(),
+        }
+    }
+
+    async fn generate(&self, reqs: Vec<GenerateRequest>) -> Result<Vec<Completion>, EngineError> {
+        match self {
+            Self::Native(e) => e.generate(reqs).await,
+            Self::Pjrt(e) => e.generate(reqs).await,
+        }
+    }
+
+    async fn update_weights(&self, snapshot: WeightSnapshot) -> Result<(), EngineError> {
+        match self {
+            Self::Native(e) => e.update_weights(snapshot).await,
+            Self::Pjrt(e) => e.update_weights(snapshot).await,
+        }
+    }
 }
 
 /// What a rollout actor is asked.
@@ -46,8 +93,8 @@ pub enum RolloutRequest {
 /// An inference engine as an actor. Its engine starts with the first weights it is given.
 pub struct RolloutActor {
     config: ModelConfig,
-    kv_cache_bytes: usize,
-    engine: Option<NativeEngine>,
+    start: RolloutConfig,
+    engine: Option<Engine>,
 }
 
 impl Actor for RolloutActor {
@@ -57,11 +104,17 @@ impl Actor for RolloutActor {
     type Response = Vec<Completion>;
 
     fn start(config: RolloutConfig) -> Result<Self, String> {
-        let mc = ModelConfig::from_json(config.model, Path::new("rollout actor config"))
+        let mc = ModelConfig::from_json(config.model.clone(), Path::new("rollout actor config"))
             .map_err(|e| e.to_string())?;
+        if !["native", "pjrt"].contains(&config.engine.as_str()) {
+            return Err(format!(
+                "rollout actor: engine `{}`: expected native or pjrt",
+                config.engine
+            ));
+        }
         Ok(Self {
             config: mc,
-            kv_cache_bytes: config.kv_cache_bytes,
+            start: config,
             engine: None,
         })
     }
@@ -92,14 +145,24 @@ impl Actor for RolloutActor {
         }
         let params = Arc::unwrap_or_clone(snapshot.params);
         let model = Model::new(self.config.clone(), params).map_err(|e| e.to_string())?;
-        self.engine = Some(NativeEngine::new(
-            model,
-            NativeConfig {
-                kv_cache_bytes: self.kv_cache_bytes,
-                initial_version: snapshot.version,
-                ..Default::default()
-            },
-        ));
+        let s = &self.start;
+        self.engine = Some(if s.engine == "pjrt" {
+            let client = crate::train::pjrt_client("rollout", &s.device, s.plugin.as_deref())?;
+            tracing::info!(platform = client.platform(), "rollout engine on pjrt");
+            Engine::Pjrt(
+                rollout::pjrt::PjrtEngine::new(client, &model, snapshot.version)
+                    .map_err(|e| e.to_string())?,
+            )
+        } else {
+            Engine::Native(NativeEngine::new(
+                model,
+                NativeConfig {
+                    kv_cache_bytes: s.kv_cache_bytes,
+                    initial_version: snapshot.version,
+                    ..Default::default()
+                },
+            ))
+        });
         Ok(())
     }
 }
@@ -416,6 +479,9 @@ impl RolloutPool {
             } else {
                 kv_cache_bytes
             },
+            engine: pool.engine.clone(),
+            device: pool.device.clone(),
+            plugin: pool.plugin.clone(),
         };
         let (head, actors) = if local {
             let actors = rt.block_on(async {

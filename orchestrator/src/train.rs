@@ -227,46 +227,59 @@ impl RunOptions {
     }
 }
 
-/// A client on the learner's PJRT plugin when `pools.learner.engine` is `pjrt`: the plugin
-/// found (`pools.learner.plugin`, `TRELLIS_PJRT_PLUGIN`, or pip's for the device), loaded, and
-/// checked to run on `pools.learner.device`.
-fn learner_client(wf: &Workflow) -> Result<Option<libtpu_sys::pjrt::Client>, RunError> {
-    let p = &wf.pools.learner;
-    if p.engine != "pjrt" {
-        return Ok(None);
-    }
-    let path = match &p.plugin {
-        Some(x) => x.clone(),
-        None => crate::doctor::find_plugin(&p.device).ok_or_else(|| {
-            let wheel = match p.device.as_str() {
+/// A client on the PJRT plugin of a pool on `device` (`cpu`, `gpu`, `tpu`): `plugin`, else
+/// `TRELLIS_PJRT_PLUGIN`, else the one pip installed for the device; loaded, and checked to run
+/// on that device. Errors name `pools.ROLE`.
+pub(crate) fn pjrt_client(
+    role: &str,
+    device: &str,
+    plugin: Option<&Path>,
+) -> Result<libtpu_sys::pjrt::Client, String> {
+    let path = match plugin {
+        Some(x) => x.to_path_buf(),
+        None => crate::doctor::find_plugin(device).ok_or_else(|| {
+            let wheel = match device {
                 "tpu" => "libtpu",
                 "gpu" => "jax-cuda12-pjrt",
                 _ => "xla-cpu-pjrt",
             };
-            RunError::Other(format!(
-                "pools.learner: engine pjrt on {} needs a PJRT plugin and none was found: set pools.learner.plugin or TRELLIS_PJRT_PLUGIN to its .so, or `pip install {wheel}`",
-                p.device
-            ))
+            format!(
+                "pools.{role}: engine pjrt on {device} needs a PJRT plugin and none was found: set pools.{role}.plugin or TRELLIS_PJRT_PLUGIN to its .so, or `pip install {wheel}`"
+            )
         })?,
     };
-    let fail =
-        |e: libtpu_sys::pjrt::PjrtError| RunError::Other(format!("pools.learner.plugin: {e}"));
+    let fail = |e: libtpu_sys::pjrt::PjrtError| format!("pools.{role}.plugin: {e}");
     libtpu_sys::probe(&path).map_err(|e| fail(e.into()))?;
     let client = libtpu_sys::pjrt::Client::open(&path).map_err(fail)?;
     let platform = client.platform().to_string();
-    let fits = match p.device.as_str() {
+    let fits = match device {
         "gpu" => ["cuda", "rocm", "gpu"].contains(&platform.as_str()),
         d => platform == d,
     };
     if !fits {
-        return Err(RunError::Other(format!(
-            "pools.learner: device is {} but the plugin {} runs on `{platform}`",
-            p.device,
+        return Err(format!(
+            "pools.{role}: device is {device} but the plugin {} runs on `{platform}`",
             path.display()
-        )));
+        ));
     }
-    tracing::info!(plugin = %path.display(), %platform, "learner on the pjrt engine");
-    Ok(Some(client))
+    tracing::debug!(role, plugin = %path.display(), %platform, "opened a PJRT client");
+    Ok(client)
+}
+
+/// A client for the learner when `pools.learner.engine` is `pjrt`; for a local `pjrt` rollout
+/// pool, checks that its plugin can be had too (before anything runs).
+fn learner_client(wf: &Workflow) -> Result<Option<libtpu_sys::pjrt::Client>, RunError> {
+    let r = &wf.pools.rollout;
+    if r.engine == "pjrt" && r.placement == "local" {
+        pjrt_client("rollout", &r.device, r.plugin.as_deref()).map_err(RunError::Other)?;
+    }
+    let p = &wf.pools.learner;
+    if p.engine != "pjrt" {
+        return Ok(None);
+    }
+    pjrt_client("learner", &p.device, p.plugin.as_deref())
+        .map(Some)
+        .map_err(RunError::Other)
 }
 
 /// Starts a run of `wf` in `dir` (which must not hold another run).
@@ -489,7 +502,10 @@ pub fn run_job(
     let tb = dir.join("tensorboard");
     let events = crate::tensorboard::EventWriter::create(&tb).map_err(io(&tb))?;
     let device = match learner_client(wf)? {
-        Some(client) => Some(PjrtModel::new(client, &model)?),
+        Some(client) => {
+            tracing::info!(platform = client.platform(), "learner on the pjrt engine");
+            Some(PjrtModel::new(client, &model)?)
+        }
         None => None,
     };
     let mut run = Run {

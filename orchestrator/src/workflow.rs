@@ -63,9 +63,9 @@ pub struct Pool {
     /// spread over them; the native learner trains on one.
     #[serde(default = "one")]
     pub count: usize,
-    /// `native` (this build's CPU engine); for the learner, `pjrt` (the model compiled to
-    /// StableHLO and run by a PJRT plugin on `device`); for rollout, an external engine server
-    /// reached over HTTP: `vllm`, `sglang`, or `served` (`trellis engine serve`).
+    /// `native` (this build's CPU engine); `pjrt` (the model compiled to StableHLO and run by a
+    /// PJRT plugin on `device`); for rollout also an external engine server reached over HTTP:
+    /// `vllm`, `sglang`, or `served` (`trellis engine serve`).
     #[serde(default = "default_engine")]
     pub engine: String,
     /// `local` (in the driver process), or on registered agents (`trellis agent`): `pack` (fewest
@@ -887,6 +887,9 @@ pub fn validate(wf: &Workflow, origin: &str) -> Result<(), WorkflowError> {
                 p.engine
             ));
         }
+        if role == "rollout" && p.engine == "pjrt" {
+            continue;
+        }
         if role == "learner" && p.engine == "pjrt" {
             if p.count != 1 {
                 return bad(format!(
@@ -898,7 +901,7 @@ pub fn validate(wf: &Workflow, origin: &str) -> Result<(), WorkflowError> {
         }
         if p.engine != "native" || p.device != "cpu" {
             let also = if role == "rollout" {
-                "; rollout pools also take vllm, sglang or served with endpoints"
+                "; rollout pools also take pjrt on cpu, gpu or tpu, or vllm, sglang or served with endpoints"
             } else {
                 "; the learner also takes engine: pjrt on cpu, gpu or tpu"
             };

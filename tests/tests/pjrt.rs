@@ -44,7 +44,12 @@ fn num(v: &Value, k: &str) -> f64 {
     v[k].as_f64().unwrap_or_else(|| panic!("no `{k}` in {v}"))
 }
 
-const PJRT: [&str; 2] = ["-o", "pools.learner.engine=pjrt"];
+const PJRT: [&str; 4] = [
+    "-o",
+    "pools.learner.engine=pjrt",
+    "-o",
+    "pools.rollout.engine=pjrt",
+];
 const SHORT: [&str; 4] = [
     "-o",
     "stages.rl.trainer.steps=8",
@@ -52,12 +57,13 @@ const SHORT: [&str; 4] = [
     "stages.rl.trainer.save_freq=2",
 ];
 
-/// The same recipe on the native and the pjrt learner: the same SFT losses and gradient
-/// norms, the same rewards in RL (the weights agree so closely that sampling picks the same
-/// tokens), the same eval accuracy; then a pjrt run killed -9 inside RL and resumed (moments
-/// restored from the checkpoint onto the device) ends where the uninterrupted one did.
+/// The same recipe on native engines and on pjrt engines (learner and rollout): the same SFT
+/// losses and gradient norms, the same rewards in RL (weights and logits agree so closely that
+/// sampling picks the same tokens), the same eval accuracy; then a pjrt run killed -9 inside RL
+/// and resumed (moments restored from the checkpoint onto the device) ends where the
+/// uninterrupted one did.
 #[test]
-fn the_pjrt_learner_trains_as_the_native_one_and_resumes_after_kill_9() {
+fn a_run_on_pjrt_engines_equals_the_native_run_and_resumes_after_kill_9() {
     if !have_plugin() {
         return;
     }
@@ -83,7 +89,7 @@ fn the_pjrt_learner_trains_as_the_native_one_and_resumes_after_kill_9() {
     );
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
-        err.contains("learner on the pjrt engine") && err.contains("platform=cpu"),
+        err.contains("learner on the pjrt engine") && err.contains("rollout engine on pjrt"),
         "{err}"
     );
     let (mn, mp) = (metrics(&native), metrics(&pjrt));
@@ -189,7 +195,10 @@ fn a_learner_device_that_cannot_be_had_is_refused_before_the_run_starts() {
             ],
             "trains on one device",
         ),
-        (&["-o", "pools.rollout.engine=pjrt"], "cannot be placed"),
+        (
+            &["-o", "pools.rollout.engine=pjrt", "-o", "pools.rollout.device=tpu"],
+            "pools.rollout: device is tpu",
+        ),
         (
             &["-o", "pools.learner.plugin=/x.so"],
             "pools.learner.plugin is for engine: pjrt",

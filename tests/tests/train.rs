@@ -251,7 +251,7 @@ fn bad_workflows_are_refused_before_anything_runs() {
         (
             base.replace(
                 "stages:\n",
-                "pools: {rollout: {device: tpu, engine: pjrt}}\nstages:\n",
+                "pools: {rollout: {device: tpu, engine: tpu}}\nstages:\n",
             ),
             "cannot be placed",
         ),
