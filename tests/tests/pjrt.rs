@@ -196,7 +196,12 @@ fn a_learner_device_that_cannot_be_had_is_refused_before_the_run_starts() {
             "trains on one device",
         ),
         (
-            &["-o", "pools.rollout.engine=pjrt", "-o", "pools.rollout.device=tpu"],
+            &[
+                "-o",
+                "pools.rollout.engine=pjrt",
+                "-o",
+                "pools.rollout.device=tpu",
+            ],
             "pools.rollout: device is tpu",
         ),
         (
