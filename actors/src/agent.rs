@@ -14,6 +14,8 @@ use crate::placement::Resources;
 use crate::registry::{Hosted, Mailbox, Registry};
 use crate::remote::{Wire, endpoint};
 use crate::snapshot::{self, Assembler};
+use futures_util::StreamExt;
+use futures_util::stream::FuturesUnordered;
 use proto::v1::agent_server::{Agent as AgentRpc, AgentServer};
 use proto::v1::failure::Code;
 use proto::v1::head_client::HeadClient;
@@ -174,48 +176,27 @@ impl AgentRpc for Service {
         let mut frames = request.into_inner();
         let (tx, rx) = mpsc::channel::<Result<ReplyFrame, Status>>(4096);
         let state = self.0.clone();
+        // One task reads the frames and drives every call in flight (no task per call: each
+        // hop between tasks can be a wake-up of another core, tens of µs on small VMs).
         tokio::spawn(async move {
-            while let Ok(Some(frame)) = frames.message().await {
-                let tx = tx.clone();
-                let actor = state.actor(&frame.actor_id);
-                tokio::spawn(async move {
-                    let result = match actor {
-                        Ok((m, mut ended)) => match m.call(frame.payload).await {
-                            Ok(payload) => reply_frame::Result::Payload(payload.into()),
-                            Err((Code::Died, message)) => {
-                                // Report why it died (the panic message), which its watcher
-                                // learns a moment after the call fails.
-                                let waited = tokio::time::timeout(
-                                    Duration::from_millis(200),
-                                    ended.wait_for(|r| r.is_some()),
-                                )
-                                .await;
-                                let reason = match waited {
-                                    Ok(Ok(r)) => r.clone().unwrap_or(message),
-                                    _ => message,
-                                };
-                                reply_frame::Result::Failure(Failure {
-                                    code: Code::Died as i32,
-                                    message: reason,
-                                })
-                            }
-                            Err((code, message)) => reply_frame::Result::Failure(Failure {
-                                code: code as i32,
-                                message,
-                            }),
-                        },
-                        Err(status) => reply_frame::Result::Failure(Failure {
-                            code: Code::NotFound as i32,
-                            message: status.message().to_string(),
-                        }),
-                    };
-                    let _ = tx
-                        .send(Ok(ReplyFrame {
-                            id: frame.id,
-                            result: Some(result),
-                        }))
-                        .await;
-                });
+            let mut in_flight = FuturesUnordered::new();
+            let mut reading = true;
+            loop {
+                tokio::select! {
+                    frame = frames.message(), if reading => match frame {
+                        Ok(Some(frame)) => {
+                            let actor = state.actor(&frame.actor_id);
+                            in_flight.push(answer(frame.id, actor, frame.payload));
+                        }
+                        _ => reading = false,
+                    },
+                    Some(reply) = in_flight.next(), if !in_flight.is_empty() => {
+                        if tx.send(Ok(reply)).await.is_err() {
+                            return;
+                        }
+                    }
+                    else => return,
+                }
             }
         });
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
@@ -323,6 +304,48 @@ impl AgentRpc for Service {
         tracing::info!("the head asked this agent to shut down");
         self.0.stop.send_replace(true);
         Ok(Response::new(ShutdownReply {}))
+    }
+}
+
+/// Runs one call frame against its actor and makes the reply frame.
+async fn answer(
+    id: u64,
+    actor: Result<(Arc<dyn Mailbox>, Ended), Status>,
+    payload: bytes::Bytes,
+) -> ReplyFrame {
+    let result = match actor {
+        Ok((m, mut ended)) => match m.call(payload).await {
+            Ok(payload) => reply_frame::Result::Payload(payload.into()),
+            Err((Code::Died, message)) => {
+                // Report why it died (the panic message), which its watcher learns a moment
+                // after the call fails.
+                let waited = tokio::time::timeout(
+                    Duration::from_millis(200),
+                    ended.wait_for(|r| r.is_some()),
+                )
+                .await;
+                let reason = match waited {
+                    Ok(Ok(r)) => r.clone().unwrap_or(message),
+                    _ => message,
+                };
+                reply_frame::Result::Failure(Failure {
+                    code: Code::Died as i32,
+                    message: reason,
+                })
+            }
+            Err((code, message)) => reply_frame::Result::Failure(Failure {
+                code: code as i32,
+                message,
+            }),
+        },
+        Err(status) => reply_frame::Result::Failure(Failure {
+            code: Code::NotFound as i32,
+            message: status.message().to_string(),
+        }),
+    };
+    ReplyFrame {
+        id,
+        result: Some(result),
     }
 }
 
