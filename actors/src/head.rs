@@ -28,7 +28,7 @@ use tonic::service::interceptor::InterceptedService;
 use tonic::{Request, Response, Status};
 
 /// Bumped when the head ↔ agent protocol changes incompatibly.
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// Liveness and transport settings of a head.
 #[derive(Clone, Debug)]

@@ -15,8 +15,8 @@ use learner::snapshot::WeightSnapshot;
 use proto::v1::agent_client::AgentClient;
 use proto::v1::failure::Code;
 use proto::v1::{
-    CallFrame, Failure, ShmSnapshot, SnapshotBucket, SnapshotChunk, SnapshotHeader, SpawnRequest,
-    StopRequest, reply_frame, snapshot_chunk,
+    CallFrame, Failure, ShmSnapshot, SnapshotChunk, SnapshotHeader, SpawnRequest, StopRequest,
+    reply_frame, snapshot_chunk,
 };
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -68,14 +68,17 @@ pub(crate) fn endpoint(address: &str) -> Result<Endpoint, String> {
         .max_frame_size(MAX_FRAME))
 }
 
-/// The largest HTTP/2 frame allowed: bulk buckets cross in a few frames rather than
-/// a thousand 16 KiB ones.
-pub(crate) const MAX_FRAME: u32 = (1 << 24) - 1;
+/// The largest HTTP/2 frame allowed: a 16 MiB bucket crosses in 16 frames rather than a
+/// thousand 16 KiB ones, and the receiver starts copying it while the rest is on the wire
+/// (16 MiB frames measured 0.7 GB/s, 1 MiB 2.0, 256 KiB 1.4 on loopback).
+pub(crate) const MAX_FRAME: u32 = 1 << 20;
 
 /// A live connection to one agent.
 pub(crate) struct AgentConn {
     pub name: String,
     client: Client,
+    /// The same connection, for calls made with a codec of our own.
+    service: InterceptedService<Channel, Bearer>,
     frames: mpsc::Sender<CallFrame>,
     pending: Arc<Pending>,
     closed: Arc<AtomicBool>,
@@ -104,7 +107,8 @@ impl AgentConn {
             .connect()
             .await
             .map_err(|e| format!("cannot connect to {address}: {e}"))?;
-        let client = AgentClient::with_interceptor(channel, token.bearer())
+        let service = InterceptedService::new(channel, token.bearer());
+        let client = AgentClient::new(service.clone())
             .max_decoding_message_size(wire.max_message_bytes)
             .max_encoding_message_size(wire.max_message_bytes);
         let (frames, rx) = mpsc::channel(4096);
@@ -156,6 +160,7 @@ impl AgentConn {
         Ok(Arc::new(AgentConn {
             name: name.to_string(),
             client,
+            service,
             frames,
             pending,
             closed,
@@ -262,50 +267,39 @@ impl AgentConn {
         s: &WeightSnapshot,
     ) -> Result<(u32, u32), ActorError> {
         let manifest = snapshot::manifest(s, self.wire.bucket_bytes);
-        let (tx, rx) = mpsc::channel::<SnapshotChunk>(2);
         let header = SnapshotChunk {
             part: Some(snapshot_chunk::Part::Header(SnapshotHeader {
                 actor_id: actor_id.to_string(),
                 manifest: Some(manifest.clone()),
             })),
         };
-        let producer_snapshot = s.clone();
-        // Buckets are cut on a blocking thread, two ahead of the network.
-        let producer = tokio::task::spawn_blocking(move || {
-            let mut crcs = Vec::with_capacity(manifest.bucket_sizes.len());
-            if tx.blocking_send(header).is_err() {
-                return crcs;
-            }
-            for i in 0..manifest.bucket_sizes.len() {
-                let (data, crc) = snapshot::bucket(&producer_snapshot, &manifest, i);
-                crcs.push(crc);
-                let chunk = SnapshotChunk {
-                    part: Some(snapshot_chunk::Part::Bucket(SnapshotBucket {
-                        version: manifest.version,
-                        index: i as u32,
-                        data: data.into(),
-                        crc32c: crc,
-                    })),
-                };
-                if tx.blocking_send(chunk).is_err() {
-                    break;
-                }
-            }
-            crcs
-        });
-        let ack = self
-            .client
-            .clone()
-            .push_snapshot(ReceiverStream::new(rx))
+        let crcs = Arc::new(Mutex::new(Vec::with_capacity(manifest.bucket_sizes.len())));
+        let messages = snapshot::outgoing(header, s, &manifest, &crcs);
+        // The generated client's method with the bucket codec: buckets are copied from the
+        // tensors into the frames as HTTP/2 flow control lets them go.
+        let mut grpc = tonic::client::Grpc::new(self.service.clone())
+            .max_encoding_message_size(self.wire.max_message_bytes)
+            .max_decoding_message_size(self.wire.max_message_bytes);
+        grpc.ready().await.map_err(|e| {
+            self.agent_error(format!(
+                "the connection is not ready for a weight push to `{actor_id}`: {}",
+                e
+            ))
+        })?;
+        let ack = grpc
+            .client_streaming(
+                tonic::Request::new(tokio_stream::iter(messages)),
+                tonic::codegen::http::uri::PathAndQuery::from_static(
+                    "/trellis.v1.Agent/PushSnapshot",
+                ),
+                snapshot::BucketCodec,
+            )
             .await
             .map_err(|st| self.refused(actor_id, &st))?
             .into_inner();
-        let crcs = producer.await.map_err(|e| ActorError::Snapshot {
-            actor: actor_id.to_string(),
-            message: format!("cutting buckets failed: {e}"),
-        })?;
         check_version(actor_id, &ack, s.version)?;
-        Ok((snapshot::digest(&crcs), ack.digest))
+        let sent = snapshot::digest(&lock(&crcs));
+        Ok((sent, ack.digest))
     }
 
     async fn push_shm(&self, actor_id: &str, s: &WeightSnapshot) -> Result<(u32, u32), ActorError> {

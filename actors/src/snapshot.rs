@@ -6,13 +6,17 @@
 //! transport is used (the caller picks by where the receiver lives) or what the weights mean.
 
 use crate::error::ActorError;
+use bytes::BufMut;
 use learner::params::{Params, Tensor};
 use learner::snapshot::WeightSnapshot;
 use memmap2::{Mmap, MmapMut};
-use proto::v1::{Dtype, SnapshotAck, SnapshotManifest, TensorMeta};
+use prost::Message;
+use proto::v1::{Dtype, SnapshotAck, SnapshotChunk, SnapshotManifest, TensorMeta};
 use rayon::prelude::*;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use tonic::Status;
+use tonic::codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
 
 #[cfg(not(target_endian = "little"))]
 compile_error!("snapshot buckets are little-endian f32: big-endian hosts are not supported");
@@ -93,13 +97,6 @@ fn zeroed_f32(n: usize) -> Vec<f32> {
     v
 }
 
-/// A zeroed byte vector, backed by huge pages where the kernel allows.
-fn zeroed_bytes(n: usize) -> Vec<u8> {
-    let mut v = vec![0u8; n];
-    advise_huge(&mut v);
-    v
-}
-
 /// Copies `src` to `dst` and returns `crc32c_append(crc, src)`, in cache-sized pieces so the
 /// checksum reads bytes the copy just brought in.
 fn copy_crc(crc: u32, src: &[u8], dst: &mut [u8]) -> u32 {
@@ -136,14 +133,12 @@ fn gather(params: &Params, starts: &[u64], start: u64, dst: &mut [u8]) -> u32 {
     crc
 }
 
-/// The bytes of bucket `index` and their CRC-32C.
-pub fn bucket(
-    snapshot: &WeightSnapshot,
-    manifest: &SnapshotManifest,
-    index: usize,
-) -> (Vec<u8>, u32) {
+/// The bytes of bucket `index` and their CRC-32C (the encoder below writes the same bytes
+/// straight into the frame; this is the reference it is tested against).
+#[cfg(test)]
+fn bucket(snapshot: &WeightSnapshot, manifest: &SnapshotManifest, index: usize) -> (Vec<u8>, u32) {
     let bucket_bytes = manifest.bucket_sizes.first().copied().unwrap_or(0);
-    let mut out = zeroed_bytes(manifest.bucket_sizes[index] as usize);
+    let mut out = vec![0u8; manifest.bucket_sizes[index] as usize];
     let crc = gather(
         &snapshot.params,
         &starts(&manifest.tensors),
@@ -151,6 +146,168 @@ pub fn bucket(
         &mut out,
     );
     (out, crc)
+}
+
+/// One message of a snapshot stream as the sender hands it to gRPC: the header, or a bucket
+/// that is still the snapshot's tensors. [`BucketCodec`] copies a bucket's bytes straight from
+/// the tensors into the HTTP/2 frame, checksumming each piece while it is in cache: no bucket
+/// buffer, no second copy by a generic encoder.
+pub(crate) enum Outgoing {
+    Header(SnapshotChunk),
+    Bucket {
+        params: Arc<Params>,
+        starts: Arc<Vec<u64>>,
+        version: u64,
+        index: u32,
+        start: u64,
+        len: usize,
+        /// Each bucket's CRC-32C is appended here as it is encoded (buckets go in order).
+        crcs: Arc<Mutex<Vec<u32>>>,
+    },
+}
+
+/// The messages of one snapshot stream: its header, then every bucket of `manifest`.
+pub(crate) fn outgoing(
+    header: SnapshotChunk,
+    snapshot: &WeightSnapshot,
+    manifest: &SnapshotManifest,
+    crcs: &Arc<Mutex<Vec<u32>>>,
+) -> Vec<Outgoing> {
+    let starts = Arc::new(starts(&manifest.tensors));
+    let bucket_bytes = manifest.bucket_sizes.first().copied().unwrap_or(0);
+    let buckets = manifest
+        .bucket_sizes
+        .iter()
+        .enumerate()
+        .map(|(i, &len)| Outgoing::Bucket {
+            params: snapshot.params.clone(),
+            starts: starts.clone(),
+            version: manifest.version,
+            index: i as u32,
+            start: i as u64 * bucket_bytes,
+            len: len as usize,
+            crcs: crcs.clone(),
+        });
+    std::iter::once(Outgoing::Header(header))
+        .chain(buckets)
+        .collect()
+}
+
+/// The `PushSnapshot` codec on the sender's side: [`Outgoing`] out (encoded exactly as the
+/// `SnapshotChunk` message the receiver's generated server decodes), `SnapshotAck` back.
+#[derive(Clone, Copy, Default)]
+pub(crate) struct BucketCodec;
+
+pub(crate) struct BucketEncoder;
+pub(crate) struct AckDecoder;
+
+impl Codec for BucketCodec {
+    type Encode = Outgoing;
+    type Decode = SnapshotAck;
+    type Encoder = BucketEncoder;
+    type Decoder = AckDecoder;
+
+    fn encoder(&mut self) -> BucketEncoder {
+        BucketEncoder
+    }
+
+    fn decoder(&mut self) -> AckDecoder {
+        AckDecoder
+    }
+}
+
+fn varint_len(v: u64) -> usize {
+    prost::encoding::encoded_len_varint(v)
+}
+
+impl Encoder for BucketEncoder {
+    type Item = Outgoing;
+    type Error = Status;
+
+    fn encode(&mut self, item: Outgoing, dst: &mut EncodeBuf<'_>) -> Result<(), Status> {
+        let (params, starts, version, index, start, len, crcs) = match item {
+            Outgoing::Header(chunk) => {
+                return chunk
+                    .encode(dst)
+                    .map_err(|e| Status::internal(format!("encoding a snapshot header: {e}")));
+            }
+            Outgoing::Bucket {
+                params,
+                starts,
+                version,
+                index,
+                start,
+                len,
+                crcs,
+            } => (params, starts, version, index, start, len, crcs),
+        };
+        // SnapshotChunk { bucket (2): SnapshotBucket { version (1), index (2), data (3),
+        // crc32c (4, fixed32) } }: every length is known before the data is copied.
+        let inner = 1
+            + varint_len(version)
+            + 1
+            + varint_len(u64::from(index))
+            + 1
+            + varint_len(len as u64)
+            + len
+            + 5;
+        dst.reserve(1 + varint_len(inner as u64) + inner);
+        dst.put_u8(2 << 3 | 2);
+        prost::encoding::encode_varint(inner as u64, dst);
+        dst.put_u8(1 << 3);
+        prost::encoding::encode_varint(version, dst);
+        dst.put_u8(2 << 3);
+        prost::encoding::encode_varint(u64::from(index), dst);
+        dst.put_u8(3 << 3 | 2);
+        prost::encoding::encode_varint(len as u64, dst);
+        let crc = gather_into(&params, &starts, start, len, dst);
+        dst.put_u8(4 << 3 | 5);
+        dst.put_u32_le(crc);
+        crate::lock(&crcs).push(crc);
+        Ok(())
+    }
+
+    fn buffer_settings(&self) -> tonic::codec::BufferSettings {
+        // Hand each bucket to HTTP/2 as soon as it is encoded.
+        tonic::codec::BufferSettings::new(8 << 10, 1)
+    }
+}
+
+impl Decoder for AckDecoder {
+    type Item = SnapshotAck;
+    type Error = Status;
+
+    fn decode(&mut self, src: &mut DecodeBuf<'_>) -> Result<Option<SnapshotAck>, Status> {
+        SnapshotAck::decode(src)
+            .map(Some)
+            .map_err(|e| Status::internal(format!("a malformed snapshot acknowledgement: {e}")))
+    }
+}
+
+/// Appends stream bytes `[start, start + len)` of `params` to `dst`; returns their CRC-32C.
+fn gather_into(
+    params: &Params,
+    starts: &[u64],
+    start: u64,
+    len: usize,
+    dst: &mut impl BufMut,
+) -> u32 {
+    const PIECE: usize = 256 << 10;
+    let mut i = starts.partition_point(|&s| s <= start).saturating_sub(1);
+    let (mut pos, mut crc) = (0usize, 0u32);
+    while pos < len && i < params.tensors.len() {
+        let src = f32_bytes(&params.tensors[i].data);
+        let from = (start + pos as u64 - starts[i]) as usize;
+        let n = (src.len() - from).min(len - pos);
+        for piece in src[from..from + n].chunks(PIECE) {
+            dst.put_slice(piece);
+            crc = proto::crc32c_append(crc, piece);
+        }
+        pos += n;
+        i += 1;
+    }
+    debug_assert_eq!(pos, len, "the manifest was made from these tensors");
+    crc
 }
 
 /// The digest a receiver acknowledges: CRC-32C over every bucket's CRC-32C, little-endian.
