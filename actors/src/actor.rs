@@ -585,7 +585,7 @@ mod tests {
             tensors: vec![learner::Tensor {
                 name: "w".into(),
                 shape: vec![2],
-                data: vec![1.0, 2.0],
+                data: vec![1.0, 2.0].into(),
             }],
         });
         let snapshot = WeightSnapshot {

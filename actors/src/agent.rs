@@ -87,7 +87,7 @@ struct State {
     stop: watch::Sender<bool>,
     max_bucket: u64,
     /// The head's shared-memory region, mapped once.
-    shm: Arc<Mutex<Option<snapshot::ShmView>>>,
+    shm: Arc<Mutex<snapshot::ShmViews>>,
     /// Snapshots handed to actors, whose memory the next push reuses once they let go.
     spares: Arc<Mutex<snapshot::Spares>>,
 }
@@ -270,22 +270,16 @@ impl AgentRpc for Service {
         let r = request.into_inner();
         let mailbox = self.0.mailbox(&r.actor_id)?;
         let actor = r.actor_id.clone();
-        let (view, spares) = (self.0.shm.clone(), self.0.spares.clone());
-        let (snapshot, ack) = tokio::task::spawn_blocking(move || {
-            let (mut view, mut spares) = (lock(&view), lock(&spares));
+        let views = self.0.shm.clone();
+        let (snapshot, mut ack) = tokio::task::spawn_blocking(move || {
             let manifest = r.manifest.unwrap_or_default();
-            let read = snapshot::read_shm(
+            snapshot::read_shm(
                 &r.actor_id,
                 &manifest,
                 &r.path,
                 &r.crc32c,
-                &mut view,
-                &mut spares,
-            );
-            if let Ok((s, _)) = &read {
-                spares.keep(s.params.clone());
-            }
-            read
+                &mut lock(&views),
+            )
         })
         .await
         .map_err(|e| Status::internal(e.to_string()))?
@@ -294,6 +288,8 @@ impl AgentRpc for Service {
             .load_weights(snapshot)
             .await
             .map_err(|e| Status::failed_precondition(format!("actor `{actor}`: {e}")))?;
+        // After the actor took it (and perhaps let an older version go).
+        ack.shm_in_use = lock(&self.0.shm).in_use();
         Ok(Response::new(ack))
     }
 

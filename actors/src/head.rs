@@ -652,7 +652,7 @@ mod tests {
                     learner::Tensor {
                         name: "b".into(),
                         shape: vec![3],
-                        data: vec![-1.0, 0.5, 2.0],
+                        data: vec![-1.0, 0.5, 2.0].into(),
                     },
                 ],
             }),

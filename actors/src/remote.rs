@@ -86,8 +86,8 @@ pub(crate) struct AgentConn {
     same_host: bool,
     wire: Wire,
     on_actor_died: ActorDied,
-    /// The shared-memory region snapshots to this agent are written into (same host only).
-    shm: tokio::sync::Mutex<Option<snapshot::ShmRegion>>,
+    /// The shared-memory regions snapshots to this agent are written into (same host only).
+    shm: tokio::sync::Mutex<snapshot::ShmPool>,
 }
 
 impl AgentConn {
@@ -168,7 +168,7 @@ impl AgentConn {
             same_host: same_host && wire.shared_memory,
             wire,
             on_actor_died: Box::new(on_actor_died),
-            shm: tokio::sync::Mutex::new(None),
+            shm: tokio::sync::Mutex::default(),
         }))
     }
 
@@ -304,11 +304,11 @@ impl AgentConn {
 
     async fn push_shm(&self, actor_id: &str, s: &WeightSnapshot) -> Result<(u32, u32), ActorError> {
         let manifest = snapshot::manifest(s, self.wire.bucket_bytes);
-        // One push at a time per agent: the region is rewritten only after the last ack.
-        let mut region = self.shm.lock().await;
-        let (snap, m, mut taken) = (s.clone(), manifest.clone(), region.take());
+        // One push at a time per agent, into a region its last acknowledgement left free.
+        let mut pool = self.shm.lock().await;
+        let (snap, m, mut taken) = (s.clone(), manifest.clone(), std::mem::take(&mut *pool));
         let (taken, written) = tokio::task::spawn_blocking(move || {
-            let written = snapshot::write_shm(&mut taken, &snap, &m);
+            let written = taken.write(&snap, &m);
             (taken, written)
         })
         .await
@@ -316,7 +316,7 @@ impl AgentConn {
             actor: actor_id.to_string(),
             message: format!("writing shared memory failed: {e}"),
         })?;
-        *region = taken;
+        *pool = taken;
         let (path, crcs) = written.map_err(|e| ActorError::Snapshot {
             actor: actor_id.to_string(),
             message: format!("cannot write under {}: {e}", snapshot::SHM_DIR),
@@ -327,13 +327,14 @@ impl AgentConn {
             path,
             crc32c: crcs.clone(),
         };
-        let ack = self
+        let mut ack = self
             .client
             .clone()
             .push_snapshot_shm(request)
             .await
             .map_err(|st| self.refused(actor_id, &st))?
             .into_inner();
+        pool.acknowledged(std::mem::take(&mut ack.shm_in_use));
         check_version(actor_id, &ack, s.version)?;
         Ok((snapshot::digest(&crcs), ack.digest))
     }

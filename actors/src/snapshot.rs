@@ -7,7 +7,7 @@
 
 use crate::error::ActorError;
 use bytes::BufMut;
-use learner::params::{Params, Tensor};
+use learner::params::{Params, Storage, Tensor};
 use learner::snapshot::WeightSnapshot;
 use memmap2::{Mmap, MmapMut};
 use prost::Message;
@@ -98,15 +98,52 @@ fn zeroed_f32(n: usize) -> Vec<f32> {
 }
 
 /// Copies `src` to `dst` and returns `crc32c_append(crc, src)`, in cache-sized pieces so the
-/// checksum reads bytes the copy just brought in.
+/// checksum reads bytes the copy just brought in. The stores bypass the cache: the
+/// destination is not read again soon by this core, and a cached store would first read
+/// every destination line from memory (a third of a copy's memory traffic).
 fn copy_crc(crc: u32, src: &[u8], dst: &mut [u8]) -> u32 {
     const PIECE: usize = 256 << 10;
     let mut crc = crc;
     for (s, d) in src.chunks(PIECE).zip(dst.chunks_mut(PIECE)) {
-        d.copy_from_slice(s);
-        crc = proto::crc32c_append(crc, d);
+        copy_streaming(s, d);
+        crc = proto::crc32c_append(crc, s);
     }
     crc
+}
+
+/// `dst.copy_from_slice(src)` with non-temporal stores where the CPU has AVX.
+fn copy_streaming(src: &[u8], dst: &mut [u8]) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx") {
+        // SAFETY: the CPU supports AVX, checked just above.
+        unsafe { copy_streaming_avx(src, dst) };
+        return;
+    }
+    dst.copy_from_slice(src);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx")]
+unsafe fn copy_streaming_avx(src: &[u8], dst: &mut [u8]) {
+    use std::arch::x86_64::{__m256i, _mm_sfence, _mm256_loadu_si256, _mm256_stream_si256};
+    assert_eq!(src.len(), dst.len());
+    // Up to the first 32-byte aligned destination byte, then whole 32-byte blocks, then the rest.
+    let head = dst.as_ptr().align_offset(32).min(dst.len());
+    dst[..head].copy_from_slice(&src[..head]);
+    let blocks = (dst.len() - head) / 32;
+    for b in 0..blocks {
+        let at = head + b * 32;
+        // SAFETY: `at + 32 <= len` for both slices; the destination is 32-byte aligned (head);
+        // loads are unaligned.
+        unsafe {
+            let v = _mm256_loadu_si256(src.as_ptr().add(at).cast::<__m256i>());
+            _mm256_stream_si256(dst.as_mut_ptr().add(at).cast::<__m256i>(), v);
+        }
+    }
+    let tail = head + blocks * 32;
+    dst[tail..].copy_from_slice(&src[tail..]);
+    // Streaming stores are weakly ordered: make them visible before anyone is told.
+    _mm_sfence();
 }
 
 /// Tensor start offsets in stream order, plus the total at the end.
@@ -397,6 +434,51 @@ impl Spares {
     }
 }
 
+/// Checks a manifest: f32 tensors laid back to back, shapes that match their sizes, buckets
+/// that add up to the tensors; returns each tensor's byte offset.
+fn check_manifest(actor: &str, manifest: &SnapshotManifest) -> Result<Vec<u64>, ActorError> {
+    let bad = |message: String| ActorError::Snapshot {
+        actor: actor.to_string(),
+        message,
+    };
+    if manifest.tensors.is_empty() {
+        return Err(bad("the manifest lists no tensors".into()));
+    }
+    let mut offset = 0u64;
+    let mut offsets = Vec::with_capacity(manifest.tensors.len());
+    for t in &manifest.tensors {
+        if t.dtype() != Dtype::F32 {
+            return Err(bad(format!(
+                "tensor `{}` is {:?}; snapshots carry f32",
+                t.name,
+                t.dtype()
+            )));
+        }
+        let numel = t.shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
+        if numel.and_then(|n| n.checked_mul(4)) != Some(t.nbytes) {
+            return Err(bad(format!(
+                "tensor `{}` has shape {:?} but {} bytes",
+                t.name, t.shape, t.nbytes
+            )));
+        }
+        if t.offset != offset {
+            return Err(bad(format!(
+                "tensor `{}` starts at byte {} but the previous one ends at {offset}",
+                t.name, t.offset
+            )));
+        }
+        offsets.push(offset);
+        offset += t.nbytes;
+    }
+    let total: u64 = manifest.bucket_sizes.iter().sum();
+    if total != offset {
+        return Err(bad(format!(
+            "buckets hold {total} bytes but the tensors need {offset}"
+        )));
+    }
+    Ok(offsets)
+}
+
 /// Rebuilds a snapshot from its manifest and buckets, verifying every step.
 pub struct Assembler {
     actor: String,
@@ -423,50 +505,24 @@ impl Assembler {
             actor: actor.to_string(),
             message,
         };
-        if manifest.tensors.is_empty() {
-            return Err(bad("the manifest lists no tensors".into()));
-        }
-        let mut offset = 0u64;
-        let mut tensors = Vec::with_capacity(manifest.tensors.len());
+        check_manifest(actor, manifest)?;
         let mut spare = spares.take(manifest).map(|p| p.tensors.into_iter());
-        for t in &manifest.tensors {
-            if t.dtype() != Dtype::F32 {
-                return Err(bad(format!(
-                    "tensor `{}` is {:?}; snapshots carry f32",
-                    t.name,
-                    t.dtype()
-                )));
-            }
-            let numel = t.shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
-            if numel.and_then(|n| n.checked_mul(4)) != Some(t.nbytes) {
-                return Err(bad(format!(
-                    "tensor `{}` has shape {:?} but {} bytes",
-                    t.name, t.shape, t.nbytes
-                )));
-            }
-            if t.offset != offset {
-                return Err(bad(format!(
-                    "tensor `{}` starts at byte {} but the previous one ends at {offset}",
-                    t.name, t.offset
-                )));
-            }
-            offset += t.nbytes;
-            // Every byte of every tensor is overwritten by the buckets: a spare needs no zeroing.
-            tensors.push(match spare.as_mut().and_then(Iterator::next) {
-                Some(reused) => reused,
-                None => Tensor {
-                    name: t.name.clone(),
-                    shape: t.shape.iter().map(|&d| d as usize).collect(),
-                    data: zeroed_f32((t.nbytes / 4) as usize),
-                },
-            });
-        }
-        let total: u64 = manifest.bucket_sizes.iter().sum();
-        if total != offset {
-            return Err(bad(format!(
-                "buckets hold {total} bytes but the tensors need {offset}"
-            )));
-        }
+        let tensors = manifest
+            .tensors
+            .iter()
+            .map(|t| {
+                // Every byte of every tensor is overwritten by the buckets: a spare needs no
+                // zeroing.
+                match spare.as_mut().and_then(Iterator::next) {
+                    Some(reused) => reused,
+                    None => Tensor {
+                        name: t.name.clone(),
+                        shape: t.shape.iter().map(|&d| d as usize).collect(),
+                        data: zeroed_f32((t.nbytes / 4) as usize).into(),
+                    },
+                }
+            })
+            .collect();
         if let Some(big) = manifest.bucket_sizes.iter().find(|&&b| b > max_bucket) {
             return Err(bad(format!(
                 "a bucket of {big} bytes exceeds the limit of {max_bucket}"
@@ -549,6 +605,7 @@ impl Assembler {
             version: self.version,
             bytes: self.position,
             digest: digest(&self.crcs),
+            shm_in_use: Vec::new(),
         };
         let snapshot = WeightSnapshot {
             version: self.version,
@@ -560,8 +617,8 @@ impl Assembler {
     }
 }
 
-/// A shared-memory file a sender reuses for every snapshot it sends to one receiver (pages are
-/// allocated once, not per push); removed when dropped.
+/// A shared-memory file a sender writes snapshots into (pages are allocated once, not per
+/// push); removed when dropped.
 pub struct ShmRegion {
     path: PathBuf,
     map: MmapMut,
@@ -595,7 +652,7 @@ impl ShmRegion {
             return Err(e);
         }
         // SAFETY: we created the file with O_EXCL and mode 0600; the receiver maps it read-only
-        // and reads only while we wait for its acknowledgement.
+        // and we write it only while the receiver does not use it (see `ShmPool`).
         match unsafe { MmapMut::map_mut(&file) } {
             Ok(map) => Ok(region(map)),
             Err(e) => {
@@ -624,41 +681,112 @@ impl ShmRegion {
     }
 }
 
-/// Writes `snapshot` into `region`, replacing it by a larger one when it does not fit; returns
-/// the file's path and each bucket's CRC-32C.
-pub fn write_shm(
-    region: &mut Option<ShmRegion>,
-    snapshot: &WeightSnapshot,
-    manifest: &SnapshotManifest,
-) -> std::io::Result<(String, Vec<u32>)> {
-    let total: u64 = manifest.bucket_sizes.iter().sum();
-    if region.as_ref().is_none_or(|r| (r.map.len() as u64) < total) {
-        *region = None;
-        *region = Some(ShmRegion::create(total)?);
+/// A sender's regions for one receiver. The receiver uses a snapshot's region in place as its
+/// weights, so a push goes into a region the receiver said (in its last acknowledgement) it no
+/// longer uses: two regions alternate in the steady state, a third appears while an old
+/// version is still held (a generation that started before a swap).
+#[derive(Default)]
+pub struct ShmPool {
+    regions: Vec<ShmRegion>,
+    in_use: Vec<String>,
+}
+
+/// Most regions a sender keeps per receiver (unused ones beyond it are removed).
+const MAX_REGIONS: usize = 4;
+
+impl ShmPool {
+    /// Writes `snapshot` into a region the receiver does not use (a new one if none fits);
+    /// returns the file's path and each bucket's CRC-32C.
+    pub fn write(
+        &mut self,
+        snapshot: &WeightSnapshot,
+        manifest: &SnapshotManifest,
+    ) -> std::io::Result<(String, Vec<u32>)> {
+        let total: u64 = manifest.bucket_sizes.iter().sum();
+        let free = |r: &ShmRegion| !self.in_use.iter().any(|p| Path::new(p) == r.path);
+        let i = match self
+            .regions
+            .iter()
+            .position(|r| free(r) && r.map.len() as u64 >= total)
+        {
+            Some(i) => i,
+            None => {
+                // Too-small free regions go first, then the oldest free ones over the limit.
+                let keep: Vec<bool> = self
+                    .regions
+                    .iter()
+                    .map(|r| !free(r) || r.map.len() as u64 >= total)
+                    .collect();
+                let mut k = keep.iter();
+                self.regions.retain(|_| *k.next().unwrap_or(&true));
+                while self.regions.len() >= MAX_REGIONS {
+                    match self.regions.iter().position(free) {
+                        Some(j) => drop(self.regions.remove(j)),
+                        None => break,
+                    }
+                }
+                self.regions.push(ShmRegion::create(total)?);
+                self.regions.len() - 1
+            }
+        };
+        let r = &mut self.regions[i];
+        let crcs = r.write(snapshot, manifest);
+        Ok((r.path.to_string_lossy().into_owned(), crcs))
     }
-    let Some(r) = region.as_mut() else {
-        unreachable!("a region was just made");
-    };
-    let crcs = r.write(snapshot, manifest);
-    Ok((r.path.to_string_lossy().into_owned(), crcs))
+
+    /// Records the receiver's acknowledgement: the regions it still reads.
+    pub fn acknowledged(&mut self, in_use: Vec<String>) {
+        self.in_use = in_use;
+    }
+
+    /// The regions' paths.
+    pub fn paths(&self) -> Vec<&Path> {
+        self.regions.iter().map(|r| r.path()).collect()
+    }
 }
 
-/// A receiver's mapping of a sender's region, kept across pushes.
-pub struct ShmView {
-    path: String,
-    map: Mmap,
+/// A receiver's mappings of its senders' regions, kept across pushes (mapping a gigabyte
+/// again costs page-table faults on every page).
+#[derive(Default)]
+pub struct ShmViews(Vec<(String, Arc<Mmap>)>);
+
+impl ShmViews {
+    /// The paths whose contents some snapshot still uses in place.
+    pub fn in_use(&self) -> Vec<String> {
+        self.0
+            .iter()
+            .filter(|(_, m)| Arc::strong_count(m) > 1)
+            .map(|(p, _)| p.clone())
+            .collect()
+    }
+
+    fn get(&mut self, path: &str) -> std::io::Result<Arc<Mmap>> {
+        // Forget mappings nobody uses whose file is gone (the sender replaced the region).
+        self.0
+            .retain(|(p, m)| Arc::strong_count(m) > 1 || Path::new(p).exists());
+        if let Some((_, m)) = self.0.iter().find(|(p, _)| p == path) {
+            return Ok(m.clone());
+        }
+        let file = std::fs::File::open(path)?;
+        // SAFETY: the sender writes a region only while no acknowledgement of ours lists it as
+        // in use, and we only hand out views of it after its next write was acknowledged.
+        let map = Arc::new(unsafe { memmap2::MmapOptions::new().populate().map(&file) }?);
+        self.0.push((path.to_string(), map.clone()));
+        Ok(map)
+    }
 }
 
-/// Reads a snapshot that a sender on this host wrote with [`write_shm`], verifying every bucket
-/// while copying it out (buckets in parallel). Only files directly under [`SHM_DIR`] with
-/// Trellis's prefix are opened; `view` keeps the mapping for the next push.
+/// Takes a snapshot that a sender on this host wrote into `path` with [`ShmPool::write`],
+/// verifying every bucket's CRC-32C (buckets in parallel), and returns it with tensors that
+/// are views of the mapped file: nothing is copied. Only files directly under [`SHM_DIR`] with
+/// Trellis's prefix are opened. The acknowledgement lists the regions still in use, which
+/// the caller should fill in after the actor took the snapshot (it may let an older one go).
 pub fn read_shm(
     actor: &str,
     manifest: &SnapshotManifest,
     path: &str,
     crcs: &[u32],
-    view: &mut Option<ShmView>,
-    spares: &mut Spares,
+    views: &mut ShmViews,
 ) -> Result<(WeightSnapshot, SnapshotAck), ActorError> {
     let bad = |message: String| ActorError::Snapshot {
         actor: actor.to_string(),
@@ -674,7 +802,8 @@ pub fn read_shm(
             "refusing to read {path}: not a Trellis snapshot under {SHM_DIR}"
         )));
     }
-    let mut assembler = Assembler::new(actor, manifest, u64::MAX, spares)?;
+    // The manifest's checks (f32, sizes that add up), without allocating anything.
+    let offsets = check_manifest(actor, manifest)?;
     if crcs.len() != manifest.bucket_sizes.len() {
         return Err(bad(format!(
             "{} checksums for {} buckets",
@@ -682,35 +811,20 @@ pub fn read_shm(
             manifest.bucket_sizes.len()
         )));
     }
-    if view.as_ref().is_none_or(|v| v.path != path) {
-        *view = None;
-        let file = std::fs::File::open(p).map_err(|e| bad(format!("cannot open {path}: {e}")))?;
-        // SAFETY: the sender writes the file only before handing its path over and waits for
-        // our acknowledgement before writing it again.
-        let map =
-            unsafe { Mmap::map(&file) }.map_err(|e| bad(format!("cannot map {path}: {e}")))?;
-        *view = Some(ShmView {
-            path: path.to_string(),
-            map,
-        });
-    }
-    let Some(v) = view.as_ref() else {
-        unreachable!("a view was just made");
-    };
+    let map = views
+        .get(path)
+        .map_err(|e| bad(format!("cannot map {path}: {e}")))?;
     let total: u64 = manifest.bucket_sizes.iter().sum();
-    if (v.map.len() as u64) < total {
+    if (map.len() as u64) < total {
         return Err(bad(format!(
             "{path} holds {} bytes; the manifest says {total}",
-            v.map.len()
+            map.len()
         )));
     }
     let bucket_bytes = manifest.bucket_sizes.first().copied().unwrap_or(1) as usize;
-    let dest = Dest::of(&mut assembler.tensors);
-    let starts = assembler.starts.clone();
-    let actual: Vec<u32> = v.map[..total as usize]
+    let actual: Vec<u32> = map[..total as usize]
         .par_chunks(bucket_bytes)
-        .enumerate()
-        .map(|(i, chunk)| scatter(&dest, &starts, (i * bucket_bytes) as u64, chunk))
+        .map(proto::crc32c)
         .collect();
     for (i, (&a, &c)) in actual.iter().zip(crcs).enumerate() {
         if a != c {
@@ -718,9 +832,32 @@ pub fn read_shm(
                 "bucket {i} in {path} is corrupted: CRC-32C {a:#010x}, sender said {c:#010x}"
             )));
         }
-        assembler.advance(manifest.bucket_sizes[i], c);
     }
-    assembler.finish()
+    let tensors = manifest
+        .tensors
+        .iter()
+        .zip(offsets)
+        .map(|(t, offset)| {
+            let data = Storage::mapped(map.clone(), offset as usize, (t.nbytes / 4) as usize)
+                .ok_or_else(|| bad(format!("tensor `{}` lies outside {path}", t.name)))?;
+            Ok(Tensor {
+                name: t.name.clone(),
+                shape: t.shape.iter().map(|&d| d as usize).collect(),
+                data,
+            })
+        })
+        .collect::<Result<Vec<_>, ActorError>>()?;
+    let ack = SnapshotAck {
+        version: manifest.version,
+        bytes: total,
+        digest: digest(crcs),
+        shm_in_use: Vec::new(),
+    };
+    let snapshot = WeightSnapshot {
+        version: manifest.version,
+        params: Arc::new(Params { tensors }),
+    };
+    Ok((snapshot, ack))
 }
 
 #[cfg(test)]
@@ -828,47 +965,62 @@ mod tests {
     }
 
     #[test]
-    fn shared_memory_round_trip_and_corruption() {
+    fn shared_memory_snapshots_are_used_in_place_and_regions_alternate() {
         let s = snapshot();
         let m = manifest(&s, 24);
-        let (mut region, mut view) = (None, None);
-        let (path, crcs) = write_shm(&mut region, &s, &m).expect("/dev/shm is writable");
-        let mut spares = Spares::default();
-        let (back, ack) =
-            read_shm("t", &m, &path, &crcs, &mut view, &mut spares).expect("reads back");
+        let (mut pool, mut views) = (ShmPool::default(), ShmViews::default());
+        let (path, crcs) = pool.write(&s, &m).expect("/dev/shm is writable");
+        let (back, mut ack) = read_shm("t", &m, &path, &crcs, &mut views).expect("reads back");
         assert_eq!(*back.params, *s.params);
         assert_eq!(ack.digest, digest(&crcs));
-        // The next version reuses the file and the receiver's mapping.
+        assert!(
+            back.params
+                .tensors
+                .iter()
+                .all(|t| t.data.mapping().is_some()),
+            "the tensors are views of the region, not copies"
+        );
+        ack.shm_in_use = views.in_use();
+        assert_eq!(ack.shm_in_use, vec![path.clone()]);
+        pool.acknowledged(ack.shm_in_use);
+        // The next version cannot go where the receiver still reads version 9.
         let mut next = (*s.params).clone();
         next.tensors[1].data[0] = 42.0;
         let s2 = WeightSnapshot {
             version: 10,
             params: Arc::new(next),
         };
-        let (path2, crcs2) = write_shm(&mut region, &s2, &m).expect("rewrites");
-        assert_eq!(path2, path);
-        // Once the first copy is let go, the next read reuses its memory.
-        let first = back.params.tensors[0].data.as_ptr();
-        spares.keep(back.params);
-        let (back, _) =
-            read_shm("t", &m, &path, &crcs2, &mut view, &mut spares).expect("reads back");
-        assert_eq!(back.params.tensors[1].data[0], 42.0);
+        let (path2, crcs2) = pool.write(&s2, &m).expect("writes");
+        assert_ne!(path2, path, "a region in use is never rewritten");
+        let (back2, _) = read_shm("t", &m, &path2, &crcs2, &mut views).expect("reads back");
+        assert_eq!(back2.params.tensors[1].data[0], 42.0);
+        assert_eq!(*back.params, *s.params, "version 9 is untouched");
+        // A view written to is copied out first: the region is never written through.
+        let mut copy = (*back2.params).clone();
+        copy.tensors[0].data[0] = -1.0;
+        assert!(copy.tensors[0].data.mapping().is_none());
         assert_eq!(
-            back.params.tensors[0].data.as_ptr(),
-            first,
-            "reused, not reallocated"
+            back2.params.tensors[0].data[0],
+            s2.params.tensors[0].data[0]
         );
-        assert_eq!(*back.params, *s2.params);
-        let mut wrong = crcs2.clone();
+        // Once version 9 is let go, its region takes version 11.
+        drop(back);
+        pool.acknowledged(views.in_use());
+        let (path3, crcs3) = pool.write(&s, &m).expect("writes");
+        assert_eq!(path3, path, "the free region is reused");
+        assert_eq!(pool.paths().len(), 2);
+        let mut wrong = crcs3.clone();
         wrong[2] ^= 1;
-        let e = read_shm("t", &m, &path, &wrong, &mut view, &mut spares).unwrap_err();
+        let e = read_shm("t", &m, &path3, &wrong, &mut views).unwrap_err();
         assert!(e.to_string().contains("bucket 2"), "{e}");
-        let e = read_shm("t", &m, "/etc/passwd", &crcs, &mut None, &mut spares).unwrap_err();
+        let e = read_shm("t", &m, "/etc/passwd", &crcs, &mut views).unwrap_err();
         assert!(
             e.to_string().contains("refusing to read /etc/passwd"),
             "{e}"
         );
-        drop(region);
-        assert!(!Path::new(&path).exists(), "the file is removed on drop");
+        drop(back2);
+        drop(pool);
+        assert!(!Path::new(&path).exists(), "the files are removed on drop");
+        assert!(!Path::new(&path2).exists());
     }
 }

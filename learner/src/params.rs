@@ -18,7 +18,125 @@ pub struct Tensor {
     /// Shape, outermost first.
     pub shape: Vec<usize>,
     /// Row-major values.
-    pub data: Vec<f32>,
+    pub data: Storage,
+}
+
+/// A tensor's values: its own memory, or a read-only view of a memory-mapped file (a weight
+/// snapshot another process on this host wrote into shared memory, used in place). A view is
+/// copied into memory of its own the first time it is written (`DerefMut`), so a mapping is
+/// never written through.
+#[derive(Clone)]
+pub enum Storage {
+    Owned(Vec<f32>),
+    Mapped {
+        map: std::sync::Arc<memmap2::Mmap>,
+        /// Byte offset of the first value in `map` (a multiple of 4).
+        offset: usize,
+        /// Number of values.
+        len: usize,
+    },
+}
+
+impl Storage {
+    /// A view of `len` f32 values at byte `offset` of `map`; `None` when they do not fit or are
+    /// not 4-byte aligned.
+    pub fn mapped(map: std::sync::Arc<memmap2::Mmap>, offset: usize, len: usize) -> Option<Self> {
+        let end = offset.checked_add(len.checked_mul(4)?)?;
+        let aligned = (map.as_ptr() as usize + offset).is_multiple_of(std::mem::align_of::<f32>());
+        (end <= map.len() && aligned).then_some(Storage::Mapped { map, offset, len })
+    }
+
+    /// The mapping this storage views, if it is a view.
+    pub fn mapping(&self) -> Option<&std::sync::Arc<memmap2::Mmap>> {
+        match self {
+            Storage::Owned(_) => None,
+            Storage::Mapped { map, .. } => Some(map),
+        }
+    }
+
+    /// The values.
+    pub fn as_slice(&self) -> &[f32] {
+        self
+    }
+
+    /// The values, writable (a view is copied out first).
+    pub fn as_mut_slice(&mut self) -> &mut [f32] {
+        self
+    }
+
+    /// The values as a vector of their own (copied out of a mapping).
+    pub fn into_vec(self) -> Vec<f32> {
+        match self {
+            Storage::Owned(v) => v,
+            mapped => mapped.to_vec(),
+        }
+    }
+}
+
+impl Default for Storage {
+    fn default() -> Self {
+        Storage::Owned(Vec::new())
+    }
+}
+
+impl From<Vec<f32>> for Storage {
+    fn from(v: Vec<f32>) -> Self {
+        Storage::Owned(v)
+    }
+}
+
+impl std::ops::Deref for Storage {
+    type Target = [f32];
+    fn deref(&self) -> &[f32] {
+        match self {
+            Storage::Owned(v) => v,
+            Storage::Mapped { map, offset, len } => {
+                let bytes = &map[*offset..*offset + *len * 4];
+                // SAFETY: `Storage::mapped` checked that the range lies in the mapping and is
+                // 4-byte aligned; every bit pattern is a valid f32; the mapping is read-only
+                // and kept alive by the Arc for as long as this borrow.
+                unsafe { std::slice::from_raw_parts(bytes.as_ptr().cast::<f32>(), *len) }
+            }
+        }
+    }
+}
+
+impl std::ops::DerefMut for Storage {
+    fn deref_mut(&mut self) -> &mut [f32] {
+        if let Storage::Mapped { .. } = self {
+            *self = Storage::Owned(self.to_vec());
+        }
+        match self {
+            Storage::Owned(v) => v,
+            Storage::Mapped { .. } => unreachable!("copied out just above"),
+        }
+    }
+}
+
+impl FromIterator<f32> for Storage {
+    fn from_iter<I: IntoIterator<Item = f32>>(iter: I) -> Self {
+        Storage::Owned(iter.into_iter().collect())
+    }
+}
+
+impl<'a> IntoIterator for &'a Storage {
+    type Item = &'a f32;
+    type IntoIter = std::slice::Iter<'a, f32>;
+    fn into_iter(self) -> Self::IntoIter {
+        self.iter()
+    }
+}
+
+impl PartialEq for Storage {
+    fn eq(&self, other: &Self) -> bool {
+        **self == **other
+    }
+}
+
+impl std::fmt::Debug for Storage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Debug::fmt(&**self, f)
+    }
 }
 
 /// Indices into [`Params::tensors`] for one decoder layer.
@@ -146,7 +264,7 @@ impl Params {
             .map(|(name, shape)| Tensor {
                 name: name.clone(),
                 shape: shape.clone(),
-                data: vec![0.0; shape.iter().product()],
+                data: vec![0.0; shape.iter().product()].into(),
             })
             .collect();
         Self { tensors }
@@ -160,7 +278,7 @@ impl Params {
             .map(|t| Tensor {
                 name: t.name.clone(),
                 shape: t.shape.clone(),
-                data: vec![0.0; t.data.len()],
+                data: vec![0.0; t.data.len()].into(),
             })
             .collect();
         Self { tensors }
@@ -259,7 +377,7 @@ fn load_files(origin: &Path, files: &[PathBuf], specs: &[(String, Vec<usize>)]) 
         tensors.push(Tensor {
             name: name.clone(),
             shape: shape.clone(),
-            data,
+            data: data.into(),
         });
     }
     Ok(Params { tensors })
@@ -355,6 +473,30 @@ fn to_f32(dtype: Dtype, bytes: &[u8]) -> Option<Vec<f32>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_mapped_view_reads_in_place_and_copies_out_before_a_write() {
+        let path = std::env::temp_dir().join(format!("trellis-storage-{}", std::process::id()));
+        let values: Vec<f32> = (0..8).map(|i| i as f32 * 0.5).collect();
+        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        std::fs::write(&path, &bytes).unwrap();
+        let file = std::fs::File::open(&path).unwrap();
+        // SAFETY: the test owns the file and never writes it while mapped.
+        let map = std::sync::Arc::new(unsafe { memmap2::Mmap::map(&file) }.unwrap());
+        let mut view = Storage::mapped(map.clone(), 8, 4).expect("in range and aligned");
+        assert_eq!(&*view, &values[2..6]);
+        assert!(view.mapping().is_some());
+        let shared = view.clone();
+        view[0] = 7.0;
+        assert!(view.mapping().is_none(), "written: now a copy of its own");
+        assert_eq!(&*view, &[7.0, 1.5, 2.0, 2.5]);
+        assert_eq!(&*shared, &values[2..6], "the mapping is never written through");
+        assert_eq!(shared.clone().into_vec(), values[2..6].to_vec());
+        assert!(Storage::mapped(map.clone(), 8, 7).is_none(), "past the end");
+        assert!(Storage::mapped(map.clone(), 2, 1).is_none(), "misaligned");
+        assert_eq!(Storage::from(values.clone()), Storage::mapped(map, 0, 8).unwrap());
+        std::fs::remove_file(&path).unwrap();
+    }
 
     #[test]
     fn bf16_and_f16_convert() {
