@@ -490,11 +490,18 @@ mod tests {
         view[0] = 7.0;
         assert!(view.mapping().is_none(), "written: now a copy of its own");
         assert_eq!(&*view, &[7.0, 1.5, 2.0, 2.5]);
-        assert_eq!(&*shared, &values[2..6], "the mapping is never written through");
+        assert_eq!(
+            &*shared,
+            &values[2..6],
+            "the mapping is never written through"
+        );
         assert_eq!(shared.clone().into_vec(), values[2..6].to_vec());
         assert!(Storage::mapped(map.clone(), 8, 7).is_none(), "past the end");
         assert!(Storage::mapped(map.clone(), 2, 1).is_none(), "misaligned");
-        assert_eq!(Storage::from(values.clone()), Storage::mapped(map, 0, 8).unwrap());
+        assert_eq!(
+            Storage::from(values.clone()),
+            Storage::mapped(map, 0, 8).unwrap()
+        );
         std::fs::remove_file(&path).unwrap();
     }
 
