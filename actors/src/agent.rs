@@ -86,7 +86,8 @@ struct State {
     died: Mutex<Vec<DeadActor>>,
     stop: watch::Sender<bool>,
     max_bucket: u64,
-    /// The head's shared-memory region, mapped once.
+    /// The head's shared-memory regions, each mapped once; their bytes are the weights of the
+    /// actors that took snapshots from them.
     shm: Arc<Mutex<snapshot::ShmViews>>,
     /// Snapshots handed to actors, whose memory the next push reuses once they let go.
     spares: Arc<Mutex<snapshot::Spares>>,
