@@ -97,12 +97,14 @@ fn zeroed_f32(n: usize) -> Vec<f32> {
     v
 }
 
+/// Bytes copied (and checksummed) at a time: the checksum reads them while they are in cache.
+const PIECE: usize = 256 << 10;
+
 /// Copies `src` to `dst` and returns `crc32c_append(crc, src)`, in cache-sized pieces so the
 /// checksum reads bytes the copy just brought in. The stores bypass the cache: the
 /// destination is not read again soon by this core, and a cached store would first read
 /// every destination line from memory (a third of a copy's memory traffic).
 fn copy_crc(crc: u32, src: &[u8], dst: &mut [u8]) -> u32 {
-    const PIECE: usize = 256 << 10;
     let mut crc = crc;
     for (s, d) in src.chunks(PIECE).zip(dst.chunks_mut(PIECE)) {
         copy_streaming(s, d);
@@ -156,18 +158,34 @@ fn starts(tensors: &[TensorMeta]) -> Vec<u64> {
 /// Copies stream bytes `[start, start + dst.len())` of `params` into `dst`; returns their
 /// CRC-32C.
 fn gather(params: &Params, starts: &[u64], start: u64, dst: &mut [u8]) -> u32 {
+    spans(starts, start, dst.len()).fold(0, |crc, (i, from, pos, n)| {
+        let src = f32_bytes(&params.tensors[i].data);
+        copy_crc(crc, &src[from..from + n], &mut dst[pos..pos + n])
+    })
+}
+
+/// The pieces of tensors that stream bytes `[start, start + len)` cover, in order, as
+/// `(tensor, offset in the tensor, offset in the range, bytes)`; `starts` as made by
+/// [`starts`] (the total at the end).
+fn spans(
+    starts: &[u64],
+    start: u64,
+    len: usize,
+) -> impl Iterator<Item = (usize, usize, usize, usize)> + '_ {
+    let tensors = starts.len().saturating_sub(1);
     let mut i = starts.partition_point(|&s| s <= start).saturating_sub(1);
     let mut pos = 0usize;
-    let mut crc = 0;
-    while pos < dst.len() && i < params.tensors.len() {
-        let src = f32_bytes(&params.tensors[i].data);
+    std::iter::from_fn(move || {
+        if pos >= len || i >= tensors {
+            return None;
+        }
         let from = (start + pos as u64 - starts[i]) as usize;
-        let n = (src.len() - from).min(dst.len() - pos);
-        crc = copy_crc(crc, &src[from..from + n], &mut dst[pos..pos + n]);
+        let n = ((starts[i + 1] - starts[i]) as usize - from).min(len - pos);
+        let span = (i, from, pos, n);
         pos += n;
         i += 1;
-    }
-    crc
+        Some(span)
+    })
 }
 
 /// The bytes of bucket `index` and their CRC-32C (the encoder below writes the same bytes
@@ -329,21 +347,16 @@ fn gather_into(
     len: usize,
     dst: &mut impl BufMut,
 ) -> u32 {
-    const PIECE: usize = 256 << 10;
-    let mut i = starts.partition_point(|&s| s <= start).saturating_sub(1);
-    let (mut pos, mut crc) = (0usize, 0u32);
-    while pos < len && i < params.tensors.len() {
+    let (mut crc, mut written) = (0, 0);
+    for (i, from, _, n) in spans(starts, start, len) {
         let src = f32_bytes(&params.tensors[i].data);
-        let from = (start + pos as u64 - starts[i]) as usize;
-        let n = (src.len() - from).min(len - pos);
         for piece in src[from..from + n].chunks(PIECE) {
             dst.put_slice(piece);
             crc = proto::crc32c_append(crc, piece);
         }
-        pos += n;
-        i += 1;
+        written += n;
     }
-    debug_assert_eq!(pos, len, "the manifest was made from these tensors");
+    debug_assert_eq!(written, len, "the manifest was made from these tensors");
     crc
 }
 
@@ -382,22 +395,14 @@ impl Dest {
 /// Copies `src`, the stream bytes from `start`, into the tensors of `dest`; returns their
 /// CRC-32C. Calls running at once must cover disjoint ranges.
 fn scatter(dest: &Dest, starts: &[u64], start: u64, src: &[u8]) -> u32 {
-    let mut i = starts.partition_point(|&s| s <= start).saturating_sub(1);
-    let mut pos = 0usize;
-    let mut crc = 0;
-    while pos < src.len() && i < dest.0.len() {
+    spans(starts, start, src.len()).fold(0, |crc, (i, from, pos, n)| {
         let (ptr, len) = dest.0[i];
         // SAFETY: `ptr..ptr+len` is tensor i's live allocation (borrowed mutably by `Dest::of`'s
         // caller for as long as `dest` is used), and callers give disjoint stream ranges, so no
         // two threads write the same bytes.
         let dst = unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, len) };
-        let from = (start + pos as u64 - starts[i]) as usize;
-        let n = (len - from).min(src.len() - pos);
-        crc = copy_crc(crc, &src[pos..pos + n], &mut dst[from..from + n]);
-        pos += n;
-        i += 1;
-    }
-    crc
+        copy_crc(crc, &src[pos..pos + n], &mut dst[from..from + n])
+    })
 }
 
 /// Snapshots a receiver handed on, kept so that a later snapshot of the same layout can reuse
@@ -712,13 +717,8 @@ impl ShmPool {
             Some(i) => i,
             None => {
                 // Too-small free regions go first, then the oldest free ones over the limit.
-                let keep: Vec<bool> = self
-                    .regions
-                    .iter()
-                    .map(|r| !free(r) || r.map.len() as u64 >= total)
-                    .collect();
-                let mut k = keep.iter();
-                self.regions.retain(|_| *k.next().unwrap_or(&true));
+                self.regions
+                    .retain(|r| !free(r) || r.map.len() as u64 >= total);
                 while self.regions.len() >= MAX_REGIONS {
                     match self.regions.iter().position(free) {
                         Some(j) => drop(self.regions.remove(j)),
