@@ -7,6 +7,7 @@
 
 use crate::error::ActorError;
 use bytes::BufMut;
+use kernels::mem::{f32_bytes, f32_bytes_mut, zeroed_f32};
 use learner::params::{Params, Storage, Tensor};
 use learner::snapshot::WeightSnapshot;
 use memmap2::{Mmap, MmapMut};
@@ -59,42 +60,6 @@ pub fn manifest(snapshot: &WeightSnapshot, bucket_bytes: usize) -> SnapshotManif
         tensors,
         bucket_sizes,
     }
-}
-
-fn f32_bytes(data: &[f32]) -> &[u8] {
-    // SAFETY: f32 has no padding and any byte pattern of it is readable as u8; the length is
-    // the same allocation's size in bytes.
-    unsafe { std::slice::from_raw_parts(data.as_ptr().cast::<u8>(), std::mem::size_of_val(data)) }
-}
-
-fn f32_bytes_mut(data: &mut [f32]) -> &mut [u8] {
-    // SAFETY: as above; every byte pattern is a valid f32, so writes through u8 are sound.
-    unsafe {
-        std::slice::from_raw_parts_mut(data.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(data))
-    }
-}
-
-/// Asks for transparent huge pages on the whole 4 KiB pages inside `bytes`: on machines where
-/// page faults are dear, a freshly allocated gigabyte costs ~10× less to touch.
-fn advise_huge(bytes: &mut [u8]) {
-    const PAGE: usize = 4096;
-    if bytes.len() < (4 << 20) {
-        return;
-    }
-    let start = (bytes.as_mut_ptr() as usize).next_multiple_of(PAGE);
-    let end = (bytes.as_mut_ptr() as usize + bytes.len()) & !(PAGE - 1);
-    // SAFETY: the range lies inside memory we own; MADV_HUGEPAGE only changes how the kernel
-    // backs it and never its contents. Failure (no THP) is harmless.
-    unsafe {
-        libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE);
-    }
-}
-
-/// A zeroed f32 vector, backed by huge pages where the kernel allows.
-fn zeroed_f32(n: usize) -> Vec<f32> {
-    let mut v = vec![0.0f32; n];
-    advise_huge(f32_bytes_mut(&mut v));
-    v
 }
 
 /// Bytes copied (and checksummed) at a time: the checksum reads them while they are in cache.

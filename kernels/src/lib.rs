@@ -17,6 +17,7 @@ pub mod embedding;
 pub mod head;
 pub mod hlo;
 pub mod matmul;
+pub mod mem;
 pub mod norm;
 pub mod optim;
 pub mod peak;

@@ -98,6 +98,21 @@ pub fn matmul(
     }
 }
 
+/// `Cᵢ = A · Bᵢᵀ` for several weights read by the same rows (`A` `[m,k]`, `Bᵢ` `[nᵢ,k]`
+/// with `nᵢ = Bᵢ.len() / k`, `Cᵢ` `[m,nᵢ]` overwritten): for a few rows one parallel pass over
+/// all of them ([`crate::skinny::matmul_nt_many`]), otherwise one [`matmul`] each.
+pub fn matmul_nt_many(m: usize, k: usize, a: &[f32], bs: &[&[f32]], cs: &mut [&mut [f32]]) {
+    assert_eq!(bs.len(), cs.len(), "matmul_nt_many: one output per weight");
+    if m <= SKINNY_ROWS && k > 0 && crate::skinny::available() {
+        crate::skinny::matmul_nt_many(m, k, a, bs, cs);
+        return;
+    }
+    for (b, c) in bs.iter().zip(cs.iter_mut()) {
+        let n = b.len().checked_div(k).unwrap_or(0);
+        matmul(m, k, n, a, Op::N, b, Op::T, c, false, Par::Pool);
+    }
+}
+
 /// Strided multiply for views into larger buffers (attention heads inside a `[tokens, heads·d]`
 /// activation). `C[i,j] (+)= Σ_p A[i·a_rs + p·a_cs] · B[p·b_rs + j·b_cs]`, `C` row stride `c_rs`.
 ///

@@ -104,26 +104,48 @@ unsafe fn block_avx512(
     }
 }
 
-/// C tile for rows `j..j+NR` of B against all `m` rows of A, from `at` = Aᵀ packed `[k, 16·MV]`
-/// (zero-padded): an outer product per k with no horizontal reductions. Writes `ct`
-/// (`[NR, 16·MV]`, Cᵀ rows).
+/// Depth of one k-block of the outer-product path: the block's slice of Aᵀ
+/// (`KC · 16·MV` floats, 16 KiB at 64 rows) stays in L1 while every B row of the task passes.
+const KC: usize = 64;
+
+/// `ct[jj] (+)= Σ_{p ∈ k0..k1} Aᵀ[p] · B[j+jj, p]` for `NR` rows of B against all (padded)
+/// rows of A: an outer product per k with no horizontal reductions. `ct` holds `NR` rows of
+/// `16·MV` floats (Cᵀ rows); `first` starts from zero instead of loading them.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 #[inline]
 unsafe fn tile_t<const MV: usize, const NR: usize>(
     at: &[f32],
     k: usize,
+    k0: usize,
+    k1: usize,
     b: &[f32],
     j: usize,
     ct: &mut [f32],
+    first: bool,
 ) {
     use std::arch::x86_64::*;
     let mp = 16 * MV;
     let mut acc = [[_mm512_setzero_ps(); MV]; NR];
-    for p in 0..k {
+    if !first {
+        for jj in 0..NR {
+            for v in 0..MV {
+                // SAFETY: ct holds NR rows of mp floats.
+                acc[jj][v] = unsafe { _mm512_loadu_ps(ct.as_ptr().add(jj * mp + 16 * v)) };
+            }
+        }
+    }
+    for p in k0..k1 {
+        if (p - k0).is_multiple_of(16) {
+            for jj in 0..NR {
+                // the same rows' next k-block, one line per row per 16 steps, into L2
+                let ahead = b.as_ptr().wrapping_add((j + jj) * k + p + KC);
+                _mm_prefetch::<_MM_HINT_T1>(ahead.cast());
+            }
+        }
         let mut av = [_mm512_setzero_ps(); MV];
         for v in 0..MV {
-            // SAFETY: `at` holds k rows of mp floats.
+            // SAFETY: `at` holds k rows of mp floats and p < k1 <= k.
             av[v] = unsafe { _mm512_loadu_ps(at.as_ptr().add(p * mp + 16 * v)) };
         }
         for jj in 0..NR {
@@ -142,7 +164,8 @@ unsafe fn tile_t<const MV: usize, const NR: usize>(
     }
 }
 
-/// Columns `n0..n1` of C for 4 < m ≤ 64 through [`tile_t`].
+/// Columns `n0..n1` (at most [`N_BLOCK`]) of C for 4 < m ≤ 64 through [`tile_t`], one k-block
+/// at a time over all of the task's B rows, then written out row by row.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn block_t<const MV: usize>(
@@ -157,27 +180,40 @@ unsafe fn block_t<const MV: usize>(
 ) {
     const NR: usize = 6;
     let mp = 16 * MV;
-    let mut ct = [0.0f32; 6 * 64];
-    let mut j = n0;
-    while j < n1 {
-        let rows = (n1 - j).min(NR);
-        // SAFETY: feature present; full tiles read NR rows of B, edges one row at a time.
-        unsafe {
-            if rows == NR {
-                tile_t::<MV, NR>(at, k, b, j, &mut ct);
-            } else {
-                for r in 0..rows {
-                    tile_t::<MV, 1>(at, k, b, j + r, &mut ct[r * mp..]);
+    let mut ct = [0.0f32; N_BLOCK * 64];
+    // the first k-block of every row; later blocks are fetched one block ahead by `tile_t`
+    for j in n0..n1 {
+        for p in (0..KC.min(k)).step_by(16) {
+            use std::arch::x86_64::*;
+            _mm_prefetch::<_MM_HINT_T0>(b.as_ptr().wrapping_add(j * k + p).cast());
+        }
+    }
+    let mut k0 = 0;
+    while k0 < k {
+        let k1 = (k0 + KC).min(k);
+        let mut j = n0;
+        while j < n1 {
+            let rows = (n1 - j).min(NR);
+            let t = &mut ct[(j - n0) * mp..];
+            // SAFETY: feature present; full tiles read NR rows of B, edges one row at a time.
+            unsafe {
+                if rows == NR {
+                    tile_t::<MV, NR>(at, k, k0, k1, b, j, t, k0 == 0);
+                } else {
+                    for r in 0..rows {
+                        tile_t::<MV, 1>(at, k, k0, k1, b, j + r, &mut t[r * mp..], k0 == 0);
+                    }
                 }
             }
+            j += NR;
         }
-        for r in 0..rows {
-            for i in 0..m {
-                // SAFETY: (i, j+r) is inside C; this task alone writes columns n0..n1.
-                unsafe { *c.add(i * n + j + r) = ct[r * mp + i] };
-            }
+        k0 = k1;
+    }
+    for i in 0..m {
+        for j in n0..n1 {
+            // SAFETY: (i, j) is inside C; this task alone writes columns n0..n1.
+            unsafe { *c.add(i * n + j) = ct[(j - n0) * mp + i] };
         }
-        j += NR;
     }
 }
 
@@ -219,38 +255,83 @@ pub fn available() -> bool {
 /// `C = A · Bᵀ`, `A` `[m,k]`, `B` `[n,k]`, `C` `[m,n]` (overwritten).
 pub fn matmul_nt(m: usize, k: usize, n: usize, a: &[f32], b: &[f32], c: &mut [f32]) {
     assert!(
-        a.len() >= m * k && b.len() >= n * k && c.len() >= m * n,
+        b.len() >= n * k && c.len() >= m * n,
         "skinny matmul: shapes"
     );
+    matmul_nt_many(m, k, a, &[&b[..n * k]], &mut [&mut c[..m * n]]);
+}
+
+/// `Cᵢ = A · Bᵢᵀ` for several weights read by the same rows (a layer's q, k and v; gate and
+/// up), in one parallel pass: `A` `[m,k]`, `Bᵢ` `[nᵢ,k]`, `Cᵢ` `[m,nᵢ]` (overwritten), with
+/// `nᵢ = Bᵢ.len() / k`. One pass packs `A` once and balances the threads over every output.
+pub fn matmul_nt_many(m: usize, k: usize, a: &[f32], bs: &[&[f32]], cs: &mut [&mut [f32]]) {
+    assert!(
+        a.len() >= m * k && bs.len() == cs.len() && k > 0,
+        "skinny matmul: shapes"
+    );
+    let ns: Vec<usize> = bs.iter().map(|b| b.len() / k).collect();
+    for (i, c) in cs.iter().enumerate() {
+        assert!(
+            bs[i].len() == ns[i] * k && c.len() >= m * ns[i],
+            "skinny matmul: shapes"
+        );
+    }
     let simd = available();
     // 5–64 rows: the outer-product path reads Aᵀ, zero-padded to whole vectors ([k, 16·mv]).
     let packed = (simd && m > 4 && m <= 64).then(|| {
         let mp = 16 * m.div_ceil(16);
         let mut at = vec![0.0f32; k * mp];
-        for i in 0..m {
-            for p in 0..k {
-                at[p * mp + i] = a[i * k + p];
-            }
-        }
+        // 16 columns of A per task: written in order, the rows' lines stay in L1
+        at.par_chunks_mut(16 * mp)
+            .enumerate()
+            .for_each(|(blk, out)| {
+                for (r, dst) in out.chunks_exact_mut(mp).enumerate() {
+                    let p = blk * 16 + r;
+                    for (i, x) in dst[..m].iter_mut().enumerate() {
+                        *x = a[i * k + p];
+                    }
+                }
+            });
         at
     });
-    let cp = SendPtr(c.as_mut_ptr());
-    (0..n.div_ceil(N_BLOCK)).into_par_iter().for_each(|blk| {
-        let cp = &cp;
-        let (n0, n1) = (blk * N_BLOCK, ((blk + 1) * N_BLOCK).min(n));
-        if !simd {
-            block_scalar(a, m, k, b, n0, n1, cp.0, n);
-            return;
-        }
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: the feature is present; bounds as asserted above.
-        unsafe {
-            match (&packed, m.div_ceil(16)) {
-                (None, _) => block_avx512(a, m, k, b, n0, n1, cp.0, n),
-                (Some(at), 1) => block_t::<1>(at, m, k, b, n0, n1, cp.0, n),
-                (Some(at), 2) => block_t::<2>(at, m, k, b, n0, n1, cp.0, n),
-                (Some(at), 3) => block_t::<3>(at, m, k, b, n0, n1, cp.0, n),
-                (Some(at), _) => block_t::<4>(at, m, k, b, n0, n1, cp.0, n),
+    let cps: Vec<SendPtr> = cs.iter_mut().map(|c| SendPtr(c.as_mut_ptr())).collect();
+    // Tasks of whole 6-column tiles, at most N_BLOCK columns of one output each, as many per
+    // thread; a task's tiles may span the end of one output and the start of the next.
+    let starts: Vec<usize> = ns
+        .iter()
+        .scan(0, |acc, &n| {
+            let s = *acc;
+            *acc += n.div_ceil(6);
+            Some(s)
+        })
+        .collect();
+    let tiles: usize = ns.iter().map(|n| n.div_ceil(6)).sum();
+    let threads = rayon::current_num_threads().max(1);
+    let tasks = threads * tiles.div_ceil(threads * (N_BLOCK / 6)).max(1);
+    (0..tasks).into_par_iter().for_each(|t| {
+        let (t0, t1) = (t * tiles / tasks, (t + 1) * tiles / tasks);
+        for (o, (&n, &s)) in ns.iter().zip(&starts).enumerate() {
+            let (lo, hi) = (t0.max(s), t1.min(s + n.div_ceil(6)));
+            if lo >= hi {
+                continue;
+            }
+            let (n0, n1) = (6 * (lo - s), (6 * (hi - s)).min(n));
+            let (b, c) = (bs[o], cps[o].0);
+            if !simd {
+                block_scalar(a, m, k, b, n0, n1, c, n);
+                continue;
+            }
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the feature is present; bounds as asserted above; tasks write disjoint
+            // columns of each output.
+            unsafe {
+                match (&packed, m.div_ceil(16)) {
+                    (None, _) => block_avx512(a, m, k, b, n0, n1, c, n),
+                    (Some(at), 1) => block_t::<1>(at, m, k, b, n0, n1, c, n),
+                    (Some(at), 2) => block_t::<2>(at, m, k, b, n0, n1, c, n),
+                    (Some(at), 3) => block_t::<3>(at, m, k, b, n0, n1, c, n),
+                    (Some(at), _) => block_t::<4>(at, m, k, b, n0, n1, c, n),
+                }
             }
         }
     });
@@ -279,6 +360,27 @@ mod tests {
             let mut got = vec![9.0; m * n];
             matmul_nt(m, k, n, &a, &b, &mut got);
             close(&got, &want, 1e-4, "skinny");
+        }
+    }
+
+    #[test]
+    fn several_weights_in_one_pass_match_one_at_a_time() {
+        // outputs of 5, 48 and 131 columns: tasks straddle outputs and end in partial tiles
+        for (m, k) in [(1, 40), (4, 33), (9, 64), (16, 100), (64, 70)] {
+            let a = randn(m * k, 3);
+            let ns = [5usize, 48, 131];
+            let bs: Vec<Vec<f32>> = ns.iter().map(|&n| randn(n * k, n as u64)).collect();
+            let mut got: Vec<Vec<f32>> = ns.iter().map(|&n| vec![9.0; m * n]).collect();
+            {
+                let b: Vec<&[f32]> = bs.iter().map(|b| &b[..]).collect();
+                let mut c: Vec<&mut [f32]> = got.iter_mut().map(|c| &mut c[..]).collect();
+                matmul_nt_many(m, k, &a, &b, &mut c);
+            }
+            for ((b, g), &n) in bs.iter().zip(&got).zip(&ns) {
+                let mut want = vec![0.0; m * n];
+                matmul(m, k, n, &a, Op::N, b, Op::T, &mut want, false, Par::Single);
+                close(g, &want, 1e-4, &format!("m {m} k {k} n {n}"));
+            }
         }
     }
 }

@@ -6,7 +6,7 @@ use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::params::{Layout, Params, Tensor};
 use kernels::attention::{AttnShape, attention, attention_backward};
-use kernels::matmul::{Op, Par, matmul};
+use kernels::matmul::{Op, Par, matmul, matmul_nt_many};
 use kernels::rope::{RopeTable, apply as rope, inv_freq};
 use kernels::{activation, embedding, head, norm};
 use std::path::Path;
@@ -249,6 +249,30 @@ fn linear(x: &[f32], n: usize, w: &Tensor, b: Option<&Tensor>) -> Vec<f32> {
     y
 }
 
+/// [`linear`] of several weights over the same input (a layer's q, k, v; gate and up): for the
+/// few rows of a decode step one parallel pass over all of them.
+fn linears<const N: usize>(
+    x: &[f32],
+    n: usize,
+    ws: [(&Tensor, Option<&Tensor>); N],
+) -> [Vec<f32>; N] {
+    let inp = ws[0].0.shape[1];
+    let mut ys = ws.map(|(w, _)| vec![0.0f32; n * w.shape[0]]);
+    {
+        let bs: Vec<&[f32]> = ws.iter().map(|(w, _)| &w.data[..]).collect();
+        let mut cs: Vec<&mut [f32]> = ys.iter_mut().map(|y| &mut y[..]).collect();
+        matmul_nt_many(n, inp, x, &bs, &mut cs);
+    }
+    for (y, (w, b)) in ys.iter_mut().zip(ws) {
+        if let Some(b) = b {
+            for r in y.chunks_mut(w.shape[0]) {
+                r.iter_mut().zip(&b.data).for_each(|(v, b)| *v += b);
+            }
+        }
+    }
+    ys
+}
+
 /// Backward of [`linear`]: `dW += dyᵀ·x`, `db += Σ dy`, `dx (+)= dy·W`.
 fn linear_backward(
     dy: &[f32],
@@ -418,9 +442,15 @@ impl Model {
                 &mut h1,
                 &mut inv1,
             );
-            let mut q = linear(&h1, n, self.t(ids.q), ids.q_bias.map(|i| self.t(i)));
-            let mut k = linear(&h1, n, self.t(ids.k), ids.k_bias.map(|i| self.t(i)));
-            let v = linear(&h1, n, self.t(ids.v), ids.v_bias.map(|i| self.t(i)));
+            let [mut q, mut k, v] = linears(
+                &h1,
+                n,
+                [
+                    (self.t(ids.q), ids.q_bias.map(|i| self.t(i))),
+                    (self.t(ids.k), ids.k_bias.map(|i| self.t(i))),
+                    (self.t(ids.v), ids.v_bias.map(|i| self.t(i))),
+                ],
+            );
             let qk_pre = match (ids.q_norm, ids.k_norm) {
                 (Some(qn), Some(kn)) => {
                     let (q_pre, k_pre) = (q.clone(), k.clone());
@@ -453,8 +483,7 @@ impl Model {
                 &mut h2,
                 &mut inv2,
             );
-            let g = linear(&h2, n, self.t(ids.gate), None);
-            let u = linear(&h2, n, self.t(ids.up), None);
+            let [g, u] = linears(&h2, n, [(self.t(ids.gate), None), (self.t(ids.up), None)]);
             let mut m = vec![0.0; g.len()];
             activation::swiglu(&g, &u, &mut m);
             let f = linear(&m, n, self.t(ids.down), None);

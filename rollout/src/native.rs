@@ -15,6 +15,7 @@ use learner::snapshot::WeightSnapshot;
 use learner::{Model, ModelConfig};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
+use rayon::prelude::*;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, mpsc};
@@ -580,14 +581,26 @@ impl Worker {
             };
             let logits = model.logits_of_hidden(&hidden);
             let vocab = model.config.vocab_size;
-            for (j, &i) in idx.iter().enumerate() {
-                let s = &mut self.running[i];
-                s.cache.len += 1;
-                let row = &logits[j * vocab..(j + 1) * vocab];
-                let (tok, mut lp) = sample(row, &s.params, &mut s.rng);
-                if self.cfg.raw_logprobs {
-                    lp = raw_logprob(row, tok);
+            let raw = self.cfg.raw_logprobs;
+            // `idx` is increasing: pick the group's sequences out of `running` in one walk
+            let mut members: Vec<&mut Seq> = Vec::with_capacity(idx.len());
+            let mut want = idx.iter().peekable();
+            for (i, s) in self.running.iter_mut().enumerate() {
+                if want.next_if_eq(&&i).is_some() {
+                    members.push(s);
                 }
+            }
+            // each row draws from its own stream, so rows sample in parallel
+            let picks: Vec<(u32, f32)> = members
+                .par_iter_mut()
+                .zip(logits.par_chunks(vocab))
+                .map(|(s, row)| {
+                    let (tok, lp) = sample(row, &s.params, &mut s.rng);
+                    (tok, if raw { raw_logprob(row, tok) } else { lp })
+                })
+                .collect();
+            for ((s, (tok, lp)), &i) in members.into_iter().zip(picks).zip(&idx) {
+                s.cache.len += 1;
                 if let Some(reason) = s.push(tok, lp) {
                     done.push((i, reason));
                 }
