@@ -1,8 +1,10 @@
 //! `C[m,n] = A[m,k] · Bᵀ` for few rows `m` (decode steps: one row per sequence), with `B`
 //! stored `[n,k]` row-major (a linear layer's weight). Dense GEMM libraries pack `B` on every
 //! call, which for a handful of rows doubles the memory traffic of what is a bandwidth-bound
-//! product; here each weight row is streamed once and dotted with every row of `A` while it
-//! sits in L1.
+//! product; here each weight row is streamed once. Up to 4 rows, each weight row is dotted with
+//! every row of `A` as it streams by ([`block_rows`]); 5–64 rows take outer products against a
+//! transposed copy of `A`, one L1-sized k-block at a time ([`block_t`]). Several weights read by
+//! the same rows (q, k, v) go through one parallel pass ([`matmul_nt_many`]).
 
 use crate::embedding::SendPtr;
 use rayon::prelude::*;
@@ -10,58 +12,13 @@ use rayon::prelude::*;
 /// Rows of `B` handled per task (a block of outputs).
 const N_BLOCK: usize = 48;
 
-/// One `MR × NR` tile of C: rows `i..i+MR` of A against rows `j..j+NR` of B. Constant tile
-/// sizes let the accumulators live in registers (4 × 6 uses 24 of the 32 zmm registers).
+/// Columns `n0..n1` of C for `M` ≤ 4 rows of A: each weight row is read once, in order (a task
+/// is one sequential stream, which the hardware prefetchers follow at full bandwidth), and
+/// dotted with every row of A in `M × 4` vector accumulators.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-#[inline]
-unsafe fn tile<const MR: usize, const NR: usize>(
+unsafe fn block_rows<const M: usize>(
     a: &[f32],
-    k: usize,
-    b: &[f32],
-    i: usize,
-    j: usize,
-    c: *mut f32,
-    n: usize,
-) {
-    use std::arch::x86_64::*;
-    let k16 = k / 16 * 16;
-    let mut acc = [[_mm512_setzero_ps(); NR]; MR];
-    let mut p = 0;
-    while p < k16 {
-        let mut bv = [_mm512_setzero_ps(); NR];
-        for jj in 0..NR {
-            // SAFETY: row j+jj < n and p+16 <= k (the caller passes full tiles only).
-            bv[jj] = unsafe { _mm512_loadu_ps(b.as_ptr().add((j + jj) * k + p)) };
-        }
-        for ii in 0..MR {
-            // SAFETY: row i+ii < m and p+16 <= k.
-            let av = unsafe { _mm512_loadu_ps(a.as_ptr().add((i + ii) * k + p)) };
-            for jj in 0..NR {
-                acc[ii][jj] = _mm512_fmadd_ps(av, bv[jj], acc[ii][jj]);
-            }
-        }
-        p += 16;
-    }
-    for ii in 0..MR {
-        for jj in 0..NR {
-            let mut s = _mm512_reduce_add_ps(acc[ii][jj]);
-            for q in k16..k {
-                s += a[(i + ii) * k + q] * b[(j + jj) * k + q];
-            }
-            // SAFETY: (i+ii, j+jj) is inside C, and this task alone writes its columns.
-            unsafe { *c.add((i + ii) * n + j + jj) = s };
-        }
-    }
-}
-
-/// Tiles of C with rows `0..m` and columns `n0..n1`: full 4 × 6 tiles, then 1-row / 1-column
-/// edges.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn block_avx512(
-    a: &[f32],
-    m: usize,
     k: usize,
     b: &[f32],
     n0: usize,
@@ -69,38 +26,40 @@ unsafe fn block_avx512(
     c: *mut f32,
     n: usize,
 ) {
-    const MR: usize = 4;
-    const NR: usize = 6;
-    let mut j = n0;
-    while j < n1 {
-        let full_cols = n1 - j >= NR;
-        let mut i = 0;
-        // SAFETY (all calls): tiles lie inside A (m rows), B (n rows) and C.
-        while i < m {
-            let full_rows = m - i >= MR;
-            match (full_rows, full_cols) {
-                (true, true) => unsafe { tile::<MR, NR>(a, k, b, i, j, c, n) },
-                (true, false) => {
-                    for jj in j..n1 {
-                        unsafe { tile::<MR, 1>(a, k, b, i, jj, c, n) };
-                    }
-                }
-                (false, true) => {
-                    for ii in i..m {
-                        unsafe { tile::<1, NR>(a, k, b, ii, j, c, n) };
-                    }
-                }
-                (false, false) => {
-                    for ii in i..m {
-                        for jj in j..n1 {
-                            unsafe { tile::<1, 1>(a, k, b, ii, jj, c, n) };
-                        }
-                    }
+    use std::arch::x86_64::*;
+    const U: usize = 4;
+    let (ap, bp) = (a.as_ptr(), b.as_ptr());
+    for j in n0..n1 {
+        let mut acc = [[_mm512_setzero_ps(); U]; M];
+        let mut p = 0;
+        // SAFETY (loads): row j < n of B and rows i < M of A hold k floats; p + 16 <= k.
+        while p + 16 * U <= k {
+            for u in 0..U {
+                let bv = unsafe { _mm512_loadu_ps(bp.add(j * k + p + 16 * u)) };
+                for (i, acc) in acc.iter_mut().enumerate() {
+                    let av = unsafe { _mm512_loadu_ps(ap.add(i * k + p + 16 * u)) };
+                    acc[u] = _mm512_fmadd_ps(av, bv, acc[u]);
                 }
             }
-            i += MR;
+            p += 16 * U;
         }
-        j += NR;
+        while p + 16 <= k {
+            let bv = unsafe { _mm512_loadu_ps(bp.add(j * k + p)) };
+            for (i, acc) in acc.iter_mut().enumerate() {
+                let av = unsafe { _mm512_loadu_ps(ap.add(i * k + p)) };
+                acc[0] = _mm512_fmadd_ps(av, bv, acc[0]);
+            }
+            p += 16;
+        }
+        for (i, acc) in acc.iter().enumerate() {
+            let v = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
+            let mut sum = _mm512_reduce_add_ps(v);
+            for q in p..k {
+                sum += a[i * k + q] * b[j * k + q];
+            }
+            // SAFETY: (i, j) is inside C, and this task alone writes its columns.
+            unsafe { *c.add(i * n + j) = sum };
+        }
     }
 }
 
@@ -325,11 +284,14 @@ pub fn matmul_nt_many(m: usize, k: usize, a: &[f32], bs: &[&[f32]], cs: &mut [&m
             // SAFETY: the feature is present; bounds as asserted above; tasks write disjoint
             // columns of each output.
             unsafe {
-                match (&packed, m.div_ceil(16)) {
-                    (None, _) => block_avx512(a, m, k, b, n0, n1, c, n),
-                    (Some(at), 1) => block_t::<1>(at, m, k, b, n0, n1, c, n),
-                    (Some(at), 2) => block_t::<2>(at, m, k, b, n0, n1, c, n),
-                    (Some(at), 3) => block_t::<3>(at, m, k, b, n0, n1, c, n),
+                match (&packed, m) {
+                    (None, 1) => block_rows::<1>(a, k, b, n0, n1, c, n),
+                    (None, 2) => block_rows::<2>(a, k, b, n0, n1, c, n),
+                    (None, 3) => block_rows::<3>(a, k, b, n0, n1, c, n),
+                    (None, _) => block_rows::<4>(a, k, b, n0, n1, c, n),
+                    (Some(at), 5..=16) => block_t::<1>(at, m, k, b, n0, n1, c, n),
+                    (Some(at), 17..=32) => block_t::<2>(at, m, k, b, n0, n1, c, n),
+                    (Some(at), 33..=48) => block_t::<3>(at, m, k, b, n0, n1, c, n),
                     (Some(at), _) => block_t::<4>(at, m, k, b, n0, n1, c, n),
                 }
             }
