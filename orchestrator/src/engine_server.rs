@@ -741,6 +741,11 @@ fn metrics(state: &State) -> String {
             s.prefill_tokens,
         ),
         (
+            "trellis:prefill_passes_total",
+            "Forward passes over prompts (prompts admitted together share one).",
+            s.prefill_passes,
+        ),
+        (
             "trellis:decode_steps_total",
             "Decode steps.",
             s.decode_steps,

@@ -652,8 +652,12 @@ fn bench_generate(model: Option<PathBuf>, json: bool) -> Result<()> {
         r.threads
     );
     println!(
-        "  prefill                      {:.0} tokens/s",
-        r.prefill_tokens_per_second
+        "  prefill                      {:.0} tokens/s (one {}-token prompt)",
+        r.prefill_tokens_per_second, r.prefill_prompt_tokens
+    );
+    println!(
+        "  prefill 16 × 64 together     {:.0} tokens/s ({:.0} one prompt per pass)",
+        r.prefill_16x64_tokens_per_second, r.prefill_16x64_apart_tokens_per_second
     );
     for d in &r.decode {
         println!(

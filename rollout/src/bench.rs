@@ -14,6 +14,12 @@ pub struct GenerateBenchReport {
     pub threads: usize,
     pub params: usize,
     pub prefill_tokens_per_second: f64,
+    /// Length of that prompt.
+    pub prefill_prompt_tokens: usize,
+    /// Prefill of 16 prompts of 64 tokens submitted together (one pass over the weights).
+    pub prefill_16x64_tokens_per_second: f64,
+    /// The same 16 prompts with a prefill budget of one prompt (one pass each).
+    pub prefill_16x64_apart_tokens_per_second: f64,
     /// (batch, decode tokens/s, MFU) for each batch size.
     pub decode: Vec<DecodePoint>,
     pub weight_bytes_per_token: f64,
@@ -102,12 +108,25 @@ pub fn generate_bench(model: Model, batches: &[usize]) -> GenerateBenchReport {
     let bw = memory_bandwidth_gbps();
     let c = model.config.clone();
     let vocab = c.vocab_size;
+    let apart = NativeEngine::new(
+        model.clone(),
+        NativeConfig {
+            max_prefill_tokens: 64,
+            kv_cache_bytes: 64 << 20,
+            ..Default::default()
+        },
+    );
+    timed(&apart, requests(1, 16, 4, 1, vocab));
+    let prefill_apart_tps = (16 * 64) as f64 / timed(&apart, requests(16, 64, 1, 1, vocab));
+    drop(apart);
     let engine = NativeEngine::new(model, NativeConfig::default());
     // warm-up
     timed(&engine, requests(1, 16, 4, 1, vocab));
     let prompt = 256.min(c.max_position_embeddings / 2);
     let prefill = timed(&engine, requests(1, prompt, 1, 1, vocab));
     let prefill_tps = prompt as f64 / prefill;
+    let many = timed(&engine, requests(16, 64, 1, 1, vocab));
+    let prefill_many_tps = (16 * 64) as f64 / many;
     let (ctx, new) = (16usize, 64usize);
     let matmul_params = c.num_params()
         - if c.tie_word_embeddings {
@@ -153,6 +172,9 @@ pub fn generate_bench(model: Model, batches: &[usize]) -> GenerateBenchReport {
         threads,
         params: c.num_params(),
         prefill_tokens_per_second: prefill_tps,
+        prefill_prompt_tokens: prompt,
+        prefill_16x64_tokens_per_second: prefill_many_tps,
+        prefill_16x64_apart_tokens_per_second: prefill_apart_tps,
         decode,
         weight_bytes_per_token: weight_bytes,
         memory_bandwidth_gbps: bw,

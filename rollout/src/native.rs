@@ -41,6 +41,9 @@ pub struct NativeConfig {
     pub block_size: usize,
     /// Most sequences decoded together.
     pub max_batch: usize,
+    /// Most prompt tokens prefilled in one forward: prompts admitted together share one pass
+    /// over the weights (a longer prompt still runs, alone).
+    pub max_prefill_tokens: usize,
     /// Behaviour on weight swaps.
     pub swap: SwapPolicy,
     /// Weight version of the initial model.
@@ -56,6 +59,7 @@ impl Default for NativeConfig {
             kv_cache_bytes: 1 << 30,
             block_size: 16,
             max_batch: 256,
+            max_prefill_tokens: 2048,
             swap: SwapPolicy::default(),
             initial_version: 0,
             raw_logprobs: false,
@@ -76,6 +80,8 @@ enum Cmd {
 pub struct Stats {
     /// Prompt tokens run through the model (once per request, whatever its `n`).
     pub prefill_tokens: AtomicU64,
+    /// Forward passes over prompts (prompts admitted together share one).
+    pub prefill_passes: AtomicU64,
     /// Tokens produced by decode steps.
     pub decode_tokens: AtomicU64,
     /// Decode steps run.
@@ -93,6 +99,8 @@ pub struct Stats {
 pub struct StatsSnapshot {
     /// See [`Stats::prefill_tokens`].
     pub prefill_tokens: u64,
+    /// See [`Stats::prefill_passes`].
+    pub prefill_passes: u64,
     /// See [`Stats::decode_tokens`].
     pub decode_tokens: u64,
     /// See [`Stats::decode_steps`].
@@ -170,6 +178,7 @@ impl NativeEngine {
     pub fn stats(&self) -> StatsSnapshot {
         StatsSnapshot {
             prefill_tokens: self.stats.prefill_tokens.load(Ordering::Relaxed),
+            prefill_passes: self.stats.prefill_passes.load(Ordering::Relaxed),
             decode_tokens: self.stats.decode_tokens.load(Ordering::Relaxed),
             decode_steps: self.stats.decode_steps.load(Ordering::Relaxed),
             running: self.stats.running.load(Ordering::Relaxed),
@@ -465,42 +474,87 @@ impl Worker {
         Ok(())
     }
 
+    /// Admits waiting requests in arrival order while there is room, prefilling them in
+    /// batches of at most `max_prefill_tokens` prompt tokens.
     fn admit(&mut self) {
-        while let Some(p) = self.waiting.front() {
-            let (plen, k, n) = (p.req.prompt.len(), p.req.params.max_tokens, p.req.params.n);
-            let room = self.running.is_empty() || self.running.len() + n <= self.cfg.max_batch;
-            if !room || self.pool.free_blocks() < blocks_needed(self.pool.shape(), plen, k, n) {
+        loop {
+            let mut batch = Vec::new();
+            let (mut running, mut free, mut tokens) =
+                (self.running.len(), self.pool.free_blocks(), 0);
+            while let Some(p) = self.waiting.front() {
+                let (plen, k, n) = (p.req.prompt.len(), p.req.params.max_tokens, p.req.params.n);
+                let room = running == 0 || running + n <= self.cfg.max_batch;
+                let need = blocks_needed(self.pool.shape(), plen, k, n);
+                let fits = batch.is_empty() || tokens + plen <= self.cfg.max_prefill_tokens;
+                if !room || free < need || !fits {
+                    break;
+                }
+                (running, free, tokens) = (running + n, free - need, tokens + plen);
+                batch.push(self.waiting.pop_front().expect("front exists"));
+            }
+            if batch.is_empty() {
                 return;
             }
-            let p = self.waiting.pop_front().expect("front exists");
-            self.prefill(p);
+            self.prefill(batch);
         }
     }
 
-    fn prefill(&mut self, p: Pending) {
+    /// One forward over the prompts of `batch` (each into its own cache), then each request
+    /// forks into its samples, which draw their first token from the prompt's last logits.
+    fn prefill(&mut self, batch: Vec<Pending>) {
         let kv = self.pool.shape();
-        let plen = p.req.prompt.len();
-        let blocks = self
-            .pool
-            .alloc(kv.blocks_for(plen))
-            .expect("admission checked the pool");
-        let mut parent = SeqCache { blocks, len: 0 };
-        let positions: Vec<u32> = (0..plen as u32).collect();
+        let mut parents: Vec<SeqCache> = batch
+            .iter()
+            .map(|p| SeqCache {
+                blocks: self
+                    .pool
+                    .alloc(kv.blocks_for(p.req.prompt.len()))
+                    .expect("admission checked the pool"),
+                len: 0,
+            })
+            .collect();
+        let lens: Vec<usize> = batch.iter().map(|p| p.req.prompt.len()).collect();
+        let tokens: Vec<u32> = batch
+            .iter()
+            .flat_map(|p| p.req.prompt.iter().copied())
+            .collect();
+        let positions: Vec<u32> = lens.iter().flat_map(|&l| 0..l as u32).collect();
         let hidden = {
             let mut step = CachedStep {
                 pool: &mut self.pool,
-                seqs: vec![&parent],
-                counts: vec![plen],
+                seqs: parents.iter().collect(),
+                counts: lens.clone(),
             };
-            self.model
-                .forward_hidden(&p.req.prompt, &positions, &mut step)
+            self.model.forward_hidden(&tokens, &positions, &mut step)
         };
-        parent.len = plen;
         self.stats
             .prefill_tokens
-            .fetch_add(plen as u64, Ordering::Relaxed);
+            .fetch_add(tokens.len() as u64, Ordering::Relaxed);
+        self.stats.prefill_passes.fetch_add(1, Ordering::Relaxed);
         let h = self.model.config.hidden_size;
-        let logits = self.model.logits_of_hidden(&hidden[(plen - 1) * h..]);
+        let mut last = Vec::with_capacity(batch.len() * h);
+        let mut end = 0;
+        for &l in &lens {
+            end += l;
+            last.extend_from_slice(&hidden[(end - 1) * h..end * h]);
+        }
+        let logits = self.model.logits_of_hidden(&last);
+        let vocab = self.model.config.vocab_size;
+        for ((p, parent), row) in batch
+            .into_iter()
+            .zip(&mut parents)
+            .zip(logits.chunks(vocab))
+        {
+            parent.len = p.req.prompt.len();
+            self.start(p, parent, row);
+            self.pool.release(parent);
+        }
+    }
+
+    /// Forks a prefilled request into its `n` samples and draws each one's first token.
+    fn start(&mut self, p: Pending, parent: &SeqCache, logits: &[f32]) {
+        let kv = self.pool.shape();
+        let plen = parent.len;
         let params = Arc::new(p.req.params);
         let mut stops = params.stop_token_ids.clone();
         if !params.ignore_eos
@@ -518,7 +572,7 @@ impl Worker {
         for index in 0..params.n {
             let cache = self
                 .pool
-                .fork(&parent, extra)
+                .fork(parent, extra)
                 .expect("admission reserved the blocks");
             let mut rng = ChaCha8Rng::seed_from_u64(seed);
             rng.set_stream(index as u64);
@@ -538,16 +592,15 @@ impl Worker {
                 logprobs: Vec::new(),
                 spans: Vec::new(),
             };
-            let (tok, mut lp) = sample(&logits, &seq.params, &mut seq.rng);
+            let (tok, mut lp) = sample(logits, &seq.params, &mut seq.rng);
             if self.cfg.raw_logprobs {
-                lp = raw_logprob(&logits, tok);
+                lp = raw_logprob(logits, tok);
             }
             match seq.push(tok, lp) {
                 Some(reason) => self.finish(seq, reason),
                 None => self.running.push(seq),
             }
         }
-        self.pool.release(&parent);
     }
 
     fn decode_step(&mut self) {

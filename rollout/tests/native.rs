@@ -151,6 +151,47 @@ fn n_samples_share_one_prefill() {
 }
 
 #[test]
+fn prompts_admitted_together_share_one_prefill_pass() {
+    let r = reference();
+    let prompts: Vec<Vec<u32>> = r["input_ids"].as_array().unwrap().iter().map(ids).collect();
+    let total: usize = prompts.iter().map(Vec::len).sum();
+    let reqs = || -> Vec<GenerateRequest> {
+        prompts
+            .iter()
+            .enumerate()
+            .map(|(k, p)| {
+                req(p, |s| {
+                    s.n = 2;
+                    s.max_tokens = 6;
+                    s.seed = Some(k as u64);
+                    s.ignore_eos = true;
+                })
+            })
+            .collect()
+    };
+    let together = NativeEngine::new(model(), NativeConfig::default());
+    let a = together.generate_blocking(reqs()).unwrap();
+    assert_eq!(together.stats().prefill_passes, 1);
+    assert_eq!(together.stats().prefill_tokens, total as u64);
+    // a budget below the longest prompt: one prompt per pass, same completions
+    let shortest = prompts.iter().map(Vec::len).min().unwrap();
+    let apart = NativeEngine::new(
+        model(),
+        NativeConfig {
+            max_prefill_tokens: shortest,
+            ..Default::default()
+        },
+    );
+    let b = apart.generate_blocking(reqs()).unwrap();
+    assert_eq!(apart.stats().prefill_passes, prompts.len() as u64);
+    for (x, y) in a.iter().zip(&b) {
+        assert_eq!((x.request, x.index), (y.request, y.index));
+        assert_eq!(x.token_ids, y.token_ids);
+        assert_close(&x.logprobs, &y.logprobs);
+    }
+}
+
+#[test]
 fn an_exhausted_kv_pool_queues_requests_instead_of_failing() {
     let m = model();
     let kv_per_block = 2 * 2 * 4 * 2 * 16 * 4; // layers · block · kv_heads · head_dim · f32, k and v
