@@ -247,7 +247,8 @@ fn attend_one(a: OneQuery<'_>, scores: &mut Vec<f32>) {
         let krow = &a.pool.k[sl..sl + w];
         for h in 0..nh {
             let g = h / a.group;
-            scores[h * np + p] = dot(&a.q[h * d..(h + 1) * d], &krow[g * d..(g + 1) * d]) * a.scale;
+            scores[h * np + p] =
+                kernels::dot(&a.q[h * d..(h + 1) * d], &krow[g * d..(g + 1) * d]) * a.scale;
         }
     }
     softmax_rows(scores, np);
@@ -359,25 +360,6 @@ fn prefetch_row(row: &[f32], far: bool) {
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = (row, far);
-}
-
-/// `a · b` in 16 independent lanes, so it vectorises inside the feature-enabled callers.
-#[inline(always)]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0.0f32; 16];
-    let (ac, bc) = (a.chunks_exact(16), b.chunks_exact(16));
-    let tail: f32 = ac
-        .remainder()
-        .iter()
-        .zip(bc.remainder())
-        .map(|(x, y)| x * y)
-        .sum();
-    for (x, y) in ac.zip(bc) {
-        for l in 0..16 {
-            acc[l] += x[l] * y[l];
-        }
-    }
-    acc.iter().sum::<f32>() + tail
 }
 
 /// [`attend_one`] compiled for AVX-512, so its loops vectorise 16 wide.
