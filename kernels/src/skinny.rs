@@ -235,6 +235,9 @@ pub fn matmul_nt_many(m: usize, k: usize, a: &[f32], bs: &[&[f32]], cs: &mut [&m
             "skinny matmul: shapes"
         );
     }
+    if m == 0 {
+        return;
+    }
     let simd = available();
     // 5–64 rows: the outer-product path reads Aᵀ, zero-padded to whole vectors ([k, 16·mv]).
     let packed = (simd && m > 4 && m <= 64).then(|| {
@@ -328,7 +331,7 @@ mod tests {
     #[test]
     fn several_weights_in_one_pass_match_one_at_a_time() {
         // outputs of 5, 48 and 131 columns: tasks straddle outputs and end in partial tiles
-        for (m, k) in [(1, 40), (4, 33), (9, 64), (16, 100), (64, 70)] {
+        for (m, k) in [(0, 8), (1, 40), (4, 33), (9, 64), (16, 100), (64, 70)] {
             let a = randn(m * k, 3);
             let ns = [5usize, 48, 131];
             let bs: Vec<Vec<f32>> = ns.iter().map(|&n| randn(n * k, n as u64)).collect();
