@@ -227,25 +227,7 @@ pub struct Model {
 
 /// `y = x · Wᵀ (+ b)` for `n` rows.
 fn linear(x: &[f32], n: usize, w: &Tensor, b: Option<&Tensor>) -> Vec<f32> {
-    let (out, inp) = (w.shape[0], w.shape[1]);
-    let mut y = vec![0.0f32; n * out];
-    matmul(
-        n,
-        inp,
-        out,
-        x,
-        Op::N,
-        &w.data,
-        Op::T,
-        &mut y,
-        false,
-        Par::Pool,
-    );
-    if let Some(b) = b {
-        for r in y.chunks_mut(out) {
-            r.iter_mut().zip(&b.data).for_each(|(v, b)| *v += b);
-        }
-    }
+    let [y] = linears(x, n, [(w, b)]);
     y
 }
 
