@@ -6,10 +6,12 @@
 //! panics on user input (configs, checkpoints, token ids): those are [`Error`]s that name the
 //! file, tensor or value.
 
+pub mod algo;
 pub mod bench;
 pub mod checkpoint;
 pub mod config;
 pub mod critic;
+pub mod engine;
 pub mod error;
 pub mod model;
 pub mod optim;

@@ -323,3 +323,72 @@ fn the_decoder_prefills_and_decodes_greedy_as_transformers() {
     // One prefill program and one decode program.
     assert_eq!(dec.stats().compiles, 2);
 }
+
+/// The learner's algorithms drive either engine through `TrainEngine`: a PPO update over two
+/// mini-batches and an SFT step give the native engine's metrics and weights.
+#[test]
+fn the_update_loops_run_on_either_engine_behind_one_face() {
+    use learner::algo::layout::{Row, TokenRows};
+    use learner::algo::policy::{PolicyBatch, PolicyUpdate, update};
+    use learner::engine::{Backend, open};
+    use learner::rl::agg::LossAgg;
+    use learner::rl::loss::PolicyLossConfig;
+    let Some(c) = client() else { return };
+    let model = tiny("qwen2", json!({}));
+    let prompts: [&[u32]; 4] = [&[1, 2, 3], &[4, 5], &[6, 7, 8, 9], &[10]];
+    let responses: [&[u32]; 4] = [&[11, 12], &[13, 14, 15], &[16], &[17, 18, 19, 20]];
+    let rows = TokenRows::new((0..4).map(|i| Row {
+        prompt: prompts[i],
+        response: responses[i],
+        group: (i / 2) as u64,
+    }));
+    let adv: Vec<f32> = (0..rows.shape.len())
+        .map(|i| ((i * 5 % 7) as f32 - 3.0) * 0.4)
+        .collect();
+    let cfg = PolicyUpdate {
+        loss: PolicyLossConfig {
+            entropy_coeff: 0.01,
+            ..Default::default()
+        },
+        agg: LossAgg::TokenMean,
+        temperature: 0.8,
+        epochs: 2,
+        rows_per_update: 2,
+    };
+    let opt = Optimizer::new(
+        &model.params,
+        AdamW::default(),
+        LrSchedule::constant(1e-2),
+        Some(1.0),
+    );
+    let mut outs = Vec::new();
+    for backend in [Backend::Native, Backend::Pjrt(c)] {
+        let mut engine = open(model.clone(), backend).unwrap();
+        let mut opt = opt.clone();
+        let batch = PolicyBatch {
+            rows: &rows,
+            advantages: &adv,
+            old_logp: None,
+            ref_logp: None,
+        };
+        let m = update(&mut *engine, &mut opt, batch, &cfg).unwrap();
+        let sft = learner::algo::sft::step(
+            &mut *engine,
+            &mut opt,
+            &[(vec![1, 2], vec![3, 4]), (vec![5], vec![6, 7, 8])],
+        )
+        .unwrap();
+        assert_eq!(opt.calls, 5, "4 policy steps and 1 SFT step");
+        let params = engine.model().unwrap().params.clone();
+        outs.push((m, sft, params));
+    }
+    let (native, pjrt) = (&outs[0], &outs[1]);
+    for (k, v) in &native.0 {
+        let p = pjrt.0[k];
+        assert!((p - v).abs() <= 1e-3 * v.abs().max(1.0), "{k}: {p} vs {v}");
+    }
+    assert!((pjrt.1.loss - native.1.loss).abs() <= 1e-4 * native.1.loss.abs());
+    for (a, b) in pjrt.2.tensors.iter().zip(&native.2.tensors) {
+        assert!(worst(&a.data, &b.data) <= 2e-3, "{}", a.name);
+    }
+}

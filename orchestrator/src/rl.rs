@@ -9,16 +9,14 @@
 use crate::graph::{Op, StepGraph};
 use crate::train::{Run, RunError};
 use crate::workflow::{FilterNode, ProgramNode, Source, Stage, UserNode};
+use learner::algo::layout::{Row, TokenRows};
 use learner::critic::Critic;
 use learner::optim::{LrSchedule, Optimizer};
+use learner::rl::Metrics;
 use learner::rl::advantage::{AdvEstimator, AdvInput, compute};
-use learner::rl::agg::{AggNorm, LossAgg};
 use learner::rl::dapo::{keep_informative_groups, overlong_penalty};
-use learner::rl::loss::{
-    ActorInput, CriticInput, PolicyLoss, PolicyLossConfig, actor_loss, value_loss,
-};
-use learner::rl::{Metrics, Shape};
-use learner::{Batch, Model, Params};
+use learner::rl::loss::{PolicyLoss, PolicyLossConfig};
+use learner::{Batch, Model};
 use rollout::task::Problem;
 use rollout::{Completion, FinishReason, GenerateRequest, SamplingParams};
 use std::collections::{HashSet, VecDeque};
@@ -42,93 +40,23 @@ pub(crate) struct Group {
 }
 
 /// The `[rows, cols]` response layout of a step's groups.
-struct Rows {
-    shape: Shape,
-    mask: Vec<f32>,
-    /// (prompt length, prompt + response) per row.
-    seqs: Vec<(usize, Vec<u32>)>,
-    group: Vec<u64>,
+fn rows_of(groups: &[Group]) -> TokenRows {
+    TokenRows::new(groups.iter().enumerate().flat_map(|(g, grp)| {
+        grp.completions.iter().map(move |c| Row {
+            prompt: &grp.prompt,
+            response: &c.token_ids,
+            group: g as u64,
+        })
+    }))
 }
 
-fn rows_of(groups: &[Group]) -> Rows {
-    let rows: usize = groups.iter().map(|g| g.completions.len()).sum();
-    let cols = groups
-        .iter()
-        .flat_map(|g| &g.completions)
-        .map(|c| c.token_ids.len())
-        .max()
-        .unwrap_or(1)
-        .max(1);
-    let mut mask = vec![0.0f32; rows * cols];
-    let mut seqs = Vec::with_capacity(rows);
-    let mut group = Vec::with_capacity(rows);
-    for (g, grp) in groups.iter().enumerate() {
-        for c in &grp.completions {
-            let r = seqs.len();
-            mask[r * cols..r * cols + c.token_ids.len()].fill(1.0);
-            let mut seq = grp.prompt.clone();
-            seq.extend(&c.token_ids);
-            seqs.push((grp.prompt.len(), seq));
-            group.push(g as u64);
-        }
-    }
-    Rows {
-        shape: Shape { rows, cols },
-        mask,
-        seqs,
-        group,
-    }
-}
-
-/// The (prompt length, prompt + response) rows as one padded batch.
-fn padded_rows(rows: &[(usize, Vec<u32>)]) -> Batch {
-    let refs: Vec<&[u32]> = rows.iter().map(|s| s.1.as_slice()).collect();
-    Batch::padded(&refs)
-}
-
-/// For every response token of `rows`: its index in the `[rows, cols]` layout and its index in
-/// the padded batch of those rows (`seq` tokens per row). Response token j of a row is predicted
-/// at batch position `plen − 1 + j`.
-fn response_slots(rows: &[(usize, Vec<u32>)], seq: usize, cols: usize) -> Vec<(usize, usize)> {
-    let mut slots = Vec::new();
-    for (r, (plen, tokens)) in rows.iter().enumerate() {
-        for j in 0..tokens.len() - plen {
-            slots.push((r * cols + j, r * seq + plen - 1 + j));
-        }
-    }
-    slots
-}
-
-fn gather(v: &[f32], slots: &[(usize, usize)], len: usize) -> Vec<f32> {
-    let mut out = vec![0.0f32; len];
-    for &(r, b) in slots {
-        out[r] = v[b];
-    }
-    out
-}
-
-/// `f`'s value at every position of the groups' rows, `per` rows a batch, gathered into the
-/// `[rows, cols]` response layout (the value that predicts each response token).
+/// `f`'s value at every response token of the groups, `per` rows a batch.
 fn per_response_token(
     groups: &[Group],
     per: usize,
-    f: impl Fn(&Batch) -> Result<Vec<f32>, RunError>,
+    f: impl Fn(&Batch) -> learner::Result<Vec<f32>>,
 ) -> Result<Vec<f32>, RunError> {
-    let rows = rows_of(groups);
-    let cols = rows.shape.cols;
-    let mut all = vec![0.0f32; rows.shape.len()];
-    for (k, chunk) in rows.seqs.chunks(per.max(1)).enumerate() {
-        let b = padded_rows(chunk);
-        let slots = response_slots(chunk, b.seq, cols);
-        let v = f(&b)?;
-        let r0 = k * per;
-        all[r0 * cols..(r0 + chunk.len()) * cols].copy_from_slice(&gather(
-            &v,
-            &slots,
-            chunk.len() * cols,
-        ));
-    }
-    Ok(all)
+    Ok(rows_of(groups).per_response_token(per, f)?)
 }
 
 /// A step's artifacts.
@@ -168,9 +96,8 @@ struct Pending {
 pub(crate) struct RlState {
     graph: StepGraph,
     opt: Optimizer,
-    grads: Params,
     reference: Option<Model>,
-    critic: Option<(Critic, Optimizer, Params)>,
+    critic: Option<learner::algo::value::CriticTrainer>,
     queue: VecDeque<Pending>,
 }
 
@@ -178,14 +105,16 @@ impl RlState {
     /// The stage's state: a fresh optimiser (restored from `checkpoint` when resuming inside the
     /// stage), the reference policy and critic when the algorithm has them.
     pub(crate) fn new(
-        run: &Run<'_>,
+        run: &mut Run<'_>,
         stage: &Stage,
         checkpoint: Option<&Path>,
     ) -> Result<Self, RunError> {
         let a = &stage.algorithm;
+        let dir = run.dir.clone();
+        let model = run.policy.model()?;
         let graph = crate::graph::expand(stage).map_err(|e| RunError::Other(e.to_string()))?;
         let mut opt = Optimizer::new(
-            &run.model.params,
+            &model.params,
             Default::default(),
             crate::train::lr_schedule(
                 a.lr,
@@ -202,28 +131,24 @@ impl RlState {
         // The reference policy is the weights the stage started from, kept beside its
         // checkpoints so that a resumed stage has the same one.
         let reference = if a.use_kl_loss {
-            let dir = run
-                .dir
-                .join("checkpoints")
-                .join(&stage.id)
-                .join("reference");
+            let dir = dir.join("checkpoints").join(&stage.id).join("reference");
             if checkpoint.is_some() && dir.exists() {
-                Some(Model::load_weights(run.model.config.clone(), &dir)?)
+                Some(Model::load_weights(model.config.clone(), &dir)?)
             } else {
                 std::fs::create_dir_all(&dir).map_err(|source| RunError::Io {
                     path: dir.clone(),
                     source,
                 })?;
-                run.model.params.save(&dir.join("model.safetensors"))?;
-                Some(run.model.clone())
+                model.params.save(&dir.join("model.safetensors"))?;
+                Some(model.clone())
             }
         } else {
             None
         };
         let critic = if crate::graph::uses_critic(stage) {
             let (critic, ck_dir) = match checkpoint.map(|c| c.join("critic")) {
-                Some(d) if d.exists() => (Critic::load(&d, &run.model)?, Some(d)),
-                _ => (Critic::from_policy(&run.model), None),
+                Some(d) if d.exists() => (Critic::load(&d, model)?, Some(d)),
+                _ => (Critic::from_policy(model), None),
             };
             let mut copt = critic.optimizer(
                 Default::default(),
@@ -233,14 +158,12 @@ impl RlState {
             if let Some(d) = ck_dir {
                 copt.load(&d.join("optimizer"))?;
             }
-            let grads = critic.zeros_grads();
-            Some((critic, copt, grads))
+            Some(learner::algo::value::CriticTrainer::new(critic, copt))
         } else {
             None
         };
         Ok(Self {
             graph,
-            grads: run.model.params.zeros_like(),
             opt,
             reference,
             critic,
@@ -260,9 +183,9 @@ impl RlState {
 
     /// Writes the critic and its optimiser into checkpoint folder `dir`.
     pub(crate) fn save(&self, dir: &Path) -> Result<(), RunError> {
-        if let Some((critic, opt, _)) = &self.critic {
-            critic.save(&dir.join("critic"))?;
-            opt.save(&dir.join("critic").join("optimizer"))?;
+        if let Some(c) = &self.critic {
+            c.critic.save(&dir.join("critic"))?;
+            c.opt.save(&dir.join("critic").join("optimizer"))?;
         }
         Ok(())
     }
@@ -527,16 +450,13 @@ impl Run<'_> {
             ),
             Op::User(UserNode::Program(p)) => Out::Scores(program_scores(p, &board.groups, &mut m)),
             Op::User(UserNode::Filter(f)) => Out::Keep(filter_keep(f, &board.groups, &mut m)),
-            Op::OldLogp => Out::OldLogp(match &self.device {
-                // The policy's log-probs where it trains, so ratios start at 1 exactly there.
-                Some(dev) => {
-                    let per = a.ppo_mini_batch_size * a.rollout_n;
-                    per_response_token(&board.groups, per, |b| {
-                        Ok(dev.score(b, a.temperature.max(1e-6))?.logp)
-                    })?
-                }
-                None => self.logp_of(&self.model, a, &board.groups)?,
-            }),
+            // The policy's log-probs where it trains, so ratios start at 1 exactly there.
+            Op::OldLogp => {
+                let per = a.ppo_mini_batch_size * a.rollout_n;
+                Out::OldLogp(per_response_token(&board.groups, per, |b| {
+                    Ok(self.policy.score(b, a.temperature.max(1e-6))?.logp)
+                })?)
+            }
             Op::RefLogp => {
                 let r = st
                     .reference
@@ -545,12 +465,12 @@ impl Run<'_> {
                 Out::RefLogp(self.logp_of(r, a, &board.groups)?)
             }
             Op::Values => {
-                let (critic, _, _) = st
+                let critic = st
                     .critic
                     .as_ref()
                     .ok_or_else(|| RunError::Other("no critic".into()))?;
                 let per = a.ppo_mini_batch_size * a.rollout_n;
-                let all = per_response_token(&board.groups, per, |b| Ok(critic.values(b)?))?;
+                let all = per_response_token(&board.groups, per, |b| critic.critic.values(b))?;
                 Out::Values(all)
             }
             Op::Advantage => {
@@ -617,12 +537,11 @@ impl Run<'_> {
         m: &mut Metrics,
     ) -> Result<(), RunError> {
         let a = &stage.algorithm;
-        let (critic, opt, grads) = st
+        let critic = st
             .critic
             .as_mut()
             .ok_or_else(|| RunError::Other("no critic".into()))?;
         let rows = rows_of(&board.groups);
-        let cols = rows.shape.cols;
         let (old, ret) = match (&board.values, &board.returns) {
             (Some(v), Some(r)) => (v, r),
             _ => {
@@ -631,51 +550,14 @@ impl Run<'_> {
                 ));
             }
         };
-        let agg: LossAgg = a.loss_agg_mode.parse()?;
-        let per = a.ppo_mini_batch_size * a.rollout_n;
-        let mut sums = Metrics::new();
-        let mut n = 0.0;
-        for _ in 0..a.ppo_epochs {
-            for (k, chunk) in rows.seqs.chunks(per).enumerate() {
-                let (r0, r1) = (k * per, k * per + chunk.len());
-                let b = padded_rows(chunk);
-                let slots = response_slots(chunk, b.seq, cols);
-                let (v, tape) = critic.forward(&b)?;
-                let values = gather(&v, &slots, chunk.len() * cols);
-                let sub = Shape {
-                    rows: r1 - r0,
-                    cols,
-                };
-                let mk = &rows.mask[r0 * cols..r1 * cols];
-                let norm = AggNorm::new(agg, sub, mk)?;
-                let out = value_loss(
-                    &norm,
-                    a.cliprange_value,
-                    CriticInput {
-                        shape: sub,
-                        values: &values,
-                        old_values: &old[r0 * cols..r1 * cols],
-                        returns: &ret[r0 * cols..r1 * cols],
-                        mask: mk,
-                    },
-                )?;
-                let mut dv = vec![0.0f32; b.len()];
-                for &(r, bi) in &slots {
-                    dv[bi] = out.grad[r];
-                }
-                critic.backward(tape, &dv, grads);
-                let rep = critic.step(opt, grads);
-                grads.fill_zero();
-                for (k, v) in out.metrics {
-                    *sums.entry(k).or_insert(0.0) += v;
-                }
-                *sums.entry("critic/grad_norm".into()).or_insert(0.0) += rep.grad_norm;
-                n += 1.0;
-            }
-        }
-        for (k, v) in sums {
-            m.insert(k, v / n);
-        }
+        let token_rows = rows;
+        let cfg = learner::algo::value::ValueUpdate {
+            cliprange_value: a.cliprange_value,
+            agg: a.loss_agg_mode.parse()?,
+            epochs: a.ppo_epochs,
+            rows_per_update: a.ppo_mini_batch_size * a.rollout_n,
+        };
+        m.extend(critic.update(&token_rows, old, ret, &cfg)?);
         Ok(())
     }
 
@@ -721,83 +603,26 @@ impl Run<'_> {
             kl,
             ..Default::default()
         };
-        let agg: LossAgg = a.loss_agg_mode.parse()?;
-        let per = a.ppo_mini_batch_size * a.rollout_n;
-        let mut losses: Vec<Metrics> = Vec::new();
-        let mut report = None;
-        for _epoch in 0..a.ppo_epochs {
-            for (k, chunk) in rows.seqs.chunks(per).enumerate() {
-                let (r0, r1) = (k * per, k * per + chunk.len());
-                let b = padded_rows(chunk);
-                let slots = response_slots(chunk, b.seq, cols);
-                let temp = a.temperature.max(1e-6);
-                let (sc, tape) = match &self.device {
-                    Some(dev) => (dev.score(&b, temp)?, None),
-                    None => {
-                        let (sc, tape) = self.model.forward(&b, temp)?;
-                        (sc, Some(tape))
-                    }
-                };
-                let logp = gather(&sc.logp, &slots, chunk.len() * cols);
-                let ent = gather(&sc.entropy, &slots, chunk.len() * cols);
-                let sub = Shape {
-                    rows: r1 - r0,
-                    cols,
-                };
-                let mk = &rows.mask[r0 * cols..r1 * cols];
-                let old = behaviour
-                    .as_ref()
-                    .map_or(logp.clone(), |o| o[r0 * cols..r1 * cols].to_vec());
-                let norm = AggNorm::new(agg, sub, mk)?;
-                let out = actor_loss(
-                    &cfg,
-                    &norm,
-                    ActorInput {
-                        shape: sub,
-                        logp: &logp,
-                        old_logp: &old,
-                        advantages: &adv[r0 * cols..r1 * cols],
-                        mask: mk,
-                        entropy: Some(&ent),
-                        ref_logp: board.ref_logp.as_ref().map(|r| &r[r0 * cols..r1 * cols]),
-                        is_weights: None,
-                    },
-                )?;
-                let (mut d_logp, mut d_ent) = (vec![0.0f32; b.len()], vec![0.0f32; b.len()]);
-                for &(r, bi) in &slots {
-                    d_logp[bi] = out.grad[r];
-                    d_ent[bi] = out.grad_entropy[r];
-                }
-                match (tape, self.device.as_mut()) {
-                    (Some(tape), _) => {
-                        self.model.backward(tape, &d_logp, &d_ent, &mut st.grads);
-                        report = Some(st.opt.step(&mut self.model.params, &mut st.grads));
-                        st.grads.fill_zero();
-                    }
-                    (None, Some(dev)) => {
-                        // The device recomputes the forward it needs for the backward.
-                        dev.backward(&b, temp, &d_logp, &d_ent)?;
-                        report = Some(dev.step(&mut st.opt)?);
-                    }
-                    (None, None) => unreachable!("a tape without a device engine"),
-                }
-                losses.push(out.metrics);
-            }
-        }
-        // The host copy follows the device's weights: the rollout push, eval and checkpoints
-        // read it.
-        if let Some(dev) = &self.device {
-            dev.read_params(&mut self.model.params)?;
-        }
-        for l in &losses {
-            for (k, v) in l {
-                *m.entry(k.clone()).or_insert(0.0) += v / losses.len() as f64;
-            }
-        }
-        if let Some(r) = report {
-            m.insert("actor/grad_norm".into(), r.grad_norm);
-            m.insert("actor/lr".into(), r.lr as f64);
-        }
+        let update = learner::algo::policy::PolicyUpdate {
+            loss: cfg,
+            agg: a.loss_agg_mode.parse()?,
+            temperature: a.temperature.max(1e-6),
+            epochs: a.ppo_epochs,
+            rows_per_update: a.ppo_mini_batch_size * a.rollout_n,
+        };
+        let token_rows = rows;
+        let out = learner::algo::policy::update(
+            &mut *self.policy,
+            &mut st.opt,
+            learner::algo::policy::PolicyBatch {
+                rows: &token_rows,
+                advantages: adv,
+                old_logp: behaviour.as_deref(),
+                ref_logp: board.ref_logp.as_deref(),
+            },
+            &update,
+        )?;
+        m.extend(out);
         Ok(())
     }
 

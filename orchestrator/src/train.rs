@@ -13,12 +13,12 @@ use crate::rl::RlState;
 use crate::store::{CheckpointRecord, JobState, Progress, Store, StoreError};
 use crate::workflow::{Stage, StageKind, Workflow};
 use learner::checkpoint::Checkpoint;
+use learner::engine::{Backend, TrainEngine};
 use learner::optim::{LrSchedule, Optimizer, ScheduleKind};
-use learner::pjrt::PjrtModel;
 use learner::rl::Metrics;
 use learner::snapshot::WeightSnapshot;
 use learner::tokenizer::Tokenizer;
-use learner::{Batch, Model, ModelConfig};
+use learner::{Model, ModelConfig};
 use rollout::task::{ArithTask, Problem};
 use rollout::{GenerateRequest, SamplingParams};
 use serde::Serialize;
@@ -160,10 +160,8 @@ fn open_run(dir: &Path) -> Result<(Store, crate::store::Job), RunError> {
 pub(crate) struct Run<'a> {
     pub(crate) wf: &'a Workflow,
     pub(crate) dir: PathBuf,
-    pub(crate) model: Model,
-    /// The learner's `pjrt` engine (`pools.learner.engine: pjrt`): trains on the device, and
-    /// `model` mirrors its weights after every update.
-    pub(crate) device: Option<PjrtModel>,
+    /// The policy, on the learner's engine.
+    pub(crate) policy: Box<dyn TrainEngine>,
     pub(crate) tokenizer: Tokenizer,
     assets: Vec<(String, Vec<u8>)>,
     pub(crate) eos: u32,
@@ -501,18 +499,16 @@ pub fn run_job(
         .map_err(io(&metrics_path))?;
     let tb = dir.join("tensorboard");
     let events = crate::tensorboard::EventWriter::create(&tb).map_err(io(&tb))?;
-    let device = match learner_client(wf)? {
-        Some(client) => {
-            tracing::info!(platform = client.platform(), "learner on the pjrt engine");
-            Some(PjrtModel::new(client, &model)?)
-        }
-        None => None,
+    let backend = match learner_client(wf)? {
+        Some(client) => Backend::Pjrt(client),
+        None => Backend::Native,
     };
+    let policy = learner::engine::open(model, backend)?;
+    tracing::info!(engine = policy.describe(), "learner");
     let mut run = Run {
         wf,
         dir: dir.to_path_buf(),
-        device,
-        model,
+        policy,
         tokenizer,
         assets,
         eos,
@@ -632,7 +628,7 @@ impl Run<'_> {
         let opt = sft_opt.or(rl.map(RlState::optimizer));
         let rel = format!("checkpoints/{stage}/step_{step:06}");
         let ck = Checkpoint {
-            model: self.model.clone(),
+            model: self.policy.model()?.clone(),
             assets: self.assets.clone(),
         };
         let abs = self.dir.join(&rel);
@@ -679,9 +675,10 @@ impl Run<'_> {
         self.version += 1;
         let snap = WeightSnapshot {
             version: self.version,
-            params: Arc::new(self.model.params.clone()),
+            params: Arc::new(self.policy.model()?.params.clone()),
         };
-        self.engine.update_weights_blocking(snap, &self.model)?;
+        self.engine
+            .update_weights_blocking(snap, self.policy.model()?)?;
         Ok(t.elapsed().as_secs_f64())
     }
 
@@ -715,7 +712,7 @@ impl Run<'_> {
         let mut sft_opt = None;
         if stage.kind == StageKind::Sft {
             let mut o = Optimizer::new(
-                &self.model.params,
+                &self.policy.model()?.params,
                 Default::default(),
                 lr_schedule(
                     stage.sft.lr,
@@ -737,10 +734,7 @@ impl Run<'_> {
         };
         // A stage's optimiser is new (or restored from its checkpoint): the device's moments
         // start from it.
-        if let Some(dev) = self.device.as_mut() {
-            dev.reset_optimizer();
-            dev.zero_grads();
-        }
+        self.policy.reset_optimizer();
         if stage.kind == StageKind::Eval {
             let (acc, reward) = self.evaluate(&eval_set, &stage.reward, eval_tokens)?;
             let m: Metrics = [
@@ -753,12 +747,9 @@ impl Run<'_> {
             self.progress(format!("[{}] eval accuracy {:.3}", stage.id, acc), true)?;
         } else {
             let started = Instant::now();
-            let mut grads = self.model.params.zeros_like();
             for step in resume_step + 1..=total {
                 let mut m = match (&mut sft_opt, &mut rl) {
-                    (Some(opt), _) => {
-                        self.sft_step(stage, &source, step, opt, &mut grads, &exclude)?
-                    }
+                    (Some(opt), _) => self.sft_step(stage, &source, step, opt, &exclude)?,
                     (None, Some(rl)) => self.rl_step(stage, &source, step, rl, &exclude)?,
                     (None, None) => unreachable!("sft and rl stages have their state"),
                 };
@@ -797,13 +788,11 @@ impl Run<'_> {
                 let save = stage.trainer.save_freq;
                 let stop = self.opts.stop_requested() && step < total;
                 if stop || (save > 0 && step % save == 0 && step < total) {
-                    if let Some(dev) = &self.device {
-                        if let Some(o) = sft_opt.as_mut() {
-                            dev.sync_optimizer(o)?;
-                        }
-                        if let Some(r) = rl.as_mut() {
-                            dev.sync_optimizer(r.optimizer_mut())?;
-                        }
+                    if let Some(o) = sft_opt.as_mut() {
+                        self.policy.sync_optimizer(o)?;
+                    }
+                    if let Some(r) = rl.as_mut() {
+                        self.policy.sync_optimizer(r.optimizer_mut())?;
                     }
                     self.checkpoint(
                         &stage.id,
@@ -833,58 +822,25 @@ impl Run<'_> {
         data: &crate::workflow::Source,
         step: u64,
         opt: &mut Optimizer,
-        grads: &mut learner::Params,
         exclude: &HashSet<Problem>,
     ) -> Result<Metrics, RunError> {
         let t = Instant::now();
         let bs = stage.sft.batch_size;
         let problems = data.train_batch(self.wf.seed, (step - 1) * bs as u64, bs, exclude);
-        let mut seqs = Vec::with_capacity(bs);
-        let mut answer_lens = Vec::with_capacity(bs);
-        for p in &problems {
-            let (mut prompt, answer) = self.encode(p)?;
-            answer_lens.push((prompt.len(), answer.len()));
-            prompt.extend(answer);
-            seqs.push(prompt);
-        }
-        let refs: Vec<&[u32]> = seqs.iter().map(|s| s.as_slice()).collect();
-        let batch = Batch::padded(&refs);
-        let count: usize = answer_lens.iter().map(|a| a.1).sum();
-        let mut d_logp = vec![0.0; batch.len()];
-        for (r, &(plen, alen)) in answer_lens.iter().enumerate() {
-            d_logp[r * batch.seq + plen - 1..r * batch.seq + plen - 1 + alen]
-                .fill(-1.0 / count as f32);
-        }
-        let zeros = vec![0.0; batch.len()];
-        let (scores, report) = match self.device.as_mut() {
-            Some(dev) => {
-                let scores = dev.backward(&batch, 1.0, &d_logp, &zeros)?;
-                let report = dev.step(opt)?;
-                dev.read_params(&mut self.model.params)?;
-                (scores, report)
-            }
-            None => {
-                let (scores, tape) = self.model.forward(&batch, 1.0)?;
-                self.model.backward(tape, &d_logp, &zeros, grads);
-                let report = opt.step(&mut self.model.params, grads);
-                grads.fill_zero();
-                (scores, report)
-            }
-        };
-        let loss: f64 = d_logp
+        let examples = problems
             .iter()
-            .zip(&scores.logp)
-            .map(|(g, l)| (g * l) as f64)
-            .sum();
+            .map(|p| self.encode(p))
+            .collect::<Result<Vec<_>, RunError>>()?;
+        let out = learner::algo::sft::step(&mut *self.policy, opt, &examples)?;
         let sync = self.sync_weights()?;
         let secs = t.elapsed().as_secs_f64();
         Ok([
-            ("sft/loss".to_string(), loss),
-            ("actor/grad_norm".into(), report.grad_norm),
-            ("actor/lr".into(), report.lr as f64),
+            ("sft/loss".to_string(), out.loss),
+            ("actor/grad_norm".into(), out.report.grad_norm),
+            ("actor/lr".into(), out.report.lr as f64),
             ("timing_s/step".into(), secs),
             ("timing_s/sync".into(), sync),
-            ("perf/throughput".into(), batch.len() as f64 / secs),
+            ("perf/throughput".into(), out.positions as f64 / secs),
         ]
         .into())
     }

@@ -1,0 +1,83 @@
+//! The native training engine: the model's eager forward with its tape, backward into host
+//! gradient buffers, AdamW on the host.
+
+use super::TrainEngine;
+use crate::error::{Error, Result};
+use crate::model::{Batch, Model, Scores, Tape};
+use crate::optim::{Optimizer, StepReport};
+use crate::params::Params;
+
+/// A model trained on the CPU kernels.
+pub struct NativeTrainer {
+    model: Model,
+    grads: Params,
+    tape: Option<Tape>,
+}
+
+impl NativeTrainer {
+    /// Trains `model` in place.
+    pub fn new(model: Model) -> Self {
+        Self {
+            grads: model.params.zeros_like(),
+            model,
+            tape: None,
+        }
+    }
+}
+
+impl TrainEngine for NativeTrainer {
+    fn score(&self, b: &Batch, temperature: f32) -> Result<Scores> {
+        self.model.score(b, temperature)
+    }
+
+    fn forward(&mut self, b: &Batch, temperature: f32) -> Result<Scores> {
+        let (scores, tape) = self.model.forward(b, temperature)?;
+        self.tape = Some(tape);
+        Ok(scores)
+    }
+
+    fn backward(&mut self, d_logp: &[f32], d_entropy: &[f32]) -> Result<()> {
+        let tape = self
+            .tape
+            .take()
+            .ok_or_else(|| Error::Batch("backward without a forward".into()))?;
+        self.model
+            .backward(tape, d_logp, d_entropy, &mut self.grads);
+        Ok(())
+    }
+
+    fn forward_backward(
+        &mut self,
+        b: &Batch,
+        temperature: f32,
+        d_logp: &[f32],
+        d_entropy: &[f32],
+    ) -> Result<Scores> {
+        let scores = self.forward(b, temperature)?;
+        self.backward(d_logp, d_entropy)?;
+        Ok(scores)
+    }
+
+    fn step(&mut self, opt: &mut Optimizer) -> Result<StepReport> {
+        let report = opt.step(&mut self.model.params, &mut self.grads);
+        self.grads.fill_zero();
+        Ok(report)
+    }
+
+    fn model(&mut self) -> Result<&Model> {
+        Ok(&self.model)
+    }
+
+    fn reset_optimizer(&mut self) {
+        self.tape = None;
+        self.grads.fill_zero();
+    }
+
+    fn sync_optimizer(&self, _opt: &mut Optimizer) -> Result<()> {
+        Ok(())
+    }
+
+    fn describe(&self) -> String {
+        "cpu (native)".into()
+    }
+}
