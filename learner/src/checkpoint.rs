@@ -72,34 +72,45 @@ impl Checkpoint {
 
     /// Writes the checkpoint (and `optimizer`'s state, when given) to `dir`, atomically.
     pub fn save(&self, dir: &Path, optimizer: Option<&Optimizer>) -> Result<()> {
-        let tmp = sibling(dir, ".tmp");
-        if tmp.exists() {
-            std::fs::remove_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
-        }
-        std::fs::create_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
-        let cfg = tmp.join("config.json");
-        let text = serde_json::to_string_pretty(&self.model.config.to_hf_json())
-            .expect("JSON value serialises");
-        std::fs::write(&cfg, text).map_err(|e| Error::io(&cfg, e))?;
-        self.model.params.save(&tmp.join("model.safetensors"))?;
-        for (name, bytes) in &self.assets {
-            let p = tmp.join(name);
-            std::fs::write(&p, bytes).map_err(|e| Error::io(&p, e))?;
-        }
-        if let Some(opt) = optimizer {
-            opt.save(&tmp.join("optimizer"))?;
-        }
-        if dir.exists() {
-            let old = sibling(dir, ".old");
-            let _ = std::fs::remove_dir_all(&old);
-            std::fs::rename(dir, &old).map_err(|e| Error::io(dir, e))?;
-            std::fs::rename(&tmp, dir).map_err(|e| Error::io(dir, e))?;
-            std::fs::remove_dir_all(&old).map_err(|e| Error::io(&old, e))?;
-        } else {
-            std::fs::rename(&tmp, dir).map_err(|e| Error::io(dir, e))?;
-        }
-        Ok(())
+        save(&self.model, &self.assets, dir, optimizer)
     }
+}
+
+/// Writes `model` with its side files `assets` (and `optimizer`'s state, when given) to `dir`
+/// as a checkpoint folder, atomically.
+pub fn save(
+    model: &Model,
+    assets: &[(String, Vec<u8>)],
+    dir: &Path,
+    optimizer: Option<&Optimizer>,
+) -> Result<()> {
+    let tmp = sibling(dir, ".tmp");
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
+    }
+    std::fs::create_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
+    let cfg = tmp.join("config.json");
+    let text =
+        serde_json::to_string_pretty(&model.config.to_hf_json()).expect("JSON value serialises");
+    std::fs::write(&cfg, text).map_err(|e| Error::io(&cfg, e))?;
+    model.params.save(&tmp.join("model.safetensors"))?;
+    for (name, bytes) in assets {
+        let p = tmp.join(name);
+        std::fs::write(&p, bytes).map_err(|e| Error::io(&p, e))?;
+    }
+    if let Some(opt) = optimizer {
+        opt.save(&tmp.join("optimizer"))?;
+    }
+    if dir.exists() {
+        let old = sibling(dir, ".old");
+        let _ = std::fs::remove_dir_all(&old);
+        std::fs::rename(dir, &old).map_err(|e| Error::io(dir, e))?;
+        std::fs::rename(&tmp, dir).map_err(|e| Error::io(dir, e))?;
+        std::fs::remove_dir_all(&old).map_err(|e| Error::io(&old, e))?;
+    } else {
+        std::fs::rename(&tmp, dir).map_err(|e| Error::io(dir, e))?;
+    }
+    Ok(())
 }
 
 fn sibling(dir: &Path, suffix: &str) -> PathBuf {

@@ -136,11 +136,10 @@ impl Critic {
         self.head.save_prefixed(&dir.join(HEAD_FILE), "")
     }
 
-    /// Reads what [`Critic::save`] wrote, for a trunk shaped like `like`.
-    pub fn load(dir: &Path, like: &Model) -> Result<Self> {
-        let model = Model::load_weights(like.config.clone(), dir)?;
-        let head =
-            crate::params::load_file(&dir.join(HEAD_FILE), &head_specs(like.config.hidden_size))?;
+    /// Reads what [`Critic::save`] wrote, for a trunk of `config`.
+    pub fn load(dir: &Path, config: &crate::ModelConfig) -> Result<Self> {
+        let model = Model::load_weights(config.clone(), dir)?;
+        let head = crate::params::load_file(&dir.join(HEAD_FILE), &head_specs(config.hidden_size))?;
         Ok(Self { model, head })
     }
 }
@@ -246,7 +245,7 @@ mod tests {
         assert!(last < 0.2 * first, "value MSE {first} → {last}");
         let dir = std::env::temp_dir().join(format!("trellis-critic-{}", std::process::id()));
         c.save(&dir).unwrap();
-        let back = Critic::load(&dir, &c.model).unwrap();
+        let back = Critic::load(&dir, &c.model.config).unwrap();
         assert_eq!(back.values(&b).unwrap(), c.values(&b).unwrap());
         std::fs::remove_dir_all(&dir).unwrap();
     }

@@ -4,6 +4,7 @@ use crate::error::{Error, Result};
 use std::path::{Path, PathBuf};
 
 /// A loaded tokenizer.
+#[derive(Clone)]
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     path: PathBuf,

@@ -1,25 +1,22 @@
-//! The orchestrator: turns a workflow into work on actor pools and keeps the record of it.
+//! The orchestrator: turns a workflow into work on roles and actor pools, and keeps the record
+//! of it.
 //!
-//! Owns (as it grows): workflow YAML → DAG, the per-algorithm RL step graph, the executor, the
-//! job manager and its durable store, the gRPC job API server, the `trellis` CLI, metrics and
-//! plots, the rollout pool and its router, and `trellis engine serve` (the native engine behind
-//! vLLM's HTTP routes, `engine_server`).
+//! Layers, each using only those above it in this list: [`plan`] (a workflow parsed once into
+//! types, checked before anything runs); [`roles`] (what the executor may ask of the models),
+//! [`kinds`] and [`pools`] (actors that host engines, and the pools that place, supervise and
+//! route to them); [`record`] (the run's sinks); [`exec`] (runs a plan's stages against roles);
+//! [`jobs`] (the store, the one job lifecycle, the server's queue).
 //!
-//! Never: touches tensor contents in job control (tensors move through the actors' data plane
-//! and the weight folders), or speaks an external engine's API itself (the `rollout` adapters
-//! do).
+//! Never: prints (a sink of the binary does), parses command lines or serves HTTP (the
+//! `trellis` binary does), touches tensor contents in job control (tensors move through the
+//! actors' data plane and the weight folders), or speaks an external engine's API itself (the
+//! `rollout` adapters do).
 
 pub mod chat;
-pub mod client;
-pub mod doctor;
-pub mod engine_bench;
-pub mod engine_server;
-pub mod graph;
-pub mod plot;
-pub mod pool;
-mod rl;
-pub mod server;
-pub mod store;
-pub mod tensorboard;
-pub mod train;
-pub mod workflow;
+pub mod exec;
+pub mod jobs;
+pub mod kinds;
+pub mod plan;
+pub mod pools;
+pub mod record;
+pub mod roles;

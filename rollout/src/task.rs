@@ -246,6 +246,53 @@ impl Dataset {
     }
 }
 
+/// Where a stage's problems come from: the arithmetic task, or a dataset read once.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Source {
+    /// The built-in arithmetic task.
+    Arith(ArithTask),
+    /// A JSON-lines or Parquet dataset.
+    Dataset(Dataset),
+}
+
+impl Source {
+    /// The held-out problems (`size` of them for `arith`; a dataset's split decided its own).
+    pub fn eval_set(&self, seed: u64, size: usize) -> Vec<Problem> {
+        match self {
+            Source::Arith(a) => a.eval_set(seed, size),
+            Source::Dataset(d) => d.eval.clone(),
+        }
+    }
+
+    /// Training problems `start..start+count` (never one of `exclude`, for `arith`; a dataset's
+    /// split keeps its eval rows out by construction).
+    pub fn train_batch(
+        &self,
+        seed: u64,
+        start: u64,
+        count: usize,
+        exclude: &HashSet<Problem>,
+    ) -> Vec<Problem> {
+        match self {
+            Source::Arith(a) => a.train_batch(seed, start, count, exclude),
+            Source::Dataset(d) => d.train_batch(seed, start, count),
+        }
+    }
+
+    /// Whether answers are short arithmetic results (eval then needs only a few tokens).
+    pub fn is_arith(&self) -> bool {
+        matches!(self, Source::Arith(_))
+    }
+
+    /// Training rows of a dataset (`None`: an endless stream).
+    pub fn train_rows(&self) -> Option<usize> {
+        match self {
+            Source::Arith(_) => None,
+            Source::Dataset(d) => Some(d.train.len()),
+        }
+    }
+}
+
 /// Tokens of the `builtin:arith` tokenizer, by id.
 pub const ARITH_VOCAB: &[&str] = &[
     "<pad>", "<eos>", "0", "1", "2", "3", "4", "5", "6", "7", "8", "9", "+", "-", "*", "=", " ",

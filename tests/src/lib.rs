@@ -9,7 +9,7 @@ use std::sync::OnceLock;
 
 /// Path to the `trellis` binary built from this workspace's current sources.
 ///
-/// Under cargo, the first call in a test process runs `cargo build -p orchestrator --bin
+/// Under cargo, the first call in a test process runs `cargo build -p trellis --bin
 /// trellis` with the test's profile (a no-op when it is fresh), so `cargo test -p tests` never
 /// runs a stale binary.
 pub fn trellis_bin() -> PathBuf {
@@ -24,7 +24,7 @@ pub fn trellis_bin() -> PathBuf {
         let bin = profile_dir.join(format!("trellis{}", std::env::consts::EXE_SUFFIX));
         if let Ok(cargo) = std::env::var("CARGO") {
             let mut cmd = Command::new(cargo);
-            cmd.args(["build", "--quiet", "-p", "orchestrator", "--bin", "trellis"]);
+            cmd.args(["build", "--quiet", "-p", "trellis", "--bin", "trellis"]);
             // Cargo sets these for the running test; build scripts that track them (ring's
             // tracks CARGO_MANIFEST_DIR) would see a change and rebuild half the graph, and the
             // next plain `cargo build` would rebuild it back.
@@ -56,7 +56,7 @@ pub fn trellis_bin() -> PathBuf {
         }
         assert!(
             bin.exists(),
-            "{} is missing: run `cargo build -p orchestrator`",
+            "{} is missing: run `cargo build -p trellis`",
             bin.display()
         );
         bin

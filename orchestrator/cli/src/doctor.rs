@@ -212,82 +212,14 @@ fn open_files() -> Check {
     )
 }
 
-/// Where pip puts PJRT plugins, relative to a site-packages folder.
-const PLUGIN_PATHS: [&str; 4] = [
-    "libtpu/libtpu.so",
-    "jax_plugins/xla_cuda12/xla_cuda_plugin.so",
-    "jax_plugins/xla_cuda13/xla_cuda_plugin.so",
-    "xla_plugins/xla_cpu_pjrt/xla_cpu_pjrt.so",
-];
-
-/// site-packages folders of the Pythons this host likely uses.
-fn site_packages() -> Vec<PathBuf> {
-    let mut roots: Vec<PathBuf> = ["/usr/lib", "/usr/local/lib", "/opt/conda/lib"]
-        .iter()
-        .map(PathBuf::from)
-        .collect();
-    for var in ["VIRTUAL_ENV", "CONDA_PREFIX"] {
-        if let Some(v) = std::env::var_os(var) {
-            roots.push(PathBuf::from(v).join("lib"));
-        }
-    }
-    if let Some(home) = std::env::var_os("HOME") {
-        roots.push(PathBuf::from(home).join(".local/lib"));
-    }
-    let mut out = Vec::new();
-    for root in roots {
-        let Ok(entries) = std::fs::read_dir(&root) else {
-            continue;
-        };
-        for e in entries.flatten() {
-            let name = e.file_name().to_string_lossy().into_owned();
-            if name.starts_with("python3") {
-                for sub in ["site-packages", "dist-packages"] {
-                    let p = e.path().join(sub);
-                    if p.is_dir() {
-                        out.push(p);
-                    }
-                }
-            }
-        }
-    }
-    out
-}
-
-/// The PJRT plugin for pools on `device` (`cpu`, `gpu`, `tpu`): `TRELLIS_PJRT_PLUGIN`, else
-/// the one pip installed for that device (for `cpu` also the wheel `.ci/run` unpacks under
-/// `target/pjrt`).
-pub fn find_plugin(device: &str) -> Option<PathBuf> {
-    if let Some(p) = std::env::var_os("TRELLIS_PJRT_PLUGIN") {
-        return Some(PathBuf::from(p));
-    }
-    let wanted: &[&str] = match device {
-        "tpu" => &PLUGIN_PATHS[..1],
-        "gpu" => &PLUGIN_PATHS[1..3],
-        _ => &PLUGIN_PATHS[3..],
-    };
-    if device == "cpu"
-        && let Some(p) = libtpu_sys::pjrt::cpu_plugin_path()
-    {
-        return Some(p);
-    }
-    site_packages()
-        .iter()
-        .flat_map(|site| wanted.iter().map(move |rel| site.join(rel)))
-        .find(|p| p.is_file())
-}
-
 fn plugins(extra: &[PathBuf]) -> Vec<Check> {
     let mut paths: Vec<PathBuf> = extra.to_vec();
     if let Some(p) = std::env::var_os("TRELLIS_PJRT_PLUGIN") {
         paths.push(PathBuf::from(p));
     }
-    for site in site_packages() {
-        for rel in PLUGIN_PATHS {
-            let p = site.join(rel);
-            if p.is_file() && !paths.contains(&p) {
-                paths.push(p);
-            }
+    for p in libtpu_sys::locate::installed() {
+        if !paths.contains(&p) {
+            paths.push(p);
         }
     }
     if paths.is_empty() {
@@ -296,7 +228,7 @@ fn plugins(extra: &[PathBuf]) -> Vec<Check> {
             Level::Info,
             "none found (needed only for `engine: pjrt`)".into(),
             Some(
-                "pip install libtpu (TPU), jax-cuda12-pjrt (GPU) or xla-cpu-pjrt (CPU), or pass --pjrt PATH",
+                "pip install libtpu (TPU), jax-cuda13-pjrt or jax-cuda12-pjrt (GPU), or xla-cpu-pjrt (CPU), or pass --pjrt PATH",
             ),
         )];
     }

@@ -5,7 +5,7 @@
 //!
 //! Owns: the workload and the report. Never: asserts a time (figures are for the note).
 
-use crate::engine_server::{EngineServeOptions, ModelSource, serve};
+use engine_serve::{EngineServeOptions, ModelSource, serve};
 use learner::Model;
 use learner::checkpoint::Checkpoint;
 use learner::snapshot::WeightSnapshot;

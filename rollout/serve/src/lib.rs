@@ -1,4 +1,5 @@
-//! `trellis engine serve`: the native engine behind vLLM's HTTP routes and JSON shapes (and
+//! The engine server (`trellis engine serve`): the native engine behind vLLM's HTTP routes and
+//! JSON shapes (and
 //! SGLang's), so any OpenAI-compatible client can use it and Trellis's own `vllm` and `sglang`
 //! adapters are tested against a real server process.
 //!
@@ -47,9 +48,20 @@ const MAX_BODY: usize = 16 << 20;
 pub enum ModelSource {
     /// A checkpoint folder (its tokenizer.json, when present, serves text prompts).
     Checkpoint(PathBuf),
-    /// The model a workflow starts from (`model.path`, or `model.init` with seeded weights)
-    /// and its tokenizer: the shape a run of that workflow pushes its weights into.
-    Recipe(PathBuf),
+    /// A model in memory (e.g. the one a workflow starts from, the shape a run of that workflow
+    /// pushes its weights into).
+    Loaded(Box<Loaded>),
+}
+
+/// A model in memory, its tokenizer, and what to call it.
+#[derive(Clone, Debug)]
+pub struct Loaded {
+    /// The model.
+    pub model: Model,
+    /// Its tokenizer (serves text prompts).
+    pub tokenizer: Option<Tokenizer>,
+    /// Its name (the default model id).
+    pub name: String,
 }
 
 /// How `trellis engine serve` starts.
@@ -77,9 +89,6 @@ pub enum EngineServeError {
     /// The checkpoint does not load.
     #[error(transparent)]
     Model(#[from] learner::Error),
-    /// The recipe does not load or its model cannot be built.
-    #[error("{0}")]
-    Recipe(String),
     /// The address cannot be bound.
     #[error("cannot listen on {0}: {1}")]
     Listen(SocketAddr, std::io::Error),
@@ -125,13 +134,7 @@ pub async fn serve(
             let tokenizer = ckpt.tokenizer().transpose()?;
             (ckpt.model, tokenizer, dir.display().to_string())
         }
-        ModelSource::Recipe(file) => {
-            let wf = crate::workflow::load(file, &[])
-                .map_err(|e| EngineServeError::Recipe(e.to_string()))?;
-            let (model, tokenizer) = crate::train::recipe_model(&wf)
-                .map_err(|e| EngineServeError::Recipe(format!("{}: {e}", file.display())))?;
-            (model, Some(tokenizer), wf.name.clone())
-        }
+        ModelSource::Loaded(m) => (m.model.clone(), m.tokenizer.clone(), m.name.clone()),
     };
     let config = model.config.clone();
     let current = Arc::new(model.params.clone());

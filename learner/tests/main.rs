@@ -1,0 +1,7 @@
+//! The learner's integration tests, one binary with a module per area: parity with
+//! `transformers` on the fixture, refused checkpoints, and the `pjrt` engine on the XLA CPU
+//! plugin.
+
+mod bad_checkpoints;
+mod parity;
+mod pjrt;

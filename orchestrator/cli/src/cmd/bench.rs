@@ -1,0 +1,307 @@
+//! `trellis bench`: the actor runtime, a training step, the native engine, external engines.
+
+use super::runtime;
+use anyhow::{Context, Result, bail};
+use learner::bench;
+use learner::checkpoint::Checkpoint;
+use std::path::PathBuf;
+
+#[derive(Debug, clap::Subcommand)]
+pub enum BenchCommand {
+    /// The actor runtime: local and remote call round trips (p50/p99), remote calls/s with many
+    /// in flight, and weight snapshot GB/s in-process, through shared memory and over gRPC.
+    Actors {
+        /// Snapshot size in MiB.
+        #[arg(long, default_value_t = 1024)]
+        snapshot_mib: usize,
+        /// Sequential calls timed for the percentiles.
+        #[arg(long, default_value_t = 20_000)]
+        calls: usize,
+        /// Concurrent callers for calls/s.
+        #[arg(long, default_value_t = 256)]
+        in_flight: usize,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// One training step of the reference model: tokens/s, GFLOP/s, MFU, GEMM rate, peak RSS.
+    Train {
+        /// Rows per step.
+        #[arg(long, default_value_t = 8)]
+        batch: usize,
+        /// Tokens per row.
+        #[arg(long, default_value_t = 256)]
+        seq: usize,
+        /// Timed steps (after one warm-up).
+        #[arg(long, default_value_t = 5)]
+        steps: usize,
+        /// `native`, or `pjrt`: also the same step on a PJRT plugin, in the same run.
+        #[arg(long, default_value = "native")]
+        engine: String,
+        /// The PJRT plugin for `--engine pjrt` (default: TRELLIS_PJRT_PLUGIN, else the XLA CPU
+        /// plugin pip installed).
+        #[arg(long)]
+        plugin: Option<PathBuf>,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// The native engine: prefill and decode tokens/s (batch 1, 16, 64), MFU, the bandwidth
+    /// bound, and the cost of n = 8 samples against one.
+    Generate {
+        /// Benchmark this checkpoint instead of the reference model.
+        #[arg(long)]
+        model: Option<PathBuf>,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// External engines: generation through `trellis engine serve` (the vLLM adapter over
+    /// loopback HTTP) against the same engine in-process, and weight pushes through folders.
+    Engines {
+        /// Benchmark this checkpoint instead of the reference model.
+        #[arg(long)]
+        model: Option<PathBuf>,
+        /// Timed repeats (the median is reported).
+        #[arg(long, default_value_t = 3)]
+        repeats: usize,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+impl BenchCommand {
+    pub fn run(self) -> Result<()> {
+        match self {
+            BenchCommand::Actors {
+                snapshot_mib,
+                calls,
+                in_flight,
+                json,
+            } => bench_actors(snapshot_mib, calls, in_flight, json),
+            BenchCommand::Train {
+                batch,
+                seq,
+                steps,
+                engine,
+                plugin,
+                json,
+            } => bench_train(batch, seq, steps, &engine, plugin, json),
+            BenchCommand::Generate { model, json } => bench_generate(model, json),
+            BenchCommand::Engines {
+                model,
+                repeats,
+                json,
+            } => bench_engines(model, repeats, json),
+        }
+    }
+}
+
+fn bench_train(
+    batch: usize,
+    seq: usize,
+    steps: usize,
+    engine: &str,
+    plugin: Option<PathBuf>,
+    json: bool,
+) -> Result<()> {
+    if batch == 0 || seq < 2 || steps == 0 {
+        bail!("--batch and --steps must be positive and --seq at least 2");
+    }
+    let client = match engine {
+        "native" => None,
+        "pjrt" => {
+            let path = plugin
+                .or_else(|| libtpu_sys::locate::find_plugin(libtpu_sys::locate::Device::Cpu))
+                .context("--engine pjrt needs a PJRT plugin: pass --plugin PATH, set TRELLIS_PJRT_PLUGIN, or `pip install xla-cpu-pjrt`")?;
+            Some(
+                libtpu_sys::pjrt::Client::open(&path)
+                    .with_context(|| format!("--plugin {}", path.display()))?,
+            )
+        }
+        other => bail!("--engine `{other}`: expected native or pjrt"),
+    };
+    let opts = bench::TrainBenchOptions {
+        batch,
+        seq,
+        steps,
+        ..Default::default()
+    };
+    let r = bench::train_bench(&opts, client)?;
+    if json {
+        println!("{}", serde_json::to_string(&r)?);
+        return Ok(());
+    }
+    println!(
+        "train step, reference model ({:.1}M params), batch {batch} × seq {seq}, {} threads",
+        r.params as f64 / 1e6,
+        r.threads
+    );
+    println!(
+        "  step time (median of {steps}) {:.3} s",
+        r.step_seconds_median
+    );
+    println!("  tokens/s                   {:.0}", r.tokens_per_second);
+    println!(
+        "  achieved                   {:.1} GFLOP/s ({:.1} GFLOP per step)",
+        r.achieved_gflops, r.model_gflops_per_step
+    );
+    println!(
+        "  f32 FMA peak (measured)    {:.1} GFLOP/s",
+        r.peak_fma_gflops
+    );
+    println!("  MFU                        {:.1}%", 100.0 * r.mfu);
+    println!(
+        "  GEMM 1024³                 {:.1} GFLOP/s ({:.1}% of peak)",
+        r.gemm_1024_gflops,
+        100.0 * r.gemm_fraction_of_peak
+    );
+    println!("  peak RSS                   {:.0} MiB", r.peak_rss_mib);
+    if let Some(p) = &r.pjrt {
+        println!("pjrt engine ({}), same step, same run", p.platform);
+        println!("  compile (first step)       {:.1} s", p.compile_seconds);
+        println!(
+            "  step time (median of {steps}) {:.3} s ({:.2}× native)",
+            p.step_seconds_median, p.speedup_vs_native
+        );
+        println!("  tokens/s                   {:.0}", p.tokens_per_second);
+        println!(
+            "  achieved                   {:.1} GFLOP/s ({:.1}% of the host's FMA peak)",
+            p.achieved_gflops,
+            100.0 * p.mfu_vs_host_peak
+        );
+    }
+    Ok(())
+}
+
+fn bench_generate(model: Option<PathBuf>, json: bool) -> Result<()> {
+    let model = match model {
+        Some(dir) => Checkpoint::load(&dir)?.model,
+        None => learner::Model::init(bench::reference_config(), 0),
+    };
+    let r = rollout::bench::generate_bench(model, &[1, 16, 64]);
+    if json {
+        println!("{}", serde_json::to_string(&r)?);
+        return Ok(());
+    }
+    println!(
+        "native generation, {:.1}M params, {} threads",
+        r.params as f64 / 1e6,
+        r.threads
+    );
+    println!(
+        "  prefill                      {:.0} tokens/s (one {}-token prompt)",
+        r.prefill_tokens_per_second, r.prefill_prompt_tokens
+    );
+    println!(
+        "  prefill 16 × 64 together     {:.0} tokens/s ({:.0} one prompt per pass)",
+        r.prefill_16x64_tokens_per_second, r.prefill_16x64_apart_tokens_per_second
+    );
+    for d in &r.decode {
+        println!(
+            "  decode batch {:<3}             {:.0} tokens/s ({:.1} GFLOP/s, MFU {:.1}%)",
+            d.batch,
+            d.tokens_per_second,
+            d.achieved_gflops,
+            100.0 * d.mfu
+        );
+    }
+    println!(
+        "  weight read bandwidth        {:.1} GB/s",
+        r.memory_bandwidth_gbps
+    );
+    println!(
+        "  batch-1 bound                {:.0} tokens/s ({:.0} MB of weights per token)",
+        r.batch1_bandwidth_bound_tokens_per_second,
+        r.weight_bytes_per_token / 1e6
+    );
+    println!(
+        "  batch 1 / bound              {:.1}%",
+        100.0 * r.batch1_fraction_of_bandwidth_bound
+    );
+    println!(
+        "  n=8 time / n=1 time          {:.2} (prefill tokens for n=8: {})",
+        r.n8_over_n1_time, r.n8_prefill_tokens
+    );
+    Ok(())
+}
+
+fn bench_engines(model: Option<PathBuf>, repeats: usize, json: bool) -> Result<()> {
+    let model = match model {
+        Some(dir) => Checkpoint::load(&dir)?.model,
+        None => learner::Model::init(bench::reference_config(), 0),
+    };
+    let r = crate::engine_bench::run(model, repeats.max(1))?;
+    if json {
+        println!("{}", serde_json::to_string(&r)?);
+        return Ok(());
+    }
+    println!(
+        "external engines, {:.1}M params; {} prompts x {} samples x {} tokens",
+        r.params as f64 / 1e6,
+        r.prompts,
+        r.samples_per_prompt,
+        r.tokens_per_sample
+    );
+    println!(
+        "  generation in-process        {:.0} tokens/s",
+        r.in_process_tokens_per_second
+    );
+    println!(
+        "  generation over HTTP         {:.0} tokens/s ({:.2}x in-process)",
+        r.http_tokens_per_second, r.http_over_in_process
+    );
+    println!(
+        "  weight push                  {:.3} s for {:.0} MB: folder write {:.2} GB/s, reload {:.2} GB/s",
+        r.push_seconds,
+        r.weight_bytes as f64 / 1e6,
+        r.folder_write_gbps,
+        r.reload_gbps
+    );
+    Ok(())
+}
+
+fn bench_actors(snapshot_mib: usize, calls: usize, in_flight: usize, json: bool) -> Result<()> {
+    let options = actors::bench::BenchOptions {
+        exe: std::env::current_exe().context("cannot find the trellis executable")?,
+        calls,
+        in_flight,
+        throughput_for: std::time::Duration::from_secs(3),
+        snapshot_bytes: snapshot_mib << 20,
+        snapshot_repeats: 5,
+    };
+    let repeats = options.snapshot_repeats;
+    // Measured from a task on the runtime's workers, where the orchestrator's callers run
+    // (the rollout pool spawns its calls); a call from outside the runtime adds a thread wake-up
+    // each way.
+    let b = runtime()?.block_on(async move {
+        tokio::spawn(async move { actors::bench::run(&options).await }).await
+    })??;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&b)?);
+        return Ok(());
+    }
+    println!(
+        "local call      p50 {:8.1} µs   p99 {:8.1} µs",
+        b.local_p50_us, b.local_p99_us
+    );
+    println!(
+        "remote call     p50 {:8.1} µs   p99 {:8.1} µs",
+        b.remote_p50_us, b.remote_p99_us
+    );
+    println!(
+        "remote calls/s  {:10.0}   ({} in flight)",
+        b.remote_calls_per_s, b.in_flight
+    );
+    let gib = b.snapshot_bytes as f64 / (1u64 << 30) as f64;
+    println!("snapshot {gib:.2} GiB, GB/s   first push   later pushes (median of {repeats})");
+    for (name, r) in [
+        ("in-process", b.in_process_gbps),
+        ("shared memory", b.shm_gbps),
+        ("gRPC", b.grpc_gbps),
+    ] {
+        println!("  {name:<14} {:10.2}   {:10.2}", r.cold, r.warm);
+    }
+    Ok(())
+}

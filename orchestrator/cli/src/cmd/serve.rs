@@ -1,0 +1,85 @@
+//! `trellis serve`: the head, serving the job API and agent registration on one port.
+
+use super::{runtime, terminated};
+use crate::progress::PlotSink;
+use anyhow::Result;
+use std::path::PathBuf;
+
+/// `trellis serve`.
+#[derive(Debug, clap::Args)]
+pub struct ServeArgs {
+    /// Address to listen on; a non-loopback address requires the token on every call.
+    #[arg(long, default_value = "127.0.0.1:7070")]
+    listen: std::net::SocketAddr,
+    /// Where the job store, the token and the jobs' run directories live.
+    #[arg(long, default_value = "trellis-data")]
+    data_dir: PathBuf,
+    /// Jobs run at once; the others wait in the queue.
+    #[arg(long, default_value_t = 1)]
+    max_running: usize,
+    /// Serve TLS with this PEM certificate chain (with --tls-key).
+    #[arg(long, requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// The certificate's PEM private key.
+    #[arg(long, requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    /// Seconds a job waits for agents that can take its pools.
+    #[arg(long, default_value_t = 120.0)]
+    agent_wait: f64,
+    /// The token of the API and the cluster (default DATA_DIR/token); created, mode 0600,
+    /// when missing.
+    #[arg(long)]
+    token_file: Option<PathBuf>,
+}
+
+impl ServeArgs {
+    /// Prints where it listens, serves until Ctrl-C or SIGTERM (a second one exits at once).
+    pub fn run(self) -> Result<()> {
+        let opts = crate::server::ServeOptions {
+            listen: self.listen,
+            data_dir: self.data_dir,
+            max_running: self.max_running,
+            tls: self.tls_cert.zip(self.tls_key),
+            agent_wait: std::time::Duration::from_secs_f64(self.agent_wait.max(0.0)),
+            token_file: self.token_file,
+        };
+        let rt = runtime()?;
+        let required = crate::server::token_required(&opts.listen);
+        let token_path = opts.data_dir.join("token");
+        let scheme = if opts.tls.is_some() { "https" } else { "http" };
+        // Each job's run directory gets its plot when the job finishes.
+        let sinks: orchestrator::jobs::queue::SinkMaker = Box::new(|_, dir| {
+            vec![Box::new(PlotSink::new(dir.to_path_buf()))
+                as Box<dyn orchestrator::record::Recorder>]
+        });
+        rt.block_on(crate::server::serve(
+            opts,
+            sinks,
+            |address| {
+                // One line a script can read, then how to use it.
+                println!("listening on {scheme}://{address}");
+                eprintln!(
+                    "agents: trellis agent --head {scheme}://{address} --token-file {}",
+                    token_path.display()
+                );
+                if required {
+                    eprintln!(
+                        "clients must pass --token-file {} (the listener is not loopback)",
+                        token_path.display()
+                    );
+                }
+            },
+            async {
+                terminated().await;
+                eprintln!(
+                    "stopping: running jobs checkpoint after their current step (Ctrl-C again to exit now)"
+                );
+                tokio::spawn(async {
+                    terminated().await;
+                    std::process::exit(130);
+                });
+            },
+        ))?;
+        Ok(())
+    }
+}

@@ -1,0 +1,314 @@
+//! A server's job queue: jobs submitted as workflows wait in the store, and run `max_running` at
+//! a time, each on its own thread through the one lifecycle ([`super::run::execute`]), with
+//! their pools on the agents of the server's head. Cancel, resume and shutdown move jobs between
+//! states only while holding the queue's one table of running jobs, so a job never runs twice.
+//!
+//! Restart safety: a job is marked running in the store before it starts; a queue that finds
+//! running jobs at start (its server was killed) queues them again, and they continue from
+//! their last checkpoint.
+//!
+//! Owns: the queue, job control and the job threads. Never: speaks a wire protocol (the
+//! server does), or deletes a job's files.
+
+use super::run::{self, RunOptions, StopFlag, StopReason};
+use super::store::{Job, JobState, Store, StoreError};
+use crate::plan::{Plan, PlanError};
+use crate::pools::{Cluster, ClusterHead};
+use crate::record::Recorder;
+use actors::Head;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::Notify;
+
+/// What the queue refuses.
+#[derive(Debug, thiserror::Error)]
+pub enum QueueError {
+    /// The store.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// A workflow that cannot run (nothing was queued).
+    #[error(transparent)]
+    Plan(#[from] PlanError),
+    /// The server is stopping: nothing new is taken.
+    #[error("the server is stopping")]
+    Stopping,
+    /// A job in a state the call does not apply to.
+    #[error("{0}")]
+    State(String),
+}
+
+/// Extra sinks of each job's record (the server's plot), by job id and run directory.
+pub type SinkMaker = Box<dyn Fn(u64, &Path) -> Vec<Box<dyn Recorder>> + Send + Sync>;
+
+/// How a running job is stopped.
+#[derive(Default)]
+struct Control {
+    stop: Arc<StopFlag>,
+}
+
+/// The job queue and what runs it.
+pub struct Queue {
+    store: Arc<Store>,
+    data_dir: PathBuf,
+    head: Head,
+    agent_wait: Duration,
+    max_running: usize,
+    /// Jobs running now. Held while a job moves between pending, running and cancelled, so the
+    /// scheduler and the API never both move one.
+    running: Mutex<HashMap<u64, Arc<Control>>>,
+    wake: Notify,
+    stopping: AtomicBool,
+    sinks: SinkMaker,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Queue {
+    /// The queue of `store`, its jobs' files under `data_dir/jobs/<id>`, their pools on
+    /// `head`'s agents (waited for up to `agent_wait`). Jobs a killed server left running are
+    /// queued again.
+    pub fn new(
+        store: Arc<Store>,
+        data_dir: &Path,
+        head: Head,
+        agent_wait: Duration,
+        max_running: usize,
+        sinks: SinkMaker,
+    ) -> Result<Arc<Self>, StoreError> {
+        for job in store.jobs()? {
+            if job.state == JobState::Running {
+                store.append_log(
+                    job.id,
+                    "the server stopped while this job ran; continuing from its last checkpoint",
+                )?;
+                store.set_state(job.id, JobState::Pending, None)?;
+            }
+        }
+        Ok(Arc::new(Self {
+            store,
+            data_dir: data_dir.to_path_buf(),
+            head,
+            agent_wait,
+            max_running: max_running.max(1),
+            running: Mutex::new(HashMap::new()),
+            wake: Notify::new(),
+            stopping: AtomicBool::new(false),
+            sinks,
+        }))
+    }
+
+    /// The store.
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    /// The head agents register with.
+    pub fn head(&self) -> &Head {
+        &self.head
+    }
+
+    /// Job `id`'s run directory.
+    pub fn run_dir(&self, id: u64) -> PathBuf {
+        self.data_dir.join("jobs").join(id.to_string())
+    }
+
+    /// Whether job `id` is running and was asked to cancel.
+    pub fn cancel_requested(&self, id: u64) -> bool {
+        lock(&self.running)
+            .get(&id)
+            .is_some_and(|c| c.stop.reason() == Some(StopReason::Cancel))
+    }
+
+    /// Plans `text` (the workflow file `origin`, with `overrides`) and queues it; returns the
+    /// job's id. Planning reads datasets and checkpoints' config: call it off async threads.
+    pub fn submit(
+        &self,
+        text: &str,
+        origin: &str,
+        overrides: &[String],
+    ) -> Result<u64, QueueError> {
+        if self.stopping.load(Ordering::SeqCst) {
+            return Err(QueueError::Stopping);
+        }
+        let plan = crate::plan::parse(text, origin, overrides)?;
+        let spec = serde_json::to_value(&plan.spec)
+            .map_err(|e| QueueError::State(format!("cannot store the workflow: {e}")))?;
+        let id = self.store.create_job(&plan.name, spec, JobState::Pending)?;
+        self.wake.notify_one();
+        tracing::info!(job = id, name = %plan.name, "job submitted");
+        Ok(id)
+    }
+
+    /// Cancels job `id`: a running one stops after its current step (with a checkpoint), a
+    /// pending one at once.
+    pub fn cancel(&self, id: u64) -> Result<(), QueueError> {
+        let running = lock(&self.running);
+        let job = self.store.job(id)?;
+        if let Some(control) = running.get(&id) {
+            control.stop.request(StopReason::Cancel);
+            drop(running);
+            self.store
+                .append_log(id, "cancel requested: stopping after the current step")?;
+        } else if job.state == JobState::Pending {
+            self.store.set_state(
+                id,
+                JobState::Cancelled,
+                Some("cancelled before it ran".into()),
+            )?;
+        } else {
+            return Err(QueueError::State(format!(
+                "job {id} is {}: only a pending or running job can be cancelled",
+                job.state.name()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Queues a failed or cancelled job `id` again, to continue from its last checkpoint.
+    pub fn resume(&self, id: u64) -> Result<(), QueueError> {
+        {
+            let running = lock(&self.running);
+            let job = self.store.job(id)?;
+            match job.state {
+                JobState::Failed | JobState::Cancelled if !running.contains_key(&id) => {
+                    self.store.set_state(id, JobState::Pending, None)?;
+                    self.store
+                        .append_log(id, "resumed: continuing from the last checkpoint")?;
+                }
+                JobState::Succeeded => {
+                    return Err(QueueError::State(format!(
+                        "job {id} has finished: nothing to resume"
+                    )));
+                }
+                s => {
+                    return Err(QueueError::State(format!(
+                        "job {id} is {}: only a failed or cancelled job can be resumed",
+                        if running.contains_key(&id) {
+                            "still running"
+                        } else {
+                            s.name()
+                        }
+                    )));
+                }
+            }
+        }
+        self.wake.notify_one();
+        Ok(())
+    }
+
+    /// Starts pending jobs, oldest first, while slots are free.
+    fn start_pending(self: &Arc<Self>) -> Result<(), StoreError> {
+        let mut running = lock(&self.running);
+        let free = self.max_running.saturating_sub(running.len());
+        if free == 0 {
+            return Ok(());
+        }
+        let pending: Vec<Job> = self
+            .store
+            .jobs()?
+            .into_iter()
+            .filter(|j| j.state == JobState::Pending && !running.contains_key(&j.id))
+            .take(free)
+            .collect();
+        for job in pending {
+            let id = job.id;
+            self.store.set_state(id, JobState::Running, None)?;
+            let control = Arc::new(Control::default());
+            running.insert(id, control.clone());
+            let queue = self.clone();
+            let spawned = std::thread::Builder::new()
+                .name(format!("job-{id}"))
+                .spawn(move || queue.run(job, &control));
+            if let Err(e) = spawned {
+                running.remove(&id);
+                let why = format!("cannot start a thread for the job: {e}");
+                self.store.set_state(id, JobState::Failed, Some(why))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs one job on this thread; the lifecycle records how it ended.
+    fn run(self: &Arc<Self>, job: Job, control: &Control) {
+        let id = job.id;
+        let dir = self.run_dir(id);
+        let opts = RunOptions {
+            cluster: Some(Cluster {
+                head: ClusterHead::Shared(self.head.clone()),
+                wait: self.agent_wait,
+            }),
+            stop: Some(control.stop.clone()),
+            log_to_store: true,
+            resume_hint: Some(format!("trellis resume {id}")),
+            sinks: (self.sinks)(id, &dir),
+        };
+        let planned: Result<Plan, run::JobError> = run::replan(&self.store, &job).and_then(|p| {
+            std::fs::create_dir_all(&dir).map_err(|source| run::JobError::Io {
+                path: dir.clone(),
+                source,
+            })?;
+            Ok(p)
+        });
+        let outcome = match planned {
+            Ok(plan) => run::execute(&plan, &dir, &self.store, id, None, opts),
+            Err(e) => {
+                let outcome = run::Outcome::Failed(e);
+                let recorded = self
+                    .store
+                    .append_log(
+                        id,
+                        &format!("job {id} failed: {}", outcome.error().unwrap_or_default()),
+                    )
+                    .and_then(|_| {
+                        self.store
+                            .set_state(id, outcome.state(), outcome.error())
+                            .map(|_| ())
+                    });
+                if let Err(e) = recorded {
+                    tracing::error!(job = id, "cannot record how the job ended: {e}");
+                }
+                outcome
+            }
+        };
+        tracing::info!(job = id, state = outcome.state().name(), "job ended");
+        lock(&self.running).remove(&id);
+        self.wake.notify_one();
+    }
+
+    /// Starts queued jobs whenever something may have freed a slot or queued a job, until
+    /// [`Queue::stop`].
+    pub async fn schedule(self: Arc<Self>) {
+        while !self.stopping.load(Ordering::SeqCst) {
+            if let Err(e) = self.start_pending() {
+                tracing::error!("cannot start queued jobs: {e}");
+            }
+            tokio::select! {
+                _ = self.wake.notified() => {}
+                _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+            }
+        }
+    }
+
+    /// Takes no new jobs and asks the running ones to stop after their current step (they stay
+    /// queued, to continue at the next start); returns once they have.
+    pub async fn stop(&self) {
+        self.stopping.store(true, Ordering::SeqCst);
+        self.wake.notify_one();
+        for control in lock(&self.running).values() {
+            control.stop.request(StopReason::Preempt);
+        }
+        while !lock(&self.running).is_empty() {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Whether the queue stopped taking jobs.
+    pub fn is_stopping(&self) -> bool {
+        self.stopping.load(Ordering::SeqCst)
+    }
+}

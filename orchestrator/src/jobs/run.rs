@@ -1,0 +1,562 @@
+//! A job's lifecycle, the same for `trellis train`/`resume` and for every job of a server: set
+//! up its record, model, engines and roles from the job's plan and the store's progress, run
+//! the executor, and record how it ended. [`Outcome::state`] is the one place that decides the
+//! state an ending leaves a job in: succeeded; failed (resumable from its last checkpoint);
+//! cancelled by someone (resumable); or stopped because its process was asked to stop or
+//! preempted, which leaves it pending, to continue where it stopped.
+//!
+//! Run directory: `store.redb` (the job store: spec, state, progress, checkpoint index and every
+//! metric row), `workflow.json` (the resolved workflow, for people), `metrics.jsonl` (one object
+//! per step, an export of the store's rows), `tensorboard/`, and `checkpoints/<stage>/step_<N>/`.
+
+use super::store::{CheckpointRecord, Job, JobState, Progress, Store, StoreError};
+use crate::exec::{ExecError, Executor, Prompts, Roles, Summary};
+use crate::plan::{LearnerEngine, ModelSource, Plan, PlanError, RolloutEngine};
+use crate::pools::rollout::{PoolStart, RolloutPool};
+use crate::pools::{Cluster, PoolError};
+use crate::record::tensorboard::EventWriter;
+use crate::record::{Event, JsonlSink, RecordError, Recorder, Records, StoreSink};
+use crate::roles::{LocalPolicy, LocalRoles};
+use learner::Model;
+use learner::checkpoint::Checkpoint;
+use learner::engine::Backend;
+use learner::snapshot::WeightSnapshot;
+use serde::Serialize;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU8, Ordering};
+
+/// Why a job was asked to stop.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StopReason {
+    /// Someone cancelled it (Ctrl-C, `trellis cancel`): it ends cancelled, resumable.
+    Cancel,
+    /// Its process is going away (SIGTERM, a server shutting down, a preemption): it stays
+    /// pending, to continue where it stopped.
+    Preempt,
+}
+
+/// A stop request, set once and read after every step.
+#[derive(Debug, Default)]
+pub struct StopFlag(AtomicU8);
+
+impl StopFlag {
+    /// A flag with no request.
+    pub const fn new() -> Self {
+        Self(AtomicU8::new(0))
+    }
+
+    /// Asks the job to stop after its current step (the first reason given stays).
+    /// Async-signal-safe: a signal handler may call it.
+    pub fn request(&self, reason: StopReason) {
+        let v = match reason {
+            StopReason::Cancel => 1,
+            StopReason::Preempt => 2,
+        };
+        let _ = self
+            .0
+            .compare_exchange(0, v, Ordering::SeqCst, Ordering::SeqCst);
+    }
+
+    /// The request, if any.
+    pub fn reason(&self) -> Option<StopReason> {
+        match self.0.load(Ordering::SeqCst) {
+            1 => Some(StopReason::Cancel),
+            2 => Some(StopReason::Preempt),
+            _ => None,
+        }
+    }
+}
+
+static PROCESS: StopFlag = StopFlag::new();
+
+/// Asks every job of this process to stop after its current step (with a checkpoint).
+/// Async-signal-safe.
+pub fn request_stop(reason: StopReason) {
+    PROCESS.request(reason);
+}
+
+/// Whether this process was asked to stop, and why.
+pub fn stop_requested() -> Option<StopReason> {
+    PROCESS.reason()
+}
+
+/// Why a job could not start or did not finish.
+#[derive(Debug, thiserror::Error)]
+pub enum JobError {
+    /// The workflow (a job's stored one, when it is re-planned).
+    #[error(transparent)]
+    Plan(#[from] PlanError),
+    /// The work itself.
+    #[error(transparent)]
+    Exec(#[from] ExecError),
+    /// The rollout engines could not start.
+    #[error(transparent)]
+    Pool(#[from] PoolError),
+    /// The job store.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// The model or its checkpoint.
+    #[error(transparent)]
+    Learner(#[from] learner::Error),
+    /// A sink of the run's record.
+    #[error(transparent)]
+    Record(#[from] RecordError),
+    /// The learner's PJRT device.
+    #[error("pools.learner: {0}")]
+    Device(#[from] libtpu_sys::locate::LocateError),
+    /// The rollout pool's PJRT device.
+    #[error("pools.rollout: {0}")]
+    RolloutDevice(libtpu_sys::locate::LocateError),
+    /// A file of the run directory.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// A run directory that holds no run, or another one.
+    #[error("{0}")]
+    RunDir(String),
+    /// Stopped on request after a step (checkpointed).
+    #[error("{source}: continue with `{resume}`")]
+    Stopped {
+        /// Why.
+        source: ExecError,
+        /// The command that continues the job.
+        resume: String,
+    },
+    /// Stopped on request before its first step, while waiting for agents for its pools.
+    #[error(
+        "stopped on request while waiting for agents that can take the rollout pool: continue with `{resume}`"
+    )]
+    StoppedWaiting {
+        /// The command that continues the job.
+        resume: String,
+    },
+    /// The job's thread panicked (a bug, with its message).
+    #[error("the job panicked: {0}")]
+    Panicked(String),
+}
+
+impl JobError {
+    /// Whether the job stopped because it was asked to (it can be resumed as it is).
+    pub fn is_stop(&self) -> bool {
+        matches!(self, Self::Stopped { .. } | Self::StoppedWaiting { .. })
+    }
+}
+
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> JobError + '_ {
+    move |source| JobError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// How a job ended.
+#[derive(Debug)]
+pub enum Outcome {
+    /// Every stage ran.
+    Succeeded(Summary),
+    /// Asked to stop (checkpointed where it stood).
+    Stopped(StopReason, JobError),
+    /// An error (the job can continue from its last checkpoint).
+    Failed(JobError),
+}
+
+impl Outcome {
+    /// The state this ending leaves the job in.
+    pub fn state(&self) -> JobState {
+        match self {
+            Outcome::Succeeded(_) => JobState::Succeeded,
+            Outcome::Stopped(StopReason::Cancel, _) => JobState::Cancelled,
+            Outcome::Stopped(StopReason::Preempt, _) => JobState::Pending,
+            Outcome::Failed(_) => JobState::Failed,
+        }
+    }
+
+    /// The error a job's record keeps (`None` when it succeeded or waits to continue).
+    pub fn error(&self) -> Option<String> {
+        match self {
+            Outcome::Succeeded(_) | Outcome::Stopped(StopReason::Preempt, _) => None,
+            Outcome::Stopped(StopReason::Cancel, e) => Some(format!("cancelled: {e}")),
+            Outcome::Failed(e) => Some(e.to_string()),
+        }
+    }
+
+    /// As a result: the summary, or the error.
+    pub fn into_result(self) -> Result<Summary, JobError> {
+        match self {
+            Outcome::Succeeded(s) => Ok(s),
+            Outcome::Stopped(_, e) | Outcome::Failed(e) => Err(e),
+        }
+    }
+}
+
+/// How a job is run.
+#[derive(Default)]
+pub struct RunOptions {
+    /// Where to meet agents, for pools placed on them.
+    pub cluster: Option<Cluster>,
+    /// This job's stop request (besides [`request_stop`], which stops every job of the
+    /// process).
+    pub stop: Option<Arc<StopFlag>>,
+    /// Also record progress lines in the store, as the job's log (server jobs).
+    pub log_to_store: bool,
+    /// The command that continues this job, for messages (default `trellis resume RUN_DIR`).
+    pub resume_hint: Option<String>,
+    /// More sinks of the job's record (a progress bar, a plot), after the library's.
+    pub sinks: Vec<Box<dyn Recorder>>,
+}
+
+impl RunOptions {
+    fn resume_command(&self, dir: &Path) -> String {
+        self.resume_hint
+            .clone()
+            .unwrap_or_else(|| format!("trellis resume {}", dir.display()))
+    }
+}
+
+/// The job store of a run directory.
+pub fn store_path(dir: &Path) -> PathBuf {
+    dir.join("store.redb")
+}
+
+/// What the store of a run directory says about its job.
+#[derive(Clone, Debug, Serialize)]
+pub struct Status {
+    /// The job (spec, state, progress).
+    pub job: Job,
+    /// Checkpoints kept, oldest first.
+    pub checkpoints: Vec<CheckpointRecord>,
+    /// Metric rows recorded.
+    pub metric_rows: usize,
+}
+
+/// Reads the store of the run in `dir` (refused while a process runs it: the store is opened
+/// by one process at a time).
+pub fn status(dir: &Path) -> Result<Status, JobError> {
+    let (store, job) = open_run(dir)?;
+    Ok(Status {
+        checkpoints: store.checkpoints(job.id)?,
+        metric_rows: store.metrics(job.id, 0)?.len(),
+        job,
+    })
+}
+
+fn open_run(dir: &Path) -> Result<(Store, Job), JobError> {
+    let path = store_path(dir);
+    if !path.exists() {
+        return Err(JobError::RunDir(format!(
+            "{} holds no run (no store.redb): start one with `trellis train RECIPE --run-dir {}`",
+            dir.display(),
+            dir.display()
+        )));
+    }
+    let store = Store::open(&path)?;
+    let job =
+        store.jobs()?.last().cloned().ok_or_else(|| {
+            JobError::RunDir(format!("{}: the store holds no job", path.display()))
+        })?;
+    Ok((store, job))
+}
+
+/// The learner's engine: the native one, or a client of the learner's PJRT device. A local
+/// pjrt rollout pool's device is checked too, so that neither fails after the job started.
+pub fn open_backend(plan: &Plan) -> Result<Backend, JobError> {
+    if let (RolloutEngine::Pjrt { device, plugin, .. }, crate::plan::Placement::Local) =
+        (&plan.rollout.engine, plan.rollout.placement)
+    {
+        libtpu_sys::locate::open(
+            crate::kinds::rollout::pjrt_device(*device),
+            plugin.as_deref(),
+        )
+        .map_err(JobError::RolloutDevice)?;
+    }
+    Ok(match &plan.learner.engine {
+        LearnerEngine::Native => Backend::Native,
+        LearnerEngine::Pjrt { device, plugin } => Backend::Pjrt(libtpu_sys::locate::open(
+            crate::kinds::rollout::pjrt_device(*device),
+            plugin.as_deref(),
+        )?),
+    })
+}
+
+/// Starts a job of `plan` in `dir` (which must not hold another one) and runs it here.
+pub fn start(plan: &Plan, dir: &Path, opts: RunOptions) -> Result<Summary, JobError> {
+    // A device that cannot be had fails before the run exists.
+    let backend = open_backend(plan)?;
+    if store_path(dir).exists() {
+        return Err(JobError::RunDir(format!(
+            "{} already holds a run: continue it with `trellis resume {}`, or pick another --run-dir",
+            dir.display(),
+            dir.display()
+        )));
+    }
+    std::fs::create_dir_all(dir).map_err(io(dir))?;
+    let spec = serde_json::to_value(&plan.spec).map_err(|e| JobError::RunDir(e.to_string()))?;
+    let text = serde_json::to_string_pretty(&spec).map_err(|e| JobError::RunDir(e.to_string()))?;
+    write_atomic(&dir.join("workflow.json"), text.as_bytes())?;
+    let _ = std::fs::remove_file(dir.join("metrics.jsonl"));
+    let store = Store::open(&store_path(dir))?;
+    let job = store.create_job(&plan.name, spec, JobState::Running)?;
+    execute(plan, dir, &store, job, Some(backend), opts).into_result()
+}
+
+/// Continues the job in `dir` from its last checkpoint, here.
+pub fn resume(dir: &Path, opts: RunOptions) -> Result<Summary, JobError> {
+    let (store, job) = open_run(dir)?;
+    if job.state == JobState::Succeeded {
+        return Ok(Summary {
+            finished_before: true,
+            ..Summary::default()
+        });
+    }
+    let plan = replan(&store, &job)?;
+    store.set_state(job.id, JobState::Running, None)?;
+    execute(&plan, dir, &store, job.id, None, opts).into_result()
+}
+
+/// The plan of a stored job (its workflow, checked again: the files it names may have changed).
+pub fn replan(store: &Store, job: &Job) -> Result<Plan, JobError> {
+    let origin = format!("{} (job {})", store.path().display(), job.id);
+    let spec = serde_json::from_value(job.spec.clone())
+        .map_err(|e| PlanError::new(&origin, e.to_string()))?;
+    Ok(Plan::new(spec, &origin)?)
+}
+
+fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), JobError> {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, bytes).map_err(io(&tmp))?;
+    std::fs::rename(&tmp, path).map_err(io(path))
+}
+
+/// Runs job `id` of `store` (its plan `plan`, its files in `dir`) from its last checkpoint, and
+/// records how it ended: the one lifecycle of every job. `backend`: the learner's engine when
+/// the caller opened it already.
+pub fn execute(
+    plan: &Plan,
+    dir: &Path,
+    store: &Store,
+    id: u64,
+    backend: Option<Backend>,
+    opts: RunOptions,
+) -> Outcome {
+    let log = opts.log_to_store;
+    let resume = opts.resume_command(dir);
+    let stop = opts.stop.clone();
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        run(plan, dir, store, id, backend, opts)
+    }))
+    .unwrap_or_else(|panic| {
+        let what = panic
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_default();
+        Err(JobError::Panicked(what))
+    });
+    let reason = stop_requested().or_else(|| stop.as_ref().and_then(|s| s.reason()));
+    let outcome = match result {
+        Ok(summary) => Outcome::Succeeded(summary),
+        Err(JobError::Exec(e @ ExecError::Stopped { .. })) => Outcome::Stopped(
+            reason.unwrap_or(StopReason::Cancel),
+            JobError::Stopped { source: e, resume },
+        ),
+        Err(JobError::Pool(PoolError::StoppedWaiting)) => Outcome::Stopped(
+            reason.unwrap_or(StopReason::Cancel),
+            JobError::StoppedWaiting { resume },
+        ),
+        // Cancelled while failing: cancelled, whatever the job ended with.
+        Err(e) if reason == Some(StopReason::Cancel) => Outcome::Stopped(StopReason::Cancel, e),
+        Err(e) => Outcome::Failed(e),
+    };
+    let line = match outcome.state() {
+        JobState::Succeeded => format!("job {id} succeeded"),
+        JobState::Pending => {
+            format!("job {id} stopped with its process; it continues from its last checkpoint")
+        }
+        s => format!(
+            "job {id} {}: {}",
+            s.name(),
+            outcome.error().unwrap_or_default()
+        ),
+    };
+    // The last line goes in before the final state: a watcher that sees the state has every
+    // line.
+    let recorded = (if log {
+        store.append_log(id, &line).map(|_| ())
+    } else {
+        Ok(())
+    })
+    .and_then(|_| {
+        store
+            .set_state(id, outcome.state(), outcome.error())
+            .map(|_| ())
+    });
+    match recorded {
+        Ok(()) => outcome,
+        Err(e) => {
+            tracing::error!(job = id, "cannot record how the job ended: {e}");
+            match outcome {
+                Outcome::Succeeded(_) => Outcome::Failed(e.into()),
+                other => other,
+            }
+        }
+    }
+}
+
+/// Sets the job up and runs its executor.
+fn run(
+    plan: &Plan,
+    dir: &Path,
+    store: &Store,
+    id: u64,
+    backend: Option<Backend>,
+    opts: RunOptions,
+) -> Result<Summary, JobError> {
+    let state = store.job(id)?.progress;
+    let Checkpoint {
+        mut model,
+        mut assets,
+    } = initial_model(plan)?;
+    let mut version = 0;
+    if let Some(ck) = &state.checkpoint {
+        let c = Checkpoint::load(&dir.join(ck))?;
+        model = c.model;
+        assets = c.assets;
+        version = state.weight_version;
+    }
+    if !assets.iter().any(|(n, _)| n == "tokenizer.json") {
+        assets.push((
+            "tokenizer.json".into(),
+            plan.model.tokenizer_json.clone().into_bytes(),
+        ));
+    }
+    let tokenizer = &plan.model.tokenizer;
+    let eos = model
+        .config
+        .eos_token_id
+        .or_else(|| tokenizer.token_id("<eos>"))
+        .ok_or_else(|| {
+            JobError::RunDir(
+                "the model config has no eos_token_id and the tokenizer no <eos>".into(),
+            )
+        })?;
+    let backend = match backend {
+        Some(b) => b,
+        None => open_backend(plan)?,
+    };
+    let mut records = Records::default();
+    records.push(Box::new(StoreSink::new(store, id, opts.log_to_store)));
+    let metrics_path = dir.join("metrics.jsonl");
+    rewind_metrics(store, id, &state, &metrics_path)?;
+    records.push(Box::new(JsonlSink::open(&metrics_path)?));
+    let tb = dir.join("tensorboard");
+    records.push(Box::new(EventWriter::create(&tb).map_err(io(&tb))?));
+    let resume = opts.resume_command(dir);
+    let RunOptions {
+        cluster,
+        stop: flag,
+        log_to_store: _,
+        resume_hint: _,
+        sinks,
+    } = opts;
+    let stop = || stop_requested().is_some() || flag.as_ref().is_some_and(|f| f.reason().is_some());
+    for s in sinks {
+        records.push(s);
+    }
+    let weights = WeightSnapshot {
+        version,
+        params: Arc::new(model.params.clone()),
+    };
+    let pool = {
+        let mut note = |text: &str| {
+            let _ = records.event(Event::Note { text, always: true });
+        };
+        RolloutPool::new(PoolStart {
+            plan: &plan.rollout,
+            config: &model.config,
+            weights,
+            cluster: cluster.as_ref(),
+            stop: &stop,
+            run_dir: dir,
+            needs_processed: plan.trains_on_engine_logprobs(),
+            note: &mut note,
+        })
+        .map_err(|e| match e {
+            PoolError::StoppedWaiting => JobError::StoppedWaiting { resume },
+            e => e.into(),
+        })?
+    };
+    let engine = learner::engine::open(model, backend)?;
+    tracing::info!(
+        on = engine.describe(),
+        "learner on the {} engine",
+        policy_engine(&plan.learner.engine)
+    );
+    let policy = LocalPolicy::new(engine, assets);
+    let roles = Roles {
+        policy: Box::new(policy),
+        rollouts: Arc::new(pool),
+        maker: Box::new(LocalRoles),
+    };
+    let job = crate::exec::Job {
+        plan,
+        dir,
+        store,
+        id,
+        records,
+        stop: &stop,
+    };
+    let prompts = Prompts {
+        tokenizer,
+        chat: plan.model.chat.as_deref(),
+        eos,
+    };
+    let mut executor = Executor::new(job, roles, prompts, state, version);
+    if plan.rollout.placement != crate::plan::Placement::Local {
+        // Always said: where the engines run is the first thing to check on a cluster.
+        let line = format!("rollout pool: {}", executor.rollout_locations().join(", "));
+        executor.note(&line, true)?;
+    }
+    Ok(executor.run()?)
+}
+
+/// The model a job of `plan` starts from (its checkpoint with the checkpoint's side files, or
+/// its `init` config with seeded weights): what `trellis engine serve --recipe` serves until
+/// the job pushes its weights.
+pub fn initial_model(plan: &Plan) -> Result<Checkpoint, learner::Error> {
+    Ok(match &plan.model.source {
+        ModelSource::Checkpoint(p) => Checkpoint::load(p)?,
+        ModelSource::Init(config) => Checkpoint {
+            model: Model::init(config.clone(), plan.seed),
+            assets: Vec::new(),
+        },
+    })
+}
+
+fn policy_engine(e: &LearnerEngine) -> &'static str {
+    match e {
+        LearnerEngine::Native => "native",
+        LearnerEngine::Pjrt { .. } => "pjrt",
+    }
+}
+
+/// Drops the metric rows written after the checkpoint being resumed from (those steps run
+/// again), then rewrites `metrics.jsonl` from the store's rows.
+fn rewind_metrics(store: &Store, job: u64, state: &Progress, path: &Path) -> Result<(), JobError> {
+    store.retain_metrics(job, |v| {
+        let stage = v.get("stage").and_then(|s| s.as_str()).unwrap_or("");
+        let step = v.get("step").and_then(|s| s.as_u64()).unwrap_or(0);
+        state.completed.iter().any(|c| c == stage)
+            || (Some(stage) == state.stage.as_deref() && step <= state.step)
+    })?;
+    let mut out = String::new();
+    for (_, row) in store.metrics(job, 0)? {
+        out.push_str(&row.to_string());
+        out.push('\n');
+    }
+    write_atomic(path, out.as_bytes())
+}

@@ -1,0 +1,156 @@
+//! The `rollout` actor kind: an inference engine (native, or pjrt on the host's plugin) as an
+//! actor. Its engine starts with the first weights it is given.
+
+use crate::plan::Device;
+use actors::Actor;
+use learner::snapshot::WeightSnapshot;
+use learner::{Model, ModelConfig};
+use rollout::native::{NativeConfig, NativeEngine};
+use rollout::{Completion, EngineError, GenerateRequest, InferenceEngine};
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// Which engine a rollout actor runs.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase", tag = "kind")]
+pub enum EngineSpec {
+    /// The native engine.
+    Native,
+    /// A PJRT plugin's device on the host that runs the actor.
+    Pjrt {
+        /// Which device.
+        device: Device,
+        /// The plugin (default: the one found for the device there).
+        #[serde(default)]
+        plugin: Option<PathBuf>,
+    },
+}
+
+/// How a rollout actor starts: the model's shape (its weights arrive by `load_weights`).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct RolloutConfig {
+    /// The model's Hugging Face `config.json` fields.
+    pub model: serde_json::Value,
+    /// KV-cache budget of this actor's engine, in bytes.
+    pub kv_cache_bytes: usize,
+    /// Its engine.
+    pub engine: EngineSpec,
+}
+
+/// The engine a rollout actor owns.
+enum Engine {
+    Native(NativeEngine),
+    Pjrt(rollout::pjrt::PjrtEngine),
+}
+
+impl Engine {
+    fn weight_version(&self) -> u64 {
+        match self {
+            Self::Native(e) => e.weight_version(),
+            Self::Pjrt(e) => e.weight_version(),
+        }
+    }
+
+    async fn generate(&self, reqs: Vec<GenerateRequest>) -> Result<Vec<Completion>, EngineError> {
+        match self {
+            Self::Native(e) => e.generate(reqs).await,
+            Self::Pjrt(e) => e.generate(reqs).await,
+        }
+    }
+
+    async fn update_weights(&self, snapshot: WeightSnapshot) -> Result<(), EngineError> {
+        match self {
+            Self::Native(e) => e.update_weights(snapshot).await,
+            Self::Pjrt(e) => e.update_weights(snapshot).await,
+        }
+    }
+}
+
+/// What a rollout actor is asked.
+#[derive(Debug, Serialize, Deserialize)]
+pub enum RolloutRequest {
+    /// Generate completions (ordered by request, then sample).
+    Generate(Vec<GenerateRequest>),
+}
+
+/// An inference engine as an actor.
+pub struct RolloutActor {
+    config: ModelConfig,
+    start: RolloutConfig,
+    engine: Option<Engine>,
+}
+
+/// The PJRT plugin's device kind for a pool's device.
+pub(crate) fn pjrt_device(d: Device) -> libtpu_sys::locate::Device {
+    match d {
+        Device::Cpu => libtpu_sys::locate::Device::Cpu,
+        Device::Gpu => libtpu_sys::locate::Device::Gpu,
+        Device::Tpu => libtpu_sys::locate::Device::Tpu,
+    }
+}
+
+impl Actor for RolloutActor {
+    const KIND: &'static str = "rollout";
+    type Config = RolloutConfig;
+    type Request = RolloutRequest;
+    type Response = Vec<Completion>;
+
+    fn start(config: RolloutConfig) -> Result<Self, String> {
+        let mc = ModelConfig::from_json(config.model.clone(), Path::new("rollout actor config"))
+            .map_err(|e| e.to_string())?;
+        Ok(Self {
+            config: mc,
+            start: config,
+            engine: None,
+        })
+    }
+
+    async fn handle(&mut self, request: RolloutRequest) -> Result<Vec<Completion>, String> {
+        let engine = self
+            .engine
+            .as_ref()
+            .ok_or("no weights yet: push a snapshot before generating")?;
+        match request {
+            RolloutRequest::Generate(reqs) => {
+                engine.generate(reqs).await.map_err(|e| e.to_string())
+            }
+        }
+    }
+
+    async fn load_weights(&mut self, snapshot: WeightSnapshot) -> Result<(), String> {
+        if let Some(engine) = &self.engine {
+            // Pushing the version already served is a no-op (a retried push after a restart
+            // whose hook delivered it first).
+            if engine.weight_version() == snapshot.version {
+                return Ok(());
+            }
+            return engine
+                .update_weights(snapshot)
+                .await
+                .map_err(|e| e.to_string());
+        }
+        let params = Arc::unwrap_or_clone(snapshot.params);
+        let model = Model::new(self.config.clone(), params).map_err(|e| e.to_string())?;
+        self.engine = Some(match &self.start.engine {
+            EngineSpec::Pjrt { device, plugin } => {
+                let client = libtpu_sys::locate::open(pjrt_device(*device), plugin.as_deref())
+                    .map_err(|e| format!("pools.rollout: {e}"))?;
+                tracing::info!(platform = client.platform(), "rollout engine on pjrt");
+                Engine::Pjrt(
+                    rollout::pjrt::PjrtEngine::new(client, &model, snapshot.version)
+                        .map_err(|e| e.to_string())?,
+                )
+            }
+            EngineSpec::Native => Engine::Native(NativeEngine::new(
+                model,
+                NativeConfig {
+                    kv_cache_bytes: self.start.kv_cache_bytes,
+                    initial_version: snapshot.version,
+                    ..Default::default()
+                },
+            )),
+        });
+        Ok(())
+    }
+}

@@ -1,0 +1,962 @@
+//! [`Plan::new`]: each typed piece built from its part of the schema, checking it on the way.
+
+use super::graph::{GraphSpec, UserNode as GraphNode, expand};
+use super::schema::{self, Engine, StageKind, Task, Workflow};
+use super::*;
+use learner::optim::ScheduleKind;
+use learner::rl::agg::LossAgg;
+use learner::rl::kl::Kl;
+use learner::rl::loss::{PolicyLoss, PolicyLossConfig};
+use rollout::task::Dataset;
+
+/// Errors of one workflow file.
+struct Errs<'a>(&'a str);
+
+impl Errs<'_> {
+    fn at(&self, field: impl Into<String>, message: impl Into<String>) -> PlanError {
+        PlanError::field(self.0, field, message)
+    }
+    fn whole(&self, message: impl Into<String>) -> PlanError {
+        PlanError::new(self.0, message)
+    }
+}
+
+pub(super) fn plan(mut spec: Workflow, origin: &str) -> Result<Plan, PlanError> {
+    let e = Errs(origin);
+    if spec.stages.is_empty() {
+        return Err(e.whole("`stages` is empty: nothing to run"));
+    }
+    let order = order(&spec).map_err(|m| e.at("stages", m))?;
+    checkpoint_folder(&spec, &e)?;
+    let (tokenizer, tokenizer_json) = tokenizer(&spec, &e)?;
+    let source = model_source(&spec, &tokenizer, &e)?;
+    let rollout = rollout(&spec.pools.rollout, &e)?;
+    let learner = learner(&spec.pools.learner, &e)?;
+    let wants_chat = spec
+        .stages
+        .iter()
+        .any(|s| s.data.as_ref().is_some_and(|d| d.chat_template));
+    let chat = match (&spec.model.path, wants_chat) {
+        (Some(p), true) => Some(Arc::new(
+            ChatTemplate::from_tokenizer_config(&p.join("tokenizer_config.json")).map_err(|m| {
+                let i = spec
+                    .stages
+                    .iter()
+                    .position(|s| s.data.as_ref().is_some_and(|d| d.chat_template))
+                    .unwrap_or(0);
+                e.at(format!("stages[{i}].data.chat_template"), m)
+            })?,
+        )),
+        (None, true) => {
+            let i = spec
+                .stages
+                .iter()
+                .position(|s| s.data.as_ref().is_some_and(|d| d.chat_template))
+                .unwrap_or(0);
+            return Err(e.at(
+                format!("stages[{i}].data.chat_template"),
+                "needs model.path (a checkpoint whose tokenizer_config.json has a chat_template)",
+            ));
+        }
+        _ => None,
+    };
+    // Data, read once: stages with the same `data` share it, and an eval stage without its own
+    // takes the one of the stage before it in run order.
+    let mut read: Vec<(schema::Data, Arc<DataPlan>)> = Vec::new();
+    let mut stages = Vec::with_capacity(order.len());
+    let mut last: Option<Arc<DataPlan>> = None;
+    for &i in &order {
+        let s = &spec.stages[i];
+        let at = |field: &str| format!("stages[{i}].{field}");
+        let data = match &s.data {
+            Some(d) => {
+                let shared = read.iter().find(|(r, _)| r == d).map(|(_, p)| p.clone());
+                let plan = match shared {
+                    Some(p) => p,
+                    None => {
+                        let p = Arc::new(data_plan(d, spec.seed, &at("data"), &e)?);
+                        read.push((d.clone(), p.clone()));
+                        p
+                    }
+                };
+                Some(plan)
+            }
+            None if s.kind == StageKind::Eval => last.clone(),
+            None => {
+                return Err(e.at(
+                    format!("stages[{i}]"),
+                    format!("(`{}`): a {:?} stage needs `data`", s.id, s.kind),
+                ));
+            }
+        };
+        let data = data.ok_or_else(|| {
+            e.at(
+                format!("stages[{i}]"),
+                format!(
+                    "(`{}`): an eval stage needs `data`, or a stage before it with data",
+                    s.id
+                ),
+            )
+        })?;
+        last = Some(data.clone());
+        if let Some(epochs) = s.trainer.total_epochs {
+            let steps = steps_of_epochs(s, epochs, &data, &at("trainer.total_epochs"), &e)?;
+            spec.stages[i].trainer.steps = steps;
+        }
+        stages.push(stage(&spec.stages[i], i, data, &e)?);
+    }
+    Ok(Plan {
+        name: spec.name.clone(),
+        seed: spec.seed,
+        model: ModelPlan {
+            source,
+            tokenizer,
+            tokenizer_json,
+            chat,
+        },
+        rollout,
+        learner,
+        stages,
+        spec,
+    })
+}
+
+/// Stage indices in an order that respects `after` (stable: file order among ready stages).
+fn order(wf: &Workflow) -> Result<Vec<usize>, String> {
+    let mut seen: Vec<&str> = Vec::new();
+    for (i, s) in wf.stages.iter().enumerate() {
+        if seen.contains(&s.id.as_str()) {
+            return Err(format!("stages[{i}]: duplicate stage id `{}`", s.id));
+        }
+        for a in &s.after {
+            if !wf.stages.iter().any(|t| &t.id == a) {
+                return Err(format!(
+                    "stages[{i}] (`{}`): `after` names unknown stage `{a}`",
+                    s.id
+                ));
+            }
+        }
+        seen.push(&s.id);
+    }
+    let mut done: Vec<usize> = Vec::new();
+    while done.len() < wf.stages.len() {
+        let ready = (0..wf.stages.len()).find(|&i| {
+            !done.contains(&i)
+                && wf.stages[i]
+                    .after
+                    .iter()
+                    .all(|a| done.iter().any(|&d| &wf.stages[d].id == a))
+        });
+        match ready {
+            Some(i) => done.push(i),
+            None => {
+                let stuck: Vec<&str> = (0..wf.stages.len())
+                    .filter(|i| !done.contains(i))
+                    .map(|i| wf.stages[i].id.as_str())
+                    .collect();
+                return Err(format!(
+                    "the stages' `after` form a cycle among: {}",
+                    stuck.join(", ")
+                ));
+            }
+        }
+    }
+    Ok(done)
+}
+
+fn tokenizer(wf: &Workflow, e: &Errs<'_>) -> Result<(Tokenizer, String), PlanError> {
+    let (json, origin) = match (&wf.model.tokenizer, &wf.model.path) {
+        (Some(t), _) if t == "builtin:arith" => {
+            (rollout::task::arith_tokenizer_json(), PathBuf::from(t))
+        }
+        (Some(t), _) => (
+            std::fs::read_to_string(t)
+                .map_err(|err| e.at("model.tokenizer", format!("{t}: {err}")))?,
+            PathBuf::from(t),
+        ),
+        (None, Some(p)) => {
+            let f = p.join("tokenizer.json");
+            let text = std::fs::read_to_string(&f).map_err(|err| {
+                e.at(
+                    "model.path",
+                    format!(
+                        "{}: {err} (set model.tokenizer, or put the tokenizer in the checkpoint)",
+                        f.display()
+                    ),
+                )
+            })?;
+            (text, f)
+        }
+        (None, None) => {
+            return Err(e.at(
+                "model.tokenizer",
+                "is required with model.init (`builtin:arith`, or a tokenizer.json)",
+            ));
+        }
+    };
+    let tok = Tokenizer::from_json(&json, &origin)
+        .map_err(|err| e.at("model.tokenizer", err.to_string()))?;
+    Ok((tok, json))
+}
+
+/// The model is a checkpoint folder or a config, and a folder has its config.
+fn checkpoint_folder(wf: &Workflow, e: &Errs<'_>) -> Result<(), PlanError> {
+    match (&wf.model.path, &wf.model.init) {
+        (None, None) => Err(e.at(
+            "model",
+            "needs `path` (a checkpoint folder) or `init` (a config)",
+        )),
+        (Some(_), Some(_)) => Err(e.at("model", "has both `path` and `init`: choose one")),
+        (Some(p), None) if !p.join("config.json").is_file() => Err(e.at(
+            "model.path",
+            format!(
+                "`{}` is not a Hugging Face checkpoint folder (no config.json there)",
+                p.display()
+            ),
+        )),
+        _ => Ok(()),
+    }
+}
+
+fn model_source(wf: &Workflow, tok: &Tokenizer, e: &Errs<'_>) -> Result<ModelSource, PlanError> {
+    match (&wf.model.path, &wf.model.init) {
+        (Some(p), _) => Ok(ModelSource::Checkpoint(p.clone())),
+        (None, None) => Err(e.at(
+            "model",
+            "needs `path` (a checkpoint folder) or `init` (a config)",
+        )),
+        (None, Some(init)) => {
+            let mut init = init.clone();
+            let obj = init
+                .as_object_mut()
+                .ok_or_else(|| e.at("model.init", "must be a map of config fields"))?;
+            obj.entry("vocab_size").or_insert(tok.vocab_size().into());
+            obj.entry("max_position_embeddings").or_insert(256.into());
+            obj.entry("tie_word_embeddings").or_insert(true.into());
+            let heads = obj.get("num_attention_heads").cloned().unwrap_or(1.into());
+            obj.entry("num_key_value_heads").or_insert(heads);
+            if let Some(eos) = tok.token_id("<eos>") {
+                obj.entry("eos_token_id").or_insert(eos.into());
+            }
+            if !obj.contains_key("intermediate_size")
+                && let Some(h) = obj.get("hidden_size").and_then(|v| v.as_u64())
+            {
+                obj.insert(
+                    "intermediate_size".into(),
+                    (h * 8 / 3).next_multiple_of(16).into(),
+                );
+            }
+            let config = ModelConfig::from_json(init, Path::new("model.init"))
+                .map_err(|err| e.at("model.init", err.to_string()))?;
+            Ok(ModelSource::Init(config))
+        }
+    }
+}
+
+fn placement(p: schema::Placement) -> Placement {
+    match p {
+        schema::Placement::Local => Placement::Local,
+        schema::Placement::Pack => Placement::Agents(Strategy::Pack),
+        schema::Placement::Spread => Placement::Agents(Strategy::Spread),
+    }
+}
+
+fn rollout(p: &schema::Pool, e: &Errs<'_>) -> Result<RolloutPlan, PlanError> {
+    if p.count == 0 {
+        return Err(e.at(
+            "pools.rollout.count",
+            "is 0: a pool needs at least one engine",
+        ));
+    }
+    if p.kv_cache_mib == 0 {
+        return Err(e.at(
+            "pools.rollout.kv_cache_mib",
+            "is 0: engines need room for their KV cache",
+        ));
+    }
+    let kv_cache_bytes = p.kv_cache_mib << 20;
+    if p.engine.is_external() {
+        if p.endpoints.is_empty() {
+            return Err(e.at(
+                "pools.rollout.endpoints",
+                format!(
+                    "is empty: engine `{}` needs the URLs of its servers (e.g. [http://10.0.0.5:8000])",
+                    engine_name(p.engine)
+                ),
+            ));
+        }
+        if let Some(url) = p
+            .endpoints
+            .iter()
+            .find(|u| !u.starts_with("http://") || u.trim_end_matches('/').len() <= "http://".len())
+        {
+            return Err(e.at(
+                "pools.rollout.endpoints",
+                format!("`{url}` is not a URL like http://10.0.0.5:8000"),
+            ));
+        }
+        if p.placement != schema::Placement::Local {
+            return Err(e.at(
+                "pools.rollout.placement",
+                format!(
+                    "`{}`: engine `{}` runs where its endpoints are; leave placement out",
+                    placement_name(p.placement),
+                    engine_name(p.engine)
+                ),
+            ));
+        }
+        if p.count > 1 && p.count != p.endpoints.len() {
+            return Err(e.at(
+                "pools.rollout.count",
+                format!(
+                    "is {} but {} endpoints are listed: an external pool has one engine per endpoint",
+                    p.count,
+                    p.endpoints.len()
+                ),
+            ));
+        }
+        if !(p.timeout_s > 0.0 && p.timeout_s.is_finite()) {
+            return Err(e.at(
+                "pools.rollout.timeout_s",
+                format!("must be a positive number of seconds, got {}", p.timeout_s),
+            ));
+        }
+        if !(p.verify_tolerance > 0.0) {
+            return Err(e.at(
+                "pools.rollout.verify_tolerance",
+                format!("must be positive, got {}", p.verify_tolerance),
+            ));
+        }
+        if p.plugin.is_some() {
+            return Err(e.at("pools.rollout.plugin", "is for engine: pjrt"));
+        }
+        return Ok(RolloutPlan {
+            count: p.endpoints.len(),
+            engine: RolloutEngine::External(ExternalPlan {
+                api: p.engine,
+                endpoints: p.endpoints.clone(),
+                model: p.model.clone(),
+                weights_dir: p.weights_dir.clone(),
+                timeout: Duration::from_secs_f64(p.timeout_s),
+                tolerance: p.verify_tolerance,
+            }),
+            placement: Placement::Local,
+        });
+    }
+    if !p.endpoints.is_empty() {
+        return Err(e.at(
+            "pools.rollout.endpoints",
+            format!(
+                "are for external engines (engine: vllm, sglang or served), not `{}`",
+                engine_name(p.engine)
+            ),
+        ));
+    }
+    let engine = match p.engine {
+        Engine::Pjrt => RolloutEngine::Pjrt {
+            device: p.device,
+            plugin: p.plugin.clone(),
+            kv_cache_bytes,
+        },
+        _ if p.plugin.is_some() => {
+            return Err(e.at(
+                "pools.rollout.plugin",
+                format!("is for engine: pjrt, not `{}`", engine_name(p.engine)),
+            ));
+        }
+        _ if p.device != Device::Cpu => {
+            return Err(e.at(
+                "pools.rollout",
+                format!(
+                    "engine `native` on `{}` cannot be placed: this build runs the native engine on cpu; rollout pools also take pjrt on cpu, gpu or tpu, or vllm, sglang or served with endpoints",
+                    p.device
+                ),
+            ));
+        }
+        _ => RolloutEngine::Native { kv_cache_bytes },
+    };
+    Ok(RolloutPlan {
+        count: p.count,
+        engine,
+        placement: placement(p.placement),
+    })
+}
+
+fn learner(p: &schema::Pool, e: &Errs<'_>) -> Result<LearnerPlan, PlanError> {
+    if p.count == 0 {
+        return Err(e.at(
+            "pools.learner.count",
+            "is 0: a pool needs at least one engine",
+        ));
+    }
+    if p.placement != schema::Placement::Local {
+        return Err(e.at(
+            "pools.learner.placement",
+            format!(
+                "`{}` cannot be placed: this build trains in the driver process (placement: local)",
+                placement_name(p.placement)
+            ),
+        ));
+    }
+    if !p.endpoints.is_empty() {
+        return Err(e.at(
+            "pools.learner.endpoints",
+            "are for external rollout engines; the learner trains on native or pjrt",
+        ));
+    }
+    let engine = match p.engine {
+        Engine::Native if p.plugin.is_some() => {
+            return Err(e.at("pools.learner.plugin", "is for engine: pjrt, not `native`"));
+        }
+        Engine::Native if p.device != Device::Cpu => {
+            return Err(e.at(
+                "pools.learner",
+                format!(
+                    "engine `native` on `{}` cannot be placed: this build runs the native engine on cpu; the learner also takes engine: pjrt on cpu, gpu or tpu",
+                    p.device
+                ),
+            ));
+        }
+        Engine::Native if p.count != 1 => {
+            return Err(e.at(
+                "pools.learner.count",
+                format!(
+                    "is {}: the learner trains on one engine (data parallelism over several is not built yet)",
+                    p.count
+                ),
+            ));
+        }
+        Engine::Native => LearnerEngine::Native,
+        Engine::Pjrt if p.count != 1 => {
+            return Err(e.at(
+                "pools.learner.count",
+                format!(
+                    "is {}: the pjrt learner trains on one device (data parallelism over several is not built yet)",
+                    p.count
+                ),
+            ));
+        }
+        Engine::Pjrt => LearnerEngine::Pjrt {
+            device: p.device,
+            plugin: p.plugin.clone(),
+        },
+        other => {
+            return Err(e.at(
+                "pools.learner.engine",
+                format!(
+                    "`{}` serves rollouts only; the learner trains on native or pjrt",
+                    engine_name(other)
+                ),
+            ));
+        }
+    };
+    Ok(LearnerPlan { engine })
+}
+
+fn engine_name(e: Engine) -> &'static str {
+    match e {
+        Engine::Native => "native",
+        Engine::Pjrt => "pjrt",
+        Engine::Vllm => "vllm",
+        Engine::Sglang => "sglang",
+        Engine::Served => "served",
+    }
+}
+
+fn placement_name(p: schema::Placement) -> &'static str {
+    match p {
+        schema::Placement::Local => "local",
+        schema::Placement::Pack => "pack",
+        schema::Placement::Spread => "spread",
+    }
+}
+
+fn data_plan(d: &schema::Data, seed: u64, at: &str, e: &Errs<'_>) -> Result<DataPlan, PlanError> {
+    if let Some(t) = &d.prompt_template
+        && !t.contains("{prompt}")
+    {
+        return Err(e.at(
+            format!("{at}.prompt_template"),
+            format!("`{t}` has no `{{prompt}}` where the prompt goes"),
+        ));
+    }
+    let source = match d.task {
+        Task::Arith => {
+            d.arith.validate().map_err(|m| e.at(at, m))?;
+            Source::Arith(d.arith.clone())
+        }
+        Task::Jsonl | Task::Parquet => {
+            let read = if d.task == Task::Jsonl {
+                rollout::task::read_jsonl
+            } else {
+                rollout::task::read_parquet
+            };
+            let name = if d.task == Task::Jsonl {
+                "jsonl"
+            } else {
+                "parquet"
+            };
+            let path = d.path.as_ref().ok_or_else(|| {
+                e.at(
+                    format!("{at}.path"),
+                    format!("is required with task: {name}"),
+                )
+            })?;
+            let read = |p: &Path| -> Result<Vec<Problem>, PlanError> {
+                let mut rows = read(p, &d.prompt_key, &d.answer_key).map_err(|m| e.at(at, m))?;
+                if let Some(t) = &d.prompt_template {
+                    for r in &mut rows {
+                        r.prompt = t.replace("{prompt}", &r.prompt);
+                    }
+                }
+                Ok(rows)
+            };
+            let train = read(path)?;
+            let eval = match &d.eval_path {
+                Some(p) => Some(read(p)?),
+                None => None,
+            };
+            Source::Dataset(Dataset::split(train, eval, d.eval_size, seed))
+        }
+    };
+    let eval_set = source.eval_set(seed, d.eval_size);
+    Ok(DataPlan {
+        exclude: eval_set.iter().cloned().collect(),
+        eval_set,
+        source,
+        chat_template: d.chat_template,
+    })
+}
+
+fn steps_of_epochs(
+    s: &schema::Stage,
+    epochs: f64,
+    data: &DataPlan,
+    at: &str,
+    e: &Errs<'_>,
+) -> Result<u64, PlanError> {
+    if !(epochs > 0.0 && epochs.is_finite()) {
+        return Err(e.at(at, format!("must be positive, got {epochs}")));
+    }
+    if s.data.is_none() {
+        return Err(e.at(at, "needs the stage's own data"));
+    }
+    let rows = data.source.train_rows().ok_or_else(|| {
+        e.at(
+            at,
+            "the arith task is an endless stream of problems; count steps instead",
+        )
+    })?;
+    let per_step = match s.kind {
+        StageKind::Sft => s.sft.batch_size,
+        _ => s.algorithm.train_batch_size,
+    }
+    .max(1);
+    Ok(((epochs * rows as f64) / per_step as f64).ceil().max(1.0) as u64)
+}
+
+fn positive(v: f64) -> bool {
+    v > 0.0 && v.is_finite()
+}
+
+fn schedule(
+    lr: f32,
+    warmup: u64,
+    kind: schema::Schedule,
+    min_ratio: f32,
+    total: u64,
+    at: &str,
+    e: &Errs<'_>,
+) -> Result<LrSchedule, PlanError> {
+    if !positive(lr as f64) {
+        return Err(e.at(
+            format!("{at}.lr"),
+            format!("must be a positive learning rate, got {lr}"),
+        ));
+    }
+    if !(0.0..=1.0).contains(&min_ratio) {
+        return Err(e.at(
+            format!("{at}.min_lr_ratio"),
+            format!("must lie in [0, 1], got {min_ratio}"),
+        ));
+    }
+    Ok(LrSchedule {
+        warmup_steps: warmup,
+        total_steps: total,
+        kind: match kind {
+            schema::Schedule::Constant => ScheduleKind::Constant,
+            schema::Schedule::Cosine => ScheduleKind::Cosine,
+        },
+        min_lr_ratio: min_ratio,
+        ..LrSchedule::constant(lr)
+    })
+}
+
+fn stage(
+    s: &schema::Stage,
+    i: usize,
+    data: Arc<DataPlan>,
+    e: &Errs<'_>,
+) -> Result<StagePlan, PlanError> {
+    let at = |field: &str| format!("stages[{i}].{field}");
+    s.reward.validate().map_err(|m| e.at(at("reward"), m))?;
+    if s.trainer.max_ckpt_to_keep == 0 {
+        return Err(e.at(
+            at("trainer.max_ckpt_to_keep"),
+            "is 0: at least the latest checkpoint is kept (resuming needs it)",
+        ));
+    }
+    if s.kind != StageKind::Rl && !s.nodes.is_empty() {
+        return Err(e.at(
+            at("nodes"),
+            format!("apply to rl stages only (`{}` is {:?})", s.id, s.kind),
+        ));
+    }
+    let work = match s.kind {
+        StageKind::Eval => Work::Eval,
+        StageKind::Sft => {
+            if s.sft.batch_size == 0 {
+                return Err(e.at(at("sft.batch_size"), "is 0: a step needs problems"));
+            }
+            Work::Sft(SftPlan {
+                batch_size: s.sft.batch_size,
+                schedule: schedule(
+                    s.sft.lr,
+                    s.sft.lr_warmup_steps,
+                    s.sft.lr_schedule,
+                    s.sft.min_lr_ratio,
+                    s.trainer.steps,
+                    &at("sft"),
+                    e,
+                )?,
+            })
+        }
+        StageKind::Rl => Work::Rl(Box::new(rl(s, i, e)?)),
+    };
+    let eval_tokens = if data.source.is_arith() {
+        data.eval_set
+            .iter()
+            .map(|p| p.answer.len())
+            .max()
+            .unwrap_or(1)
+            + 2
+    } else {
+        s.algorithm.max_response_length
+    };
+    Ok(StagePlan {
+        id: s.id.clone(),
+        steps: if s.kind == StageKind::Eval {
+            0
+        } else {
+            s.trainer.steps
+        },
+        work,
+        data,
+        reward: s.reward.clone(),
+        eval_freq: s.trainer.eval_freq,
+        save_freq: s.trainer.save_freq,
+        keep: s.trainer.max_ckpt_to_keep,
+        eval_tokens,
+    })
+}
+
+fn rl(s: &schema::Stage, i: usize, e: &Errs<'_>) -> Result<RlPlan, PlanError> {
+    let at = |field: &str| format!("stages[{i}].algorithm.{field}");
+    let a = &s.algorithm;
+    for (name, v) in [
+        ("rollout_n", a.rollout_n),
+        ("train_batch_size", a.train_batch_size),
+        ("ppo_epochs", a.ppo_epochs),
+        ("max_response_length", a.max_response_length),
+        ("ppo_mini_batch_size", a.ppo_mini_batch_size),
+    ] {
+        if v == 0 {
+            return Err(e.at(at(name), "is 0: it must be positive"));
+        }
+    }
+    if !a.train_batch_size.is_multiple_of(a.ppo_mini_batch_size) {
+        return Err(e.at(
+            at("ppo_mini_batch_size"),
+            format!(
+                "({}) must divide train_batch_size ({}); both are counted in prompts",
+                a.ppo_mini_batch_size, a.train_batch_size
+            ),
+        ));
+    }
+    let rl_err =
+        |field: &'static str| move |err: learner::rl::RlError| e.at(at(field), err.to_string());
+    let estimator = match a
+        .adv_estimator
+        .parse::<AdvEstimator>()
+        .map_err(rl_err("adv_estimator"))?
+    {
+        AdvEstimator::Grpo { .. } => AdvEstimator::Grpo {
+            norm_by_std: a.norm_adv_by_std_in_grpo,
+        },
+        AdvEstimator::Gae { .. } => AdvEstimator::Gae {
+            gamma: a.gamma,
+            lambda: a.lam,
+        },
+        AdvEstimator::ReinforcePlusPlus { .. } => {
+            AdvEstimator::ReinforcePlusPlus { gamma: a.gamma }
+        }
+        other => other,
+    };
+    for (name, v) in [("gamma", a.gamma), ("lam", a.lam)] {
+        if !(0.0..=1.0).contains(&v) {
+            return Err(e.at(at(name), format!("must lie in [0, 1], got {v}")));
+        }
+    }
+    let kl = if a.use_kl_loss {
+        let kind = a
+            .kl_loss_type
+            .parse::<Kl>()
+            .map_err(rl_err("kl_loss_type"))?;
+        Some((kind, a.kl_loss_coef))
+    } else {
+        None
+    };
+    let loss = PolicyLossConfig {
+        loss: a
+            .policy_loss
+            .parse::<PolicyLoss>()
+            .map_err(rl_err("policy_loss"))?,
+        clip_low: a.clip_ratio_low.unwrap_or(a.clip_ratio),
+        clip_high: a.clip_ratio_high.unwrap_or(a.clip_ratio),
+        entropy_coeff: a.entropy_coeff,
+        kl,
+        ..Default::default()
+    };
+    if !(a.clip_ratio >= 0.0 && a.clip_ratio < 1.0) {
+        return Err(e.at(
+            at("clip_ratio"),
+            format!("must lie in [0, 1), got {}", a.clip_ratio),
+        ));
+    }
+    loss.validate().map_err(|err| match err {
+        learner::rl::RlError::InvalidParam { param, value, why } => {
+            e.at(at(param), format!("is {value}: it {why}"))
+        }
+        other => e.at(format!("stages[{i}].algorithm"), other.to_string()),
+    })?;
+    let agg: LossAgg = a.loss_agg_mode.parse().map_err(rl_err("loss_agg_mode"))?;
+    if !(a.temperature > 0.0 && a.temperature.is_finite()) {
+        return Err(e.at(
+            at("temperature"),
+            format!(
+                "is {}: RL samples its responses, so the temperature must be positive (0 would be greedy decoding, where every sample of a prompt is the same and log-probs are undefined)",
+                a.temperature
+            ),
+        ));
+    }
+    if !(a.top_p > 0.0 && a.top_p <= 1.0) {
+        return Err(e.at(at("top_p"), format!("must lie in (0, 1], got {}", a.top_p)));
+    }
+    if !positive(a.grad_clip) {
+        return Err(e.at(
+            at("grad_clip"),
+            format!("must be positive, got {}", a.grad_clip),
+        ));
+    }
+    if a.filter_groups && a.max_num_gen_batches == 0 {
+        return Err(e.at(
+            at("max_num_gen_batches"),
+            "is 0: dynamic sampling needs at least one round",
+        ));
+    }
+    if a.overlong_buffer_len > a.max_response_length {
+        return Err(e.at(
+            at("overlong_buffer_len"),
+            format!(
+                "({}) is longer than max_response_length ({})",
+                a.overlong_buffer_len, a.max_response_length
+            ),
+        ));
+    }
+    let mode = match s.trainer.mode {
+        schema::Mode::Sync => Mode::Sync,
+        schema::Mode::Async => {
+            if a.filter_groups {
+                return Err(e.at(
+                    format!("stages[{i}]"),
+                    "algorithm.filter_groups (DAPO dynamic sampling) needs trainer.mode sync; in async mode, drop uninformative groups with a `filter` node (min_group_std)",
+                ));
+            }
+            if s.trainer.max_staleness == 0 {
+                return Err(e.at(
+                    format!("stages[{i}].trainer.max_staleness"),
+                    "is 0 in async mode: generation could never run ahead (use mode: sync), counted in weight versions",
+                ));
+            }
+            Mode::Async {
+                max_staleness: s.trainer.max_staleness,
+                stale: s.trainer.stale_samples,
+            }
+        }
+    };
+    let update = PolicyUpdate {
+        loss,
+        agg,
+        temperature: a.temperature.max(1e-6),
+        epochs: a.ppo_epochs,
+        rows_per_update: a.ppo_mini_batch_size * a.rollout_n,
+    };
+    let calls_per_step =
+        (a.ppo_epochs * (a.train_batch_size / a.ppo_mini_batch_size).max(1)) as u64;
+    let schedule = schedule(
+        a.lr,
+        a.lr_warmup_steps,
+        a.lr_schedule,
+        a.min_lr_ratio,
+        s.trainer.steps * calls_per_step,
+        &format!("stages[{i}].algorithm"),
+        e,
+    )?;
+    let critic = if estimator.needs_values() {
+        if !positive(a.critic_lr as f64) {
+            return Err(e.at(
+                at("critic_lr"),
+                format!("must be a positive learning rate, got {}", a.critic_lr),
+            ));
+        }
+        if !positive(a.cliprange_value) {
+            return Err(e.at(
+                at("cliprange_value"),
+                format!("must be positive, got {}", a.cliprange_value),
+            ));
+        }
+        Some(CriticPlan {
+            lr: a.critic_lr,
+            update: ValueUpdate {
+                cliprange_value: a.cliprange_value,
+                agg,
+                epochs: a.ppo_epochs,
+                rows_per_update: a.ppo_mini_batch_size * a.rollout_n,
+            },
+        })
+    } else {
+        None
+    };
+    let nodes = user_nodes(s, i, e)?;
+    let asynchronous = matches!(mode, Mode::Async { .. });
+    let graph = expand(GraphSpec {
+        critic: critic.is_some(),
+        reference: kl.is_some(),
+        old_logp: !asynchronous && calls_per_step > 1,
+        asynchronous,
+        nodes: &nodes,
+    })
+    .map_err(|m| {
+        e.at(
+            format!("stages[{i}].nodes"),
+            format!("stage `{}`: {m}", s.id),
+        )
+    })?;
+    Ok(RlPlan {
+        estimator,
+        update,
+        sampling: Sampling {
+            n: a.rollout_n,
+            temperature: a.temperature,
+            top_p: a.top_p,
+            max_tokens: a.max_response_length,
+        },
+        prompts_per_step: a.train_batch_size,
+        prompts_per_update: a.ppo_mini_batch_size,
+        schedule,
+        grad_clip: a.grad_clip,
+        mode,
+        dynamic_sampling: a.filter_groups.then_some(a.max_num_gen_batches),
+        overlong: (a.overlong_buffer_len > 0).then_some(Overlong {
+            buffer: a.overlong_buffer_len,
+            factor: a.overlong_penalty_factor,
+        }),
+        critic,
+        graph,
+    })
+}
+
+fn user_nodes(s: &schema::Stage, i: usize, e: &Errs<'_>) -> Result<Vec<GraphNode>, PlanError> {
+    let mut out = Vec::with_capacity(s.nodes.len());
+    for (j, n) in s.nodes.iter().enumerate() {
+        let at = format!("stages[{i}].nodes[{j}]");
+        let (op, name, after, before) = match n {
+            schema::UserNode::Program(p) => {
+                let Some((cmd, args)) = p.command.split_first() else {
+                    return Err(e.at(format!("{at}.command"), format!("(`{}`) is empty", p.name)));
+                };
+                if !(positive(p.timeout_s)) || p.memory_mb == 0 {
+                    return Err(e.at(
+                        at.clone(),
+                        format!(
+                            "(`{}`): timeout_s (seconds) and memory_mb (MiB) must be positive",
+                            p.name
+                        ),
+                    ));
+                }
+                let program = find_program(cmd).ok_or_else(|| {
+                    e.at(
+                        format!("{at}.command"),
+                        format!(
+                            "(`{}`): `{cmd}` is not a program{}",
+                            p.name,
+                            if cmd.contains('/') {
+                                " (no executable file there)"
+                            } else {
+                                " found on PATH"
+                            }
+                        ),
+                    )
+                })?;
+                let plan = ProgramPlan {
+                    name: p.name.clone(),
+                    program,
+                    args: args.to_vec(),
+                    timeout: Duration::from_secs_f64(p.timeout_s),
+                    memory_bytes: p.memory_mb.saturating_mul(1 << 20),
+                    weight: p.weight,
+                    mode: p.mode,
+                };
+                (Op::Program(Arc::new(plan)), &p.name, &p.after, &p.before)
+            }
+            schema::UserNode::Filter(f) => {
+                if !(f.min_group_std >= 0.0) {
+                    return Err(e.at(
+                        format!("{at}.min_group_std"),
+                        format!("must not be negative, got {}", f.min_group_std),
+                    ));
+                }
+                let plan = FilterPlan {
+                    name: f.name.clone(),
+                    min_group_std: f.min_group_std,
+                    drop_truncated: f.drop_truncated,
+                };
+                (Op::Filter(Arc::new(plan)), &f.name, &f.after, &f.before)
+            }
+        };
+        out.push(GraphNode {
+            op,
+            name: name.clone(),
+            after: after.clone(),
+            before: before.clone(),
+        });
+    }
+    Ok(out)
+}
+
+/// The program `cmd` names: a path (with a `/`) to an executable file, or an executable file
+/// in a folder of `PATH`.
+fn find_program(cmd: &str) -> Option<PathBuf> {
+    use std::os::unix::fs::PermissionsExt;
+    let executable = |p: &Path| {
+        p.metadata()
+            .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+    };
+    if cmd.contains('/') {
+        let p = PathBuf::from(cmd);
+        return executable(&p).then_some(p);
+    }
+    std::env::split_paths(&std::env::var_os("PATH")?)
+        .map(|d| d.join(cmd))
+        .find(|p| executable(p))
+}

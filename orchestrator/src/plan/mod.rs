@@ -1,0 +1,368 @@
+//! The plan: a workflow parsed once into types. [`load`] reads a workflow file (YAML, `-o`
+//! overrides, paths relative to the file) into its [`schema`], then [`Plan::new`] turns the
+//! schema into a [`Plan`]: every name that picks a behaviour becomes an enum, every file it
+//! names (datasets, tokenizer, chat template, programs) is opened or found, every RL stage's
+//! step graph is expanded and checked, and every value is checked against its domain. There is
+//! no separate validation: a plan that exists can run, and an error names the file, the field
+//! and what is wrong before anything else happens.
+//!
+//! Owns: the typed description of a job and every check that can be made before it runs.
+//! Never: runs anything, creates a run directory, or opens a device.
+
+mod build;
+pub mod error;
+pub mod graph;
+mod load;
+pub mod schema;
+#[cfg(test)]
+mod tests;
+
+pub use error::PlanError;
+pub use graph::{Artifact, Op, StepGraph};
+pub use schema::{Device, Workflow};
+
+use crate::chat::ChatTemplate;
+use actors::Strategy;
+use learner::ModelConfig;
+use learner::algo::policy::PolicyUpdate;
+use learner::algo::value::ValueUpdate;
+use learner::optim::LrSchedule;
+use learner::rl::advantage::AdvEstimator;
+use learner::tokenizer::Tokenizer;
+use rollout::reward::Reward;
+use rollout::task::{Problem, Source};
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// A job, ready to run.
+pub struct Plan {
+    /// The job's name (names the default run directory).
+    pub name: String,
+    /// Seed of every random choice.
+    pub seed: u64,
+    /// The policy model and how its text is tokenized.
+    pub model: ModelPlan,
+    /// The rollout engines.
+    pub rollout: RolloutPlan,
+    /// The learner.
+    pub learner: LearnerPlan,
+    /// Stages in the order they run.
+    pub stages: Vec<StagePlan>,
+    /// The workflow it was made from, resolved (overrides applied, paths absolute, steps
+    /// counted): what the job store keeps and `trellis config show` prints.
+    pub spec: Workflow,
+}
+
+/// Where the policy's weights come from.
+#[derive(Clone, Debug)]
+pub enum ModelSource {
+    /// A Hugging Face checkpoint folder.
+    Checkpoint(PathBuf),
+    /// A config, initialised with the job's seed.
+    Init(ModelConfig),
+}
+
+/// The policy model.
+pub struct ModelPlan {
+    /// Its weights.
+    pub source: ModelSource,
+    /// Its tokenizer.
+    pub tokenizer: Tokenizer,
+    /// The tokenizer's `tokenizer.json` text (written into every checkpoint).
+    pub tokenizer_json: String,
+    /// The checkpoint's chat template, when a stage renders prompts through it.
+    pub chat: Option<Arc<ChatTemplate>>,
+}
+
+/// Where a pool's actors run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Placement {
+    /// In the driver's process.
+    Local,
+    /// On registered agents.
+    Agents(Strategy),
+}
+
+/// The rollout engines.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RolloutPlan {
+    /// Engines in the pool.
+    pub count: usize,
+    /// Which engine.
+    pub engine: RolloutEngine,
+    /// Where the engines' actors run (external engines run where their endpoints are).
+    pub placement: Placement,
+}
+
+/// A rollout engine.
+#[derive(Clone, Debug, PartialEq)]
+pub enum RolloutEngine {
+    /// This build's CPU engine.
+    Native {
+        /// KV-cache budget of the pool (shared by its local engines).
+        kv_cache_bytes: usize,
+    },
+    /// A PJRT plugin's device.
+    Pjrt {
+        /// Which device.
+        device: Device,
+        /// The plugin (default: found for the device where the actor runs).
+        plugin: Option<PathBuf>,
+        /// KV-cache budget (unused by today's static batching; kept for the pool's budget).
+        kv_cache_bytes: usize,
+    },
+    /// Servers reached over HTTP.
+    External(ExternalPlan),
+}
+
+impl RolloutPlan {
+    /// The device an engine's actor occupies (what placement counts).
+    pub fn device(&self) -> Device {
+        match &self.engine {
+            RolloutEngine::Pjrt { device, .. } => *device,
+            RolloutEngine::Native { .. } | RolloutEngine::External(_) => Device::Cpu,
+        }
+    }
+}
+
+/// External engines.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ExternalPlan {
+    /// Their API: `vllm`, `sglang` or `served`.
+    pub api: schema::Engine,
+    /// One base URL per engine.
+    pub endpoints: Vec<String>,
+    /// The model they must serve (unset: whatever they serve).
+    pub model: Option<String>,
+    /// Where pushed weights are written (default: RUN_DIR/engine-weights).
+    pub weights_dir: Option<PathBuf>,
+    /// How long one call may take.
+    pub timeout: Duration,
+    /// Largest log-prob difference the push probe allows.
+    pub tolerance: f64,
+}
+
+/// The learner.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LearnerPlan {
+    /// Which engine trains the policy.
+    pub engine: LearnerEngine,
+}
+
+/// A training engine.
+#[derive(Clone, Debug, PartialEq)]
+pub enum LearnerEngine {
+    /// This build's CPU kernels.
+    Native,
+    /// A PJRT plugin's device.
+    Pjrt {
+        /// Which device.
+        device: Device,
+        /// The plugin (default: found for the device).
+        plugin: Option<PathBuf>,
+    },
+}
+
+/// One stage.
+pub struct StagePlan {
+    /// Its id.
+    pub id: String,
+    /// What it does.
+    pub work: Work,
+    /// Its problems (an eval stage without data of its own shares the previous stage's).
+    pub data: Arc<DataPlan>,
+    /// The reward (RL) and the eval's scorer.
+    pub reward: Reward,
+    /// Steps (0 for an eval stage).
+    pub steps: u64,
+    /// Evaluate every this many steps (0: only at the end).
+    pub eval_freq: u64,
+    /// Checkpoint every this many steps (0: only at the end).
+    pub save_freq: u64,
+    /// Checkpoints kept.
+    pub keep: usize,
+    /// Tokens a greedy eval answer may take.
+    pub eval_tokens: usize,
+}
+
+/// What a stage does.
+pub enum Work {
+    /// Supervised fine-tuning.
+    Sft(SftPlan),
+    /// Reinforcement learning.
+    Rl(Box<RlPlan>),
+    /// Evaluation only.
+    Eval,
+}
+
+/// A stage's problems, read once.
+pub struct DataPlan {
+    /// Where training problems come from.
+    pub source: Source,
+    /// The held-out problems.
+    pub eval_set: Vec<Problem>,
+    /// What training never draws (the held-out problems).
+    pub exclude: HashSet<Problem>,
+    /// Prompts are rendered through the chat template.
+    pub chat_template: bool,
+}
+
+/// SFT settings.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SftPlan {
+    /// Problems per step.
+    pub batch_size: usize,
+    /// The learning rate per optimiser step, over the stage.
+    pub schedule: LrSchedule,
+}
+
+/// RL settings.
+#[derive(Clone, Debug)]
+pub struct RlPlan {
+    /// How advantages are estimated.
+    pub estimator: AdvEstimator,
+    /// How the policy is updated (loss, aggregation, epochs, mini-batch rows).
+    pub update: PolicyUpdate,
+    /// How responses are sampled.
+    pub sampling: Sampling,
+    /// Prompts per step.
+    pub prompts_per_step: usize,
+    /// Prompts per optimiser step.
+    pub prompts_per_update: usize,
+    /// The learning rate per optimiser step, over the stage.
+    pub schedule: LrSchedule,
+    /// Global gradient-norm clip.
+    pub grad_clip: f64,
+    /// How generation and training take turns.
+    pub mode: Mode,
+    /// DAPO's dynamic sampling: most generation rounds per step.
+    pub dynamic_sampling: Option<usize>,
+    /// DAPO's overlong shaping.
+    pub overlong: Option<Overlong>,
+    /// PPO's critic.
+    pub critic: Option<CriticPlan>,
+    /// The step graph.
+    pub graph: StepGraph,
+}
+
+impl RlPlan {
+    /// Rows (responses) per optimiser step.
+    pub fn rows_per_update(&self) -> usize {
+        self.update.rows_per_update
+    }
+
+    /// Whether the actor loss has a KL term (so the stage keeps a reference policy).
+    pub fn uses_reference(&self) -> bool {
+        self.update.loss.kl.is_some()
+    }
+}
+
+/// How responses are sampled.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Sampling {
+    /// Responses per prompt.
+    pub n: usize,
+    /// Temperature (positive).
+    pub temperature: f32,
+    /// Nucleus threshold in (0, 1].
+    pub top_p: f32,
+    /// Most response tokens.
+    pub max_tokens: usize,
+}
+
+/// How generation and training take turns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// Generate, then train, each step.
+    Sync,
+    /// Generation runs up to `max_staleness` steps ahead.
+    Async {
+        /// Steps ahead, and the weight versions a sample may lag.
+        max_staleness: u64,
+        /// What happens to samples that lag more.
+        stale: schema::Stale,
+    },
+}
+
+/// DAPO's overlong shaping.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Overlong {
+    /// The last this-many tokens before the budget are penalised linearly.
+    pub buffer: usize,
+    /// The penalty at the budget.
+    pub factor: f64,
+}
+
+/// PPO's critic.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct CriticPlan {
+    /// Its learning rate.
+    pub lr: f32,
+    /// How it is updated.
+    pub update: ValueUpdate,
+}
+
+/// A reward program.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ProgramPlan {
+    /// Node name.
+    pub name: String,
+    /// The program, found.
+    pub program: PathBuf,
+    /// Its arguments.
+    pub args: Vec<String>,
+    /// How long it may run.
+    pub timeout: Duration,
+    /// Its address-space limit in bytes.
+    pub memory_bytes: u64,
+    /// Its score's weight.
+    pub weight: f64,
+    /// Added to the reward, or replacing it.
+    pub mode: schema::ScoreMode,
+}
+
+/// A filter of prompt groups.
+#[derive(Clone, Debug, PartialEq)]
+pub struct FilterPlan {
+    /// Node name.
+    pub name: String,
+    /// Groups whose scores' standard deviation is below this are dropped.
+    pub min_group_std: f64,
+    /// Groups with a response cut at the budget are dropped.
+    pub drop_truncated: bool,
+}
+
+/// Reads the workflow file at `path`, applies `overrides` (`dotted.key=value`, the value in YAML
+/// syntax) and makes its plan.
+pub fn load(path: &Path, overrides: &[String]) -> Result<Plan, PlanError> {
+    let origin = path.display().to_string();
+    let text = std::fs::read_to_string(path).map_err(|e| PlanError::new(&origin, e.to_string()))?;
+    parse(&text, &origin, overrides)
+}
+
+/// As [`load`], from text (`origin` names it in errors; relative paths start at its folder).
+pub fn parse(text: &str, origin: &str, overrides: &[String]) -> Result<Plan, PlanError> {
+    Plan::new(load::resolve(text, origin, overrides)?, origin)
+}
+
+impl Plan {
+    /// The plan of a resolved workflow (`origin` names it in errors).
+    pub fn new(spec: Workflow, origin: &str) -> Result<Self, PlanError> {
+        build::plan(spec, origin)
+    }
+
+    /// The stage called `id`.
+    pub fn stage(&self, id: &str) -> Option<&StagePlan> {
+        self.stages.iter().find(|s| s.id == id)
+    }
+
+    /// Whether some stage trains on the engines' own log-probs (`async` mode).
+    pub fn trains_on_engine_logprobs(&self) -> bool {
+        self.stages.iter().any(|s| match &s.work {
+            Work::Rl(rl) => matches!(rl.mode, Mode::Async { .. }),
+            _ => false,
+        })
+    }
+}

@@ -1,0 +1,603 @@
+//! The workflow file as people write it: the YAML schema, with its defaults. Choices the
+//! orchestrator makes (device, engine, placement, mode, stale policy, schedule, program mode)
+//! are enums here already, so a misspelt one is refused at parse with the valid names; the
+//! learner's own names (estimator, loss, aggregation, KL type) stay text until the plan parses
+//! them with the learner's parsers. This is also what the job store keeps and `trellis config
+//! show` prints (resolved: overrides applied, paths absolute, steps counted). The schema is
+//! documented in `docs/workflow.md`.
+//!
+//! Owns: field names, defaults and their docs. Never: opens a file or checks a value (the plan
+//! does both, once).
+
+pub use actors::Device;
+use rollout::reward::Reward;
+use rollout::task::ArithTask;
+use serde::{Deserialize, Serialize};
+use std::path::PathBuf;
+
+/// A workflow: a model, pools, and stages run in dependency order.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Workflow {
+    /// Job name (names the default run directory).
+    pub name: String,
+    /// Seed of every random choice (init, data, sampling).
+    #[serde(default)]
+    pub seed: u64,
+    /// The policy model.
+    pub model: ModelSpec,
+    /// Where rollout and learner actors run.
+    #[serde(default)]
+    pub pools: Pools,
+    /// Stages, chained with `after`.
+    pub stages: Vec<Stage>,
+}
+
+/// The model: a checkpoint folder, or a config to initialise randomly.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelSpec {
+    /// Hugging Face checkpoint folder.
+    #[serde(default)]
+    pub path: Option<PathBuf>,
+    /// Hugging Face config fields (`arch` or `model_type`, `hidden_size`, ...) for random init.
+    #[serde(default)]
+    pub init: Option<serde_json::Value>,
+    /// `builtin:arith`, or a `tokenizer.json` path (default: the checkpoint's).
+    #[serde(default)]
+    pub tokenizer: Option<String>,
+}
+
+/// Rollout and learner pools.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct Pools {
+    /// Inference engines.
+    #[serde(default)]
+    pub rollout: Pool,
+    /// Training engines.
+    #[serde(default)]
+    pub learner: Pool,
+}
+
+/// An engine: this build's, a PJRT plugin's, or an external server's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Engine {
+    /// This build's CPU engine.
+    Native,
+    /// The model compiled to StableHLO and run by a PJRT plugin on the pool's device.
+    Pjrt,
+    /// A vLLM server.
+    Vllm,
+    /// An SGLang server.
+    Sglang,
+    /// `trellis engine serve`.
+    Served,
+}
+
+impl Engine {
+    /// Whether the engine is a server reached over HTTP.
+    pub fn is_external(self) -> bool {
+        matches!(self, Engine::Vllm | Engine::Sglang | Engine::Served)
+    }
+}
+
+/// Where a pool's actors run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Placement {
+    /// In the driver's process.
+    Local,
+    /// On registered agents, fewest agents first.
+    Pack,
+    /// On registered agents, one per agent first.
+    Spread,
+}
+
+/// One pool.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Pool {
+    /// `cpu`, `gpu` or `tpu`.
+    #[serde(default = "default_device")]
+    pub device: Device,
+    /// Devices (or engines) in the pool: a native rollout pool runs this many engines, prompts
+    /// spread over them; the native learner trains on one.
+    #[serde(default = "one")]
+    pub count: usize,
+    /// `native` (this build's CPU engine); `pjrt` (the model compiled to StableHLO and run by a
+    /// PJRT plugin on `device`); for rollout also an external engine server reached over HTTP:
+    /// `vllm`, `sglang`, or `served` (`trellis engine serve`).
+    #[serde(default = "default_engine")]
+    pub engine: Engine,
+    /// `local` (in the driver process), or on registered agents (`trellis agent`): `pack` (fewest
+    /// agents) or `spread` (one per agent first). Agents need `trellis train --listen`.
+    #[serde(default = "default_placement")]
+    pub placement: Placement,
+    /// Base URLs of the external engines (`http://host:port`), one engine each.
+    #[serde(default)]
+    pub endpoints: Vec<String>,
+    /// The model the endpoints must serve (vLLM's model id, SGLang's model path); unset:
+    /// whatever they serve.
+    #[serde(default)]
+    pub model: Option<String>,
+    /// A folder every endpoint can read, where each pushed weight version is written as a new
+    /// checkpoint folder (default: RUN_DIR/engine-weights; on a cluster, a shared filesystem).
+    #[serde(default)]
+    pub weights_dir: Option<PathBuf>,
+    /// Seconds one HTTP call to an engine may take (a generation included).
+    #[serde(default = "default_timeout")]
+    pub timeout_s: f64,
+    /// Largest |log-prob difference| allowed between an engine and the learner on the probe
+    /// that checks every weight push (raise it for bf16 engines).
+    #[serde(default = "default_tolerance")]
+    pub verify_tolerance: f64,
+    /// The PJRT plugin of `engine: pjrt` (`libtpu.so`, the CUDA plugin, `xla_cpu_pjrt.so`);
+    /// unset: `TRELLIS_PJRT_PLUGIN`, else the one pip installed for `device`.
+    #[serde(default)]
+    pub plugin: Option<PathBuf>,
+    /// KV-cache budget of a native rollout pool, in MiB (shared by its engines when local;
+    /// each agent's engine gets all of it).
+    #[serde(default = "default_kv_cache_mib")]
+    pub kv_cache_mib: usize,
+}
+
+impl Default for Pool {
+    fn default() -> Self {
+        Self {
+            device: default_device(),
+            count: 1,
+            engine: default_engine(),
+            placement: default_placement(),
+            endpoints: Vec::new(),
+            model: None,
+            weights_dir: None,
+            timeout_s: default_timeout(),
+            verify_tolerance: default_tolerance(),
+            plugin: None,
+            kv_cache_mib: default_kv_cache_mib(),
+        }
+    }
+}
+
+fn default_kv_cache_mib() -> usize {
+    256
+}
+
+fn default_timeout() -> f64 {
+    300.0
+}
+
+fn default_tolerance() -> f64 {
+    1e-3
+}
+
+fn default_placement() -> Placement {
+    Placement::Local
+}
+
+fn default_device() -> Device {
+    Device::Cpu
+}
+fn default_engine() -> Engine {
+    Engine::Native
+}
+fn one() -> usize {
+    1
+}
+
+/// What a stage does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StageKind {
+    /// Supervised fine-tuning on the task's answers.
+    Sft,
+    /// Reinforcement learning with rewards.
+    Rl,
+    /// Evaluation only.
+    Eval,
+}
+
+/// Where a stage's problems come from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Task {
+    /// The built-in arithmetic task, seeded.
+    Arith,
+    /// A JSON-lines file.
+    Jsonl,
+    /// A Parquet file's flat columns.
+    Parquet,
+}
+
+/// Data of a stage.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Data {
+    /// The task: `arith` (built in, seeded), `jsonl` (a JSON-lines file) or `parquet` (a
+    /// Parquet file's flat columns).
+    pub task: Task,
+    /// `arith` settings (flattened: `digits`, `ops`, `reverse_answer`).
+    #[serde(flatten)]
+    pub arith: ArithTask,
+    /// Held-out problems for evaluation (a dataset without `eval_path`: the last this-many rows of
+    /// a seeded shuffle).
+    #[serde(default = "default_eval_size")]
+    pub eval_size: usize,
+    /// `jsonl`, `parquet`: the training file (relative paths start at the workflow file's folder).
+    #[serde(default)]
+    pub path: Option<PathBuf>,
+    /// `jsonl`, `parquet`: a held-out file.
+    #[serde(default)]
+    pub eval_path: Option<PathBuf>,
+    /// `jsonl`, `parquet`: the key (column) of the prompt.
+    #[serde(default = "default_prompt_key")]
+    pub prompt_key: String,
+    /// `jsonl`, `parquet`: the key (column) of the answer.
+    #[serde(default = "default_answer_key")]
+    pub answer_key: String,
+    /// `jsonl`, `parquet`: text around each prompt, `{prompt}` standing for it (e.g. VeRL's
+    /// GSM8K instruction: `"{prompt} Let's think step by step and output the final answer after
+    /// \"####\"."`); applied before the chat template.
+    #[serde(default)]
+    pub prompt_template: Option<String>,
+    /// Render each prompt as a user message through the checkpoint's chat template
+    /// (`tokenizer_config.json` of `model.path`).
+    #[serde(default)]
+    pub chat_template: bool,
+}
+
+fn default_prompt_key() -> String {
+    "prompt".into()
+}
+fn default_answer_key() -> String {
+    "answer".into()
+}
+
+fn default_eval_size() -> usize {
+    200
+}
+
+/// RL algorithm settings, with VeRL's names. Batch sizes are counted in prompts.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Algorithm {
+    /// `grpo`, `rloo`, `reinforce_plus_plus`, `reinforce_plus_plus_baseline`, `opo`.
+    pub adv_estimator: String,
+    /// GRPO: divide by the group's std.
+    pub norm_adv_by_std_in_grpo: bool,
+    /// Samples per prompt.
+    pub rollout_n: usize,
+    /// Prompts per RL step.
+    pub train_batch_size: usize,
+    /// Prompts per optimiser update.
+    pub ppo_mini_batch_size: usize,
+    /// Passes over each batch.
+    pub ppo_epochs: usize,
+    /// `vanilla`, `gspo`, `cispo`, `gpg`.
+    pub policy_loss: String,
+    /// PPO clip ε.
+    pub clip_ratio: f64,
+    /// ε_low (defaults to clip_ratio).
+    pub clip_ratio_low: Option<f64>,
+    /// ε_high (defaults to clip_ratio).
+    pub clip_ratio_high: Option<f64>,
+    /// Loss aggregation.
+    pub loss_agg_mode: String,
+    /// Entropy bonus.
+    pub entropy_coeff: f64,
+    /// Learning rate.
+    pub lr: f32,
+    /// Warmup steps.
+    pub lr_warmup_steps: u64,
+    /// `constant`, or `cosine` decay to `min_lr_ratio · lr` at the stage's last step (VeRL's
+    /// `warmup_style`).
+    pub lr_schedule: Schedule,
+    /// Floor of the cosine schedule, as a fraction of `lr`.
+    pub min_lr_ratio: f32,
+    /// Global gradient-norm clip.
+    pub grad_clip: f64,
+    /// Sampling temperature.
+    pub temperature: f32,
+    /// Nucleus sampling.
+    pub top_p: f32,
+    /// Most response tokens.
+    pub max_response_length: usize,
+    /// DAPO dynamic sampling: drop groups whose scores are all equal and draw more prompts.
+    pub filter_groups: bool,
+    /// Most generation rounds per step under `filter_groups`.
+    pub max_num_gen_batches: usize,
+    /// DAPO overlong shaping: the last this-many tokens before `max_response_length` are
+    /// penalised linearly (0: off).
+    pub overlong_buffer_len: usize,
+    /// Penalty at `max_response_length`.
+    pub overlong_penalty_factor: f64,
+    /// Add a KL loss against the reference policy (the weights at the start of the stage).
+    pub use_kl_loss: bool,
+    /// Its coefficient.
+    pub kl_loss_coef: f64,
+    /// Its estimator: `k1`, `k2`/`mse`, `k3`/`low_var_kl`, `abs` (a `+` suffix: straight-through).
+    pub kl_loss_type: String,
+    /// GAE discount (`adv_estimator: gae`).
+    pub gamma: f64,
+    /// GAE λ.
+    pub lam: f64,
+    /// Critic learning rate (`adv_estimator: gae`).
+    pub critic_lr: f32,
+    /// Critic value clip (VeRL's `cliprange_value`).
+    pub cliprange_value: f64,
+}
+
+impl Default for Algorithm {
+    fn default() -> Self {
+        Self {
+            adv_estimator: "grpo".into(),
+            norm_adv_by_std_in_grpo: true,
+            rollout_n: 8,
+            train_batch_size: 64,
+            ppo_mini_batch_size: 64,
+            ppo_epochs: 1,
+            policy_loss: "vanilla".into(),
+            clip_ratio: 0.2,
+            clip_ratio_low: None,
+            clip_ratio_high: None,
+            loss_agg_mode: "token-mean".into(),
+            entropy_coeff: 0.0,
+            lr: 1e-4,
+            lr_warmup_steps: 0,
+            lr_schedule: Schedule::Constant,
+            min_lr_ratio: 0.0,
+            grad_clip: 1.0,
+            temperature: 1.0,
+            top_p: 1.0,
+            max_response_length: 16,
+            filter_groups: false,
+            max_num_gen_batches: 4,
+            overlong_buffer_len: 0,
+            overlong_penalty_factor: 1.0,
+            use_kl_loss: false,
+            kl_loss_coef: 0.001,
+            kl_loss_type: "low_var_kl".into(),
+            gamma: 1.0,
+            lam: 1.0,
+            critic_lr: 1e-4,
+            cliprange_value: 0.5,
+        }
+    }
+}
+
+/// The shape of a learning-rate schedule after its warmup.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Schedule {
+    /// Flat.
+    Constant,
+    /// Cosine decay to `min_lr_ratio · lr` at the stage's last step.
+    Cosine,
+}
+
+/// How generation and training take turns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    /// Generate, then train, each step.
+    Sync,
+    /// Generation of later steps overlaps training.
+    Async,
+}
+
+/// What `async` mode does with samples too many versions behind the learner.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Stale {
+    /// Train on the rest.
+    Drop,
+    /// Generate their prompts again on the current weights.
+    Wait,
+}
+
+/// Step counts and cadences.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Trainer {
+    /// Steps of the stage.
+    pub steps: u64,
+    /// Passes over a dataset's training rows; when set, it decides `steps` (rounded up; a step
+    /// takes `train_batch_size` prompts, or SFT's `batch_size` problems).
+    pub total_epochs: Option<f64>,
+    /// Evaluate every this many steps (0: only at the end).
+    pub eval_freq: u64,
+    /// Checkpoint every this many steps (0: only at the end).
+    pub save_freq: u64,
+    /// `sync` (generate, then train, each step) or `async` (generation of later steps overlaps
+    /// training; samples carry their weight version).
+    pub mode: Mode,
+    /// `async`: generation runs up to this many steps ahead, and a sample whose oldest token is
+    /// more than this many weight versions behind the learner is stale.
+    pub max_staleness: u64,
+    /// `async`: what happens to stale samples: `drop` (train on the rest) or `wait` (generate
+    /// their prompts again on the current weights).
+    pub stale_samples: Stale,
+    /// Checkpoints kept on disk (older ones are deleted once a newer one is recorded).
+    pub max_ckpt_to_keep: usize,
+}
+
+impl Default for Trainer {
+    fn default() -> Self {
+        Self {
+            steps: 100,
+            total_epochs: None,
+            eval_freq: 0,
+            save_freq: 0,
+            mode: Mode::Sync,
+            max_staleness: 1,
+            stale_samples: Stale::Drop,
+            max_ckpt_to_keep: 1,
+        }
+    }
+}
+
+/// SFT settings.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Sft {
+    /// Problems per step.
+    pub batch_size: usize,
+    /// Learning rate.
+    pub lr: f32,
+    /// Warmup steps.
+    pub lr_warmup_steps: u64,
+    /// `constant`, or `cosine` decay to `min_lr_ratio · lr` at the stage's last step.
+    pub lr_schedule: Schedule,
+    /// Floor of the cosine schedule, as a fraction of `lr`.
+    pub min_lr_ratio: f32,
+}
+
+impl Default for Sft {
+    fn default() -> Self {
+        Self {
+            batch_size: 64,
+            lr: 1e-3,
+            lr_warmup_steps: 10,
+            lr_schedule: Schedule::Constant,
+            min_lr_ratio: 0.0,
+        }
+    }
+}
+
+/// One stage.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Stage {
+    /// Unique id.
+    pub id: String,
+    /// What it does.
+    pub kind: StageKind,
+    /// Stages that must finish first.
+    #[serde(default)]
+    pub after: Vec<String>,
+    /// Its data (eval stages default to the previous stage's).
+    #[serde(default)]
+    pub data: Option<Data>,
+    /// SFT settings.
+    #[serde(default)]
+    pub sft: Sft,
+    /// RL settings.
+    #[serde(default)]
+    pub algorithm: Algorithm,
+    /// RL reward.
+    #[serde(default = "default_reward")]
+    pub reward: Reward,
+    /// Steps and cadences.
+    #[serde(default)]
+    pub trainer: Trainer,
+    /// Extra nodes in each RL step (see [`super::graph`]).
+    #[serde(default)]
+    pub nodes: Vec<UserNode>,
+}
+
+/// A node a workflow adds to the RL step graph.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum UserNode {
+    /// An external reward program.
+    Program(ProgramNode),
+    /// Drops prompt groups.
+    Filter(FilterNode),
+}
+
+impl UserNode {
+    /// Its name.
+    pub fn name(&self) -> &str {
+        match self {
+            Self::Program(p) => &p.name,
+            Self::Filter(f) => &f.name,
+        }
+    }
+
+    /// Its `after` and `before` lists.
+    pub fn order(&self) -> (&[String], &[String]) {
+        match self {
+            Self::Program(p) => (&p.after, &p.before),
+            Self::Filter(f) => (&f.after, &f.before),
+        }
+    }
+}
+
+/// An external command scoring responses: it reads one JSON object per line (`prompt`,
+/// `response`, `answer`) on stdin and writes one number per line on stdout.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProgramNode {
+    /// Node name.
+    pub name: String,
+    /// Program and arguments (no shell).
+    pub command: Vec<String>,
+    /// Seconds before the program is killed and the batch scored as failed.
+    #[serde(default = "default_program_timeout")]
+    pub timeout_s: f64,
+    /// Address-space limit of the program, in MiB.
+    #[serde(default = "default_program_memory")]
+    pub memory_mb: u64,
+    /// Its score is multiplied by this and added to the reward (`mode: add`) or replaces it
+    /// (`mode: replace`).
+    #[serde(default = "one_f64")]
+    pub weight: f64,
+    /// `add` or `replace`.
+    #[serde(default = "default_program_mode")]
+    pub mode: ScoreMode,
+    /// Nodes that run first (default: `reward`).
+    #[serde(default)]
+    pub after: Vec<String>,
+    /// Nodes that run after it (default: every built-in node reading what it writes).
+    #[serde(default)]
+    pub before: Vec<String>,
+}
+
+/// Drops whole prompt groups before the advantages are computed.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FilterNode {
+    /// Node name.
+    pub name: String,
+    /// Drop groups whose scores' standard deviation is below this (they carry no GRPO signal).
+    #[serde(default)]
+    pub min_group_std: f64,
+    /// Drop groups with a response cut at `max_response_length`.
+    #[serde(default)]
+    pub drop_truncated: bool,
+    /// Nodes that run first (default: `reward`).
+    #[serde(default)]
+    pub after: Vec<String>,
+    /// Nodes that run after it (default: every built-in node reading what it writes).
+    #[serde(default)]
+    pub before: Vec<String>,
+}
+
+fn default_program_timeout() -> f64 {
+    60.0
+}
+fn default_program_memory() -> u64 {
+    2048
+}
+fn one_f64() -> f64 {
+    1.0
+}
+fn default_program_mode() -> ScoreMode {
+    ScoreMode::Add
+}
+
+/// How a program's score meets the reward.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ScoreMode {
+    /// Added to the reward (times `weight`).
+    Add,
+    /// Replaces it (times `weight`).
+    Replace,
+}
+
+fn default_reward() -> Reward {
+    Reward::ExactMatch
+}

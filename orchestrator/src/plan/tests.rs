@@ -1,0 +1,368 @@
+//! The plan's checks as a table: a workflow (the base one with one change) and the exact message
+//! it gets; and the step graphs the algorithms expand to.
+
+use super::*;
+
+/// A small valid workflow: SFT, then RL, then an eval.
+const BASE: &str = "name: t
+seed: 3
+model:
+  init: {arch: qwen2, hidden_size: 16, num_hidden_layers: 1, num_attention_heads: 2}
+  tokenizer: builtin:arith
+stages:
+  - id: warmup
+    kind: sft
+    data: {task: arith, digits: 1, eval_size: 4}
+    sft: {batch_size: 4, lr: 1.0e-3}
+    trainer: {steps: 2}
+  - id: rl
+    kind: rl
+    after: [warmup]
+    data: {task: arith, digits: 1, eval_size: 4}
+    algorithm: {rollout_n: 2, train_batch_size: 4, ppo_mini_batch_size: 2, lr: 1.0e-4,
+                max_response_length: 4}
+    trainer: {steps: 2}
+  - id: final
+    kind: eval
+    after: [rl]
+";
+
+/// The message `yaml` gets, or `ok`.
+fn check(yaml: &str) -> String {
+    match parse(yaml, "t.yaml", &[]) {
+        Ok(_) => "ok".into(),
+        Err(e) => e.to_string(),
+    }
+}
+
+/// The base workflow with `from` replaced by `to` (which must be there).
+fn edit(from: &str, to: &str) -> String {
+    assert!(BASE.contains(from), "{from:?} is not in the base workflow");
+    BASE.replacen(from, to, 1)
+}
+
+#[test]
+fn the_base_workflow_plans() {
+    assert_eq!(check(BASE), "ok");
+    let plan = parse(BASE, "t.yaml", &[]).unwrap();
+    let ids: Vec<&str> = plan.stages.iter().map(|s| s.id.as_str()).collect();
+    assert_eq!(ids, ["warmup", "rl", "final"]);
+    // Stages with the same data share what was read; the eval stage takes the one before it.
+    assert!(Arc::ptr_eq(&plan.stages[0].data, &plan.stages[1].data));
+    assert!(Arc::ptr_eq(&plan.stages[1].data, &plan.stages[2].data));
+}
+
+#[test]
+fn bad_workflows_get_messages_that_say_where_and_why() {
+    let cases: &[(&str, &str, &str)] = &[
+        // Syntax and names: the line, the field, the closest name, VeRL's names.
+        (
+            "seed: 3",
+            "seed: 3\nsede: 4",
+            "t.yaml:3:1: unknown field `sede` (did you mean `seed`?); expected one of name, seed, model, pools, stages",
+        ),
+        (
+            "rollout_n: 2,",
+            "rollout_n: eight,",
+            "t.yaml:16:28: stages[1].algorithm.rollout_n: invalid u64",
+        ),
+        (
+            "rollout_n: 2,",
+            "rollout_nn: 2,",
+            "t.yaml:16:17: stages[1].algorithm: unknown field `rollout_nn` (did you mean `rollout_n`?); expected one of adv_estimator, norm_adv_by_std_in_grpo, rollout_n, train_batch_size, ppo_mini_batch_size, ppo_epochs, policy_loss, clip_ratio, clip_ratio_low, clip_ratio_high, loss_agg_mode, entropy_coeff, lr, lr_warmup_steps, lr_schedule, min_lr_ratio, grad_clip, temperature, top_p, max_response_length, filter_groups, max_num_gen_batches, overlong_buffer_len, overlong_penalty_factor, use_kl_loss, kl_loss_coef, kl_loss_type, gamma, lam, critic_lr, cliprange_value",
+        ),
+        (
+            "rollout_n: 2,",
+            "n: 2,",
+            "t.yaml:16:17: stages[1].algorithm: unknown field `n`: VeRL's `actor_rollout_ref.rollout.n` is `rollout_n` in a stage's `algorithm`; expected one of adv_estimator, norm_adv_by_std_in_grpo, rollout_n, train_batch_size, ppo_mini_batch_size, ppo_epochs, policy_loss, clip_ratio, clip_ratio_low, clip_ratio_high, loss_agg_mode, entropy_coeff, lr, lr_warmup_steps, lr_schedule, min_lr_ratio, grad_clip, temperature, top_p, max_response_length, filter_groups, max_num_gen_batches, overlong_buffer_len, overlong_penalty_factor, use_kl_loss, kl_loss_coef, kl_loss_type, gamma, lam, critic_lr, cliprange_value",
+        ),
+        (
+            "trainer: {steps: 2}\n  - id: final",
+            "trainer: {steps: 2, test_freq: 1}\n  - id: final",
+            "t.yaml:18:25: stages[1].trainer: unknown field `test_freq`: VeRL's `trainer.test_freq` is `eval_freq` in a stage's `trainer`; expected one of steps, total_epochs, eval_freq, save_freq, mode, max_staleness, stale_samples, max_ckpt_to_keep",
+        ),
+        (
+            "trainer: {steps: 2}\n  - id: final",
+            "trainer: {total_training_steps: 2}\n  - id: final",
+            "t.yaml:18:15: stages[1].trainer: unknown field `total_training_steps`: VeRL's `trainer.total_training_steps` is `steps` in a stage's `trainer`; expected one of steps, total_epochs, eval_freq, save_freq, mode, max_staleness, stale_samples, max_ckpt_to_keep",
+        ),
+        (
+            "kind: sft",
+            "kind: stf",
+            "t.yaml:8:11: stages[0].kind: unknown variant `stf` (did you mean `sft`?); expected one of sft, rl, eval",
+        ),
+        // Values outside their domain, named by field.
+        (
+            "rollout_n: 2,",
+            "rollout_n: 0,",
+            "t.yaml: stages[1].algorithm.rollout_n: is 0: it must be positive",
+        ),
+        (
+            "lr: 1.0e-4,",
+            "lr: -1,",
+            "t.yaml: stages[1].algorithm.lr: must be a positive learning rate, got -1",
+        ),
+        (
+            "lr: 1.0e-3}",
+            "lr: 0}",
+            "t.yaml: stages[0].sft.lr: must be a positive learning rate, got 0",
+        ),
+        (
+            "lr: 1.0e-4,",
+            "lr: 1.0e-4, clip_ratio: -0.2,",
+            "t.yaml: stages[1].algorithm.clip_ratio: must lie in [0, 1), got -0.2",
+        ),
+        (
+            "lr: 1.0e-4,",
+            "lr: 1.0e-4, clip_ratio_high: -0.1,",
+            "t.yaml: stages[1].algorithm.clip_ratio_high: is -0.1: it must not be negative",
+        ),
+        (
+            "lr: 1.0e-4,",
+            "lr: 1.0e-4, temperature: 0,",
+            "t.yaml: stages[1].algorithm.temperature: is 0: RL samples its responses, so the temperature must be positive (0 would be greedy decoding, where every sample of a prompt is the same and log-probs are undefined)",
+        ),
+        (
+            "lr: 1.0e-4,",
+            "lr: 1.0e-4, top_p: 2.0,",
+            "t.yaml: stages[1].algorithm.top_p: must lie in (0, 1], got 2",
+        ),
+        (
+            "ppo_mini_batch_size: 2,",
+            "ppo_mini_batch_size: 3,",
+            "t.yaml: stages[1].algorithm.ppo_mini_batch_size: (3) must divide train_batch_size (4); both are counted in prompts",
+        ),
+        (
+            "lr: 1.0e-4,",
+            "lr: 1.0e-4, adv_estimator: ppo,",
+            "t.yaml: stages[1].algorithm.adv_estimator: unknown adv_estimator `ppo`; valid: grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, remax, opo, gae",
+        ),
+        (
+            "lr: 1.0e-4,",
+            "lr: 1.0e-4, use_kl_loss: true, kl_loss_type: k4,",
+            "t.yaml: stages[1].algorithm.kl_loss_type: unknown kl_loss_type `k4`; valid: k1, kl, abs, k2, mse, k3, low_var_kl, (any of these)+",
+        ),
+        (
+            "lr: 1.0e-4,",
+            "lr: 1.0e-4, adv_estimator: gae, critic_lr: 0,",
+            "t.yaml: stages[1].algorithm.critic_lr: must be a positive learning rate, got 0",
+        ),
+        // Modes and the step graph.
+        (
+            "trainer: {steps: 2}\n  - id: final",
+            "trainer: {steps: 2, mode: async, max_staleness: 0}\n  - id: final",
+            "t.yaml: stages[1].trainer.max_staleness: is 0 in async mode: generation could never run ahead (use mode: sync), counted in weight versions",
+        ),
+        (
+            "trainer: {steps: 2}\n  - id: final",
+            "nodes: [{filter: {name: f, after: [reward], before: [update_actor]}}]\n    trainer: {steps: 2}\n  - id: final",
+            "t.yaml: stages[1].nodes: stage `rl`: node `f` writes `rollouts`, which node `old_logp` also uses, but neither runs before the other: add `before: [old_logp]` or `after: [old_logp]` to `f`",
+        ),
+        (
+            "trainer: {steps: 2}\n  - id: final",
+            "nodes: [{program: {name: p, command: [sh], after: [nope]}}]\n    trainer: {steps: 2}\n  - id: final",
+            "t.yaml: stages[1].nodes: stage `rl`: node `p` names unknown node `nope` (nodes: generate, reward, old_logp, advantage, update_actor, sync_weights, p)",
+        ),
+        (
+            "trainer: {steps: 2}\n  - id: final",
+            "nodes: [{program: {name: p, command: [no-such-scorer]}}]\n    trainer: {steps: 2}\n  - id: final",
+            "t.yaml: stages[1].nodes[0].command: (`p`): `no-such-scorer` is not a program found on PATH",
+        ),
+        (
+            "trainer: {steps: 2}\n  - id: final",
+            "nodes: [{program: {name: p, command: [/no/such/scorer.sh]}}]\n    trainer: {steps: 2}\n  - id: final",
+            "t.yaml: stages[1].nodes[0].command: (`p`): `/no/such/scorer.sh` is not a program (no executable file there)",
+        ),
+        // Stages.
+        (
+            "after: [warmup]",
+            "after: [final]",
+            "t.yaml: stages: the stages' `after` form a cycle among: rl, final",
+        ),
+        (
+            "after: [rl]",
+            "after: [nope]",
+            "t.yaml: stages: stages[2] (`final`): `after` names unknown stage `nope`",
+        ),
+        (
+            "trainer: {steps: 2}\n  - id: rl",
+            "trainer: {steps: 2, max_ckpt_to_keep: 0}\n  - id: rl",
+            "t.yaml: stages[0].trainer.max_ckpt_to_keep: is 0: at least the latest checkpoint is kept (resuming needs it)",
+        ),
+        (
+            "data: {task: arith, digits: 1, eval_size: 4}\n    sft",
+            "data: {task: arith, digits: 12, eval_size: 4}\n    sft",
+            "t.yaml: stages[0].data: digits must lie in 1..=9, got 12",
+        ),
+        (
+            "data: {task: arith, digits: 1, eval_size: 4}\n    sft",
+            "data: {task: jsonl, eval_size: 4}\n    sft",
+            "t.yaml: stages[0].data.path: is required with task: jsonl",
+        ),
+        (
+            "data: {task: arith, digits: 1, eval_size: 4}\n    sft",
+            "data: {task: jsonl, path: /no/such/rows.jsonl}\n    sft",
+            "t.yaml: stages[0].data: /no/such/rows.jsonl: No such file or directory (os error 2)",
+        ),
+        // The model and the pools.
+        (
+            "  tokenizer: builtin:arith\n",
+            "",
+            "t.yaml: model.tokenizer: is required with model.init (`builtin:arith`, or a tokenizer.json)",
+        ),
+        (
+            "tokenizer: builtin:arith",
+            "tokenizer: /no/such/tokenizer.json",
+            "t.yaml: model.tokenizer: /no/such/tokenizer.json: No such file or directory (os error 2)",
+        ),
+        (
+            "stages:\n",
+            "pools: {rollout: {device: tpu}}\nstages:\n",
+            "t.yaml: pools.rollout: engine `native` on `tpu` cannot be placed: this build runs the native engine on cpu; rollout pools also take pjrt on cpu, gpu or tpu, or vllm, sglang or served with endpoints",
+        ),
+        (
+            "stages:\n",
+            "pools: {rollout: {engine: tpu}}\nstages:\n",
+            "t.yaml:6:27: pools.rollout.engine: unknown variant `tpu`, expected one of native, pjrt, vllm, sglang, served",
+        ),
+        (
+            "stages:\n",
+            "pools: {learner: {placement: spread}}\nstages:\n",
+            "t.yaml: pools.learner.placement: `spread` cannot be placed: this build trains in the driver process (placement: local)",
+        ),
+        (
+            "stages:\n",
+            "pools: {rollout: {engine: vllm}}\nstages:\n",
+            "t.yaml: pools.rollout.endpoints: is empty: engine `vllm` needs the URLs of its servers (e.g. [http://10.0.0.5:8000])",
+        ),
+        (
+            "stages:\n",
+            "pools: {learner: {engine: vllm}}\nstages:\n",
+            "t.yaml: pools.learner.engine: `vllm` serves rollouts only; the learner trains on native or pjrt",
+        ),
+    ];
+    let mut wrong = Vec::new();
+    for (from, to, want) in cases {
+        let got = check(&edit(from, to));
+        // The parser's snippet follows the first line; the table pins the first line.
+        let first = got.lines().next().unwrap_or_default();
+        if first != *want {
+            wrong.push(format!("{to:?}\n   got: {first}\n  want: {want}"));
+        }
+    }
+    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+}
+
+#[test]
+fn overrides_apply_and_name_their_key() {
+    let plan = parse(
+        BASE,
+        "t.yaml",
+        &[
+            "stages.rl.trainer.steps=5".into(),
+            "stages.0.sft.lr=0.01".into(),
+        ],
+    )
+    .unwrap();
+    assert_eq!(plan.stages[1].steps, 5);
+    assert_eq!(plan.spec.stages[0].sft.lr, 0.01);
+    let e = parse(
+        BASE,
+        "t.yaml",
+        &["stages.rl.algorithm.rollout_n=eight".into()],
+    )
+    .err()
+    .unwrap();
+    assert_eq!(
+        e.to_string(),
+        "t.yaml: stages[1].algorithm.rollout_n: invalid type: string \"eight\", expected usize (after overrides)"
+    );
+    let e = parse(BASE, "t.yaml", &["stages.nope.trainer.steps=1".into()])
+        .err()
+        .unwrap();
+    assert_eq!(
+        e.to_string(),
+        "t.yaml: stages.nope.trainer.steps: override `stages.nope.trainer.steps=1`: no item `nope` in `stages`"
+    );
+}
+
+/// The step graph's levels of the base RL stage with `algorithm` (its settings besides the
+/// batch sizes) and `nodes` (YAML lines).
+fn levels(algorithm: &str, nodes: &str) -> Vec<Vec<String>> {
+    let yaml = edit(
+        "algorithm: {rollout_n: 2, train_batch_size: 4, ppo_mini_batch_size: 2, lr: 1.0e-4,\n                max_response_length: 4}",
+        &format!("algorithm: {{rollout_n: 2, train_batch_size: 4, {algorithm}}}"),
+    )
+    .replacen(
+        "    trainer: {steps: 2}\n  - id: final",
+        &format!("{nodes}    trainer: {{steps: 2}}\n  - id: final"),
+        1,
+    );
+    let plan = parse(&yaml, "t.yaml", &[]).unwrap_or_else(|e| panic!("{e}"));
+    let Work::Rl(rl) = &plan.stages[1].work else {
+        panic!("stage 1 is rl")
+    };
+    rl.graph.describe()
+}
+
+#[test]
+fn grpo_is_a_chain_and_independent_nodes_share_a_level() {
+    assert_eq!(
+        levels("ppo_mini_batch_size: 4", ""),
+        vec![
+            vec!["generate"],
+            vec!["reward"],
+            vec!["advantage"],
+            vec!["update_actor"],
+            vec!["sync_weights"]
+        ]
+    );
+    let l = levels("ppo_mini_batch_size: 2, use_kl_loss: true", "");
+    assert_eq!(l[1], vec!["reward", "old_logp", "ref_logp"]);
+}
+
+#[test]
+fn ppo_adds_values_and_a_critic_update_beside_the_actor_update() {
+    let l = levels("ppo_mini_batch_size: 4, adv_estimator: gae", "");
+    assert_eq!(l[1], vec!["reward", "values"]);
+    assert_eq!(l[2], vec!["advantage"]);
+    assert_eq!(l[3], vec!["update_critic", "update_actor"]);
+}
+
+#[test]
+fn workflow_nodes_slot_in_after_reward() {
+    let l = levels(
+        "ppo_mini_batch_size: 2",
+        "    nodes:\n      - program: {name: bonus, command: [cat]}\n      - filter: {name: informative, min_group_std: 0.1, after: [bonus]}\n",
+    );
+    let pos = |n: &str| l.iter().position(|lv| lv.iter().any(|x| x == n)).unwrap();
+    assert!(pos("reward") < pos("bonus"));
+    assert!(pos("bonus") < pos("informative"));
+    assert!(pos("informative") < pos("advantage"));
+}
+
+#[test]
+fn graphs_that_would_race_or_loop_are_refused() {
+    let err = |extra: &str| {
+        let yaml = edit(
+            "    trainer: {steps: 2}\n  - id: final",
+            &format!("{extra}    trainer: {{steps: 2}}\n  - id: final"),
+        );
+        check(&yaml)
+    };
+    let e = err(
+        "    nodes:\n      - program: {name: a, command: [cat], after: [b]}\n      - program: {name: b, command: [cat], after: [a]}\n",
+    );
+    assert!(e.contains("cycle"), "{e}");
+    let e = err("    nodes:\n      - program: {name: p, command: [cat], before: [reward]}\n");
+    assert!(e.contains("cycle"), "{e}");
+    let e = err(
+        "    nodes:\n      - program: {name: p, command: [cat], after: [generate], before: [advantage]}\n",
+    );
+    assert!(
+        e.contains("`p` reads `scores`, which no node before it writes"),
+        "{e}"
+    );
+    let e = err("    nodes:\n      - program: {name: reward, command: [cat]}\n");
+    assert!(e.contains("`reward` is taken"), "{e}");
+}

@@ -1,0 +1,147 @@
+//! Actor pools: the rollout pool (engines as actors, local or on agents, or external servers),
+//! where a job meets its agents ([`Cluster`]), and the retry of calls lost with an actor.
+//!
+//! Owns: placing, starting and supervising a pool's actors, routing calls to them, and fanning
+//! out weights. Never: samples, trains or scores.
+
+pub mod external;
+pub mod rollout;
+
+use actors::{ActorError, ActorRef, Head, Token};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// Why a pool could not start or do what it was asked.
+#[derive(Debug, thiserror::Error)]
+pub enum PoolError {
+    /// An engine refused or did not answer.
+    #[error(transparent)]
+    Engine(#[from] ::rollout::EngineError),
+    /// An actor (or its agent) failed.
+    #[error(transparent)]
+    Actor(#[from] ActorError),
+    /// An external engine could not be reached when the pool started.
+    #[error("pools.rollout.endpoints[{index}]: {api} engine at {url}: {source}")]
+    Endpoint {
+        /// Its index in the list.
+        index: usize,
+        /// Its URL.
+        url: String,
+        /// Its API.
+        api: &'static str,
+        /// What happened.
+        source: ::rollout::EngineError,
+    },
+    /// Every engine is out of service and none came back in time.
+    #[error(
+        "every rollout engine is out of service and none came back within {wait:.0?} (pools.rollout.timeout_s): {why}"
+    )]
+    AllDown {
+        /// How long the pool waited.
+        wait: Duration,
+        /// Each engine and why it is out.
+        why: String,
+    },
+    /// Agents are needed and no place to meet them was given.
+    #[error(
+        "pools.rollout.placement places engines on agents: run with --listen ADDR --token-file FILE and start agents with `trellis agent --head http://ADDR --token-file FILE`"
+    )]
+    NoCluster,
+    /// The head could not listen.
+    #[error("cannot listen on {listen}: {message}")]
+    Listen {
+        /// The address.
+        listen: SocketAddr,
+        /// What went wrong.
+        message: String,
+    },
+    /// Asked to stop while waiting for agents.
+    #[error("stopped on request while waiting for agents that can take the rollout pool")]
+    StoppedWaiting,
+    /// The pool's own runtime or tasks failed.
+    #[error("rollout pool: {0}")]
+    Runtime(String),
+    /// The probe model of an external pool.
+    #[error(transparent)]
+    Learner(#[from] learner::Error),
+    /// A file of an external pool's weight folders.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The OS error.
+        source: std::io::Error,
+    },
+}
+
+impl PoolError {
+    /// Whether trying again can succeed: an engine or agent that did not answer.
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            PoolError::Engine(e) => matches!(e, ::rollout::EngineError::Unavailable(_)),
+            PoolError::Actor(e) => matches!(e, ActorError::Died { .. } | ActorError::Agent { .. }),
+            PoolError::AllDown { .. } => true,
+            _ => false,
+        }
+    }
+}
+
+/// Where a job meets agents, when a pool is placed on them.
+#[derive(Clone, Debug)]
+pub struct Cluster {
+    /// The head agents register with.
+    pub head: ClusterHead,
+    /// How long to wait for agents that can take the pool.
+    pub wait: Duration,
+}
+
+/// The head of a [`Cluster`].
+#[derive(Clone)]
+pub enum ClusterHead {
+    /// The job starts its own head for its life (`trellis train --listen`).
+    Listen {
+        /// Address to listen on (port 0: any).
+        listen: SocketAddr,
+        /// The cluster token agents present.
+        token: Token,
+    },
+    /// A head that outlives the job (`trellis serve`'s): agents stay registered between jobs.
+    Shared(Head),
+}
+
+impl std::fmt::Debug for ClusterHead {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Listen { listen, .. } => write!(f, "Listen({listen})"),
+            Self::Shared(h) => write!(f, "Shared({})", h.address()),
+        }
+    }
+}
+
+/// Runs `op` against `actor`, again (up to 5 times) when the actor died or its agent was lost
+/// meanwhile: the supervisor restarts it elsewhere and gives it the current weights.
+pub(crate) async fn retry<A, T, F, Fut>(actor: &ActorRef<A>, mut op: F) -> Result<T, ActorError>
+where
+    A: actors::Actor,
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, ActorError>>,
+{
+    let mut attempt = 0;
+    loop {
+        match op().await {
+            Err(e @ (ActorError::Died { .. } | ActorError::Agent { .. })) if attempt < 5 => {
+                attempt += 1;
+                tracing::warn!(actor = actor.name(), "{e}; retrying (attempt {attempt})");
+                tokio::time::sleep(Duration::from_millis(50 << attempt)).await;
+                actor.ready().await?;
+            }
+            other => return other,
+        }
+    }
+}
+
+/// The poison-tolerant lock: a panic elsewhere never wedges a pool.
+pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}

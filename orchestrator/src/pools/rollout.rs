@@ -1,0 +1,694 @@
+//! The rollout pool: `pools.rollout.count` rollout actors (kind `rollout`, each owning an engine
+//! with its share of the KV-cache budget), spawned through the actor runtime with supervision —
+//! in this process or on agents placed by the pool's real device — or external engine servers
+//! at `pools.rollout.endpoints`. A call's requests are spread over the engines by prompt (the
+//! `n` samples of one prompt stay on one engine, where they share the prompt's prefill),
+//! least-loaded first; every weight update goes to every engine before the next generation
+//! starts; an actor that dies is restarted and given the current weights before it takes
+//! another call; an external engine that stops answering is out of service until it answers
+//! again and serves the current weights.
+//!
+//! Owns: placing and routing, weight fan-out, and engine health. Never: samples, trains or
+//! scores.
+
+use super::external::{Down, ExternalPool};
+use super::{Cluster, ClusterHead, PoolError, lock, retry};
+use crate::kinds::rollout::{EngineSpec, RolloutActor, RolloutConfig, RolloutRequest};
+use crate::plan::{Placement, RolloutEngine, RolloutPlan};
+use crate::roles::{RoleError, Rollouts};
+use actors::{Actor, ActorRef, Head, HeadConfig, PoolSpec, RestartHook, SpawnOptions};
+use learner::ModelConfig;
+use learner::snapshot::WeightSnapshot;
+use rollout::external::{External, ExternalConfig, Load, WeightFolders};
+use rollout::router::{Router, Weights};
+use rollout::{Completion, EngineError, GenerateRequest};
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// One engine of a pool: an actor (in-process or on an agent), or an external server.
+#[derive(Clone)]
+enum Member {
+    Actor(ActorRef<RolloutActor>),
+    External(Arc<External>),
+}
+
+impl Member {
+    fn location(&self) -> String {
+        match self {
+            Self::Actor(a) => a.location(),
+            Self::External(e) => e.url().to_string(),
+        }
+    }
+
+    async fn generate(&self, reqs: Vec<GenerateRequest>) -> Result<Vec<Completion>, PoolError> {
+        match self {
+            // Generation is a pure function of the weights and the requests' seeds, so a call
+            // lost with its actor is simply made again on the restarted one.
+            Self::Actor(a) => {
+                Ok(retry(a, || a.call(RolloutRequest::Generate(reqs.clone()))).await?)
+            }
+            Self::External(e) => Ok(e.generate(reqs).await?),
+        }
+    }
+}
+
+/// How a rollout pool starts.
+pub struct PoolStart<'a> {
+    /// The pool's plan.
+    pub plan: &'a RolloutPlan,
+    /// The model the engines serve.
+    pub config: &'a ModelConfig,
+    /// The weights they start with.
+    pub weights: WeightSnapshot,
+    /// Where agents register, for a pool placed on them.
+    pub cluster: Option<&'a Cluster>,
+    /// Whether the job was asked to stop (ends a wait for agents).
+    pub stop: &'a (dyn Fn() -> bool + Sync),
+    /// The run directory (external engines' weight folders default to a folder in it).
+    pub run_dir: &'a Path,
+    /// The job trains on the engines' own log-probs (`async` mode).
+    pub needs_processed: bool,
+    /// Told what people must know while the pool starts (where agents register).
+    pub note: &'a mut dyn FnMut(&str),
+}
+
+/// The rollout engines of a job, and the router that spreads prompts over them.
+pub struct RolloutPool {
+    rt: tokio::runtime::Runtime,
+    /// The head this pool started (shut down with the pool).
+    head: Option<Head>,
+    members: Vec<Member>,
+    /// `Some` for an engine taken out of service.
+    down: Mutex<Vec<Option<Down>>>,
+    router: Mutex<Router>,
+    /// The weights every actor serves (a restarted actor gets them back).
+    current: Arc<Mutex<WeightSnapshot>>,
+    external: Option<ExternalPool>,
+}
+
+impl RolloutPool {
+    /// Starts the pool of `start.plan`.
+    pub fn new(start: PoolStart<'_>) -> Result<Self, PoolError> {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("rollout-pool")
+            .enable_all()
+            .build()
+            .map_err(|e| PoolError::Runtime(format!("cannot start the actor runtime: {e}")))?;
+        let current = Arc::new(Mutex::new(start.weights.clone()));
+        let plan = start.plan;
+        let (engine, kv_cache_bytes) = match &plan.engine {
+            RolloutEngine::External(x) => {
+                let engines = rt.block_on(async {
+                    let mut out = Vec::new();
+                    for (index, url) in x.endpoints.iter().enumerate() {
+                        let cfg = ExternalConfig {
+                            url: url.clone(),
+                            model: x.model.clone(),
+                            timeout: x.timeout,
+                        };
+                        let api = api_name(x.api);
+                        let e = External::connect(api, cfg).await.map_err(|source| {
+                            PoolError::Endpoint {
+                                index,
+                                url: url.clone(),
+                                api,
+                                source,
+                            }
+                        })?;
+                        out.push(Member::External(Arc::new(e)));
+                    }
+                    Ok::<_, PoolError>(out)
+                })?;
+                let root = x
+                    .weights_dir
+                    .clone()
+                    .unwrap_or_else(|| start.run_dir.join("engine-weights"));
+                let root = std::path::absolute(&root).map_err(|source| PoolError::Io {
+                    path: root.clone(),
+                    source,
+                })?;
+                let this = Self {
+                    rt,
+                    head: None,
+                    down: Mutex::new(engines.iter().map(|_| None).collect()),
+                    router: Mutex::new(Router::new(engines.len(), Weights::default())),
+                    members: engines,
+                    current,
+                    external: Some(ExternalPool {
+                        folders: WeightFolders::new(root),
+                        config: start.config.clone(),
+                        tolerance: x.tolerance,
+                        needs_processed: start.needs_processed,
+                        wait: x.timeout,
+                        probe: Mutex::new(None),
+                        raw_warned: Default::default(),
+                    }),
+                };
+                // Whatever they served before, every engine starts on the job's weights.
+                this.push(start.weights)?;
+                return Ok(this);
+            }
+            RolloutEngine::Native { kv_cache_bytes } => (EngineSpec::Native, *kv_cache_bytes),
+            RolloutEngine::Pjrt {
+                device,
+                plugin,
+                kv_cache_bytes,
+            } => (
+                EngineSpec::Pjrt {
+                    device: *device,
+                    plugin: plugin.clone(),
+                },
+                *kv_cache_bytes,
+            ),
+        };
+        let count = plan.count.max(1);
+        let for_hook = Arc::clone(&current);
+        let hook: RestartHook<RolloutActor> = Arc::new(move |actor| {
+            let snap = lock(&for_hook).clone();
+            Box::pin(async move { actor.load_weights(snap).await })
+        });
+        let options = SpawnOptions {
+            on_restart: Some(Arc::clone(&hook)),
+            ..Default::default()
+        };
+        let local = plan.placement == Placement::Local;
+        let config = RolloutConfig {
+            model: start.config.to_hf_json(),
+            kv_cache_bytes: if local {
+                kv_cache_bytes / count
+            } else {
+                kv_cache_bytes
+            },
+            engine,
+        };
+        let (head, actors) = match plan.placement {
+            Placement::Local => {
+                let actors = rt.block_on(async {
+                    let mut actors = Vec::with_capacity(count);
+                    for i in 0..count {
+                        let a = actors::spawn_local::<RolloutActor>(
+                            &format!("rollout-{i}"),
+                            config.clone(),
+                            options.clone(),
+                        )
+                        .await?;
+                        actors.push(a);
+                    }
+                    Ok::<_, actors::ActorError>(actors)
+                })?;
+                (None, actors)
+            }
+            Placement::Agents(strategy) => {
+                let cluster = start.cluster.ok_or(PoolError::NoCluster)?;
+                let spec = PoolSpec {
+                    name: "rollout".into(),
+                    kind: RolloutActor::KIND.into(),
+                    actors: count as u32,
+                    // Placed by the device the engine really uses: a pjrt pool on TPU counts
+                    // TPU chips.
+                    device: plan.device(),
+                    per_actor: 1,
+                    strategy,
+                    labels: Default::default(),
+                    colocate: None,
+                };
+                let note = start.note;
+                let stop = start.stop;
+                rt.block_on(async {
+                    let (head, owned) = match &cluster.head {
+                        ClusterHead::Listen { listen, token } => {
+                            let head = Head::serve(*listen, token.clone(), HeadConfig::default())
+                                .await
+                                .map_err(|e| PoolError::Listen {
+                                    listen: *listen,
+                                    message: e.to_string(),
+                                })?;
+                            note(&format!(
+                                "rollout pool: waiting up to {:.0?} for agents to register at http://{}",
+                                cluster.wait,
+                                head.address()
+                            ));
+                            (head.clone(), Some(head))
+                        }
+                        ClusterHead::Shared(head) => (head.clone(), None),
+                    };
+                    let deadline = Instant::now() + cluster.wait;
+                    loop {
+                        match head.place(std::slice::from_ref(&spec)) {
+                            Ok(_) => break,
+                            Err(e) if Instant::now() >= deadline => {
+                                return Err(PoolError::Actor(e));
+                            }
+                            // Waiting can be long (agents still starting): a stop ends it.
+                            Err(_) if stop() => return Err(PoolError::StoppedWaiting),
+                            Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+                        }
+                    }
+                    let actors = head
+                        .spawn_pool::<RolloutActor>(&spec, |_| config.clone(), options.clone())
+                        .await?;
+                    Ok((owned, actors))
+                })?
+            }
+        };
+        // Every actor starts with the current weights.
+        rt.block_on(async {
+            for a in &actors {
+                a.load_weights(start.weights.clone()).await?;
+            }
+            Ok::<_, actors::ActorError>(())
+        })?;
+        let n = actors.len();
+        Ok(Self {
+            rt,
+            head,
+            members: actors.into_iter().map(Member::Actor).collect(),
+            down: Mutex::new((0..n).map(|_| None).collect()),
+            router: Mutex::new(Router::new(n, Weights::default())),
+            current,
+            external: None,
+        })
+    }
+
+    /// Engines in the pool.
+    pub fn len(&self) -> usize {
+        self.members.len()
+    }
+
+    /// Whether the pool has no engine (never, once started).
+    pub fn is_empty(&self) -> bool {
+        self.members.is_empty()
+    }
+
+    /// Generates `reqs` across the engines; completions come back ordered by request, then
+    /// sample, as from one engine. The router gives each request (all its samples) to one
+    /// engine; the requests of an engine that stops answering go to the others, and it is
+    /// taken out of service until it answers again and serves the current weights.
+    async fn generate(&self, reqs: Vec<GenerateRequest>) -> Result<Vec<Completion>, PoolError> {
+        let mut todo: Vec<usize> = (0..reqs.len()).collect();
+        let mut all = Vec::with_capacity(reqs.iter().map(|r| r.params.n).sum());
+        let mut waiting_since: Option<Instant> = None;
+        while !todo.is_empty() {
+            self.revive().await?;
+            let loads = self.loads().await;
+            let batch: Vec<GenerateRequest> = todo.iter().map(|&i| reqs[i].clone()).collect();
+            let route = lock(&self.router).route(&batch, &loads);
+            let Some(route) = route else {
+                // Every engine is out of service: wait for one to come back.
+                let since = *waiting_since.get_or_insert_with(Instant::now);
+                let wait = self.external.as_ref().map_or(Duration::ZERO, |x| x.wait);
+                if since.elapsed() >= wait {
+                    return Err(self.all_down(wait));
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                continue;
+            };
+            waiting_since = None;
+            let mut shares: Vec<Vec<usize>> = vec![Vec::new(); self.members.len()];
+            for (k, &e) in route.iter().enumerate() {
+                shares[e].push(todo[k]);
+            }
+            let calls: Vec<_> = shares
+                .into_iter()
+                .enumerate()
+                .filter(|(_, index)| !index.is_empty())
+                .map(|(e, index)| {
+                    let member = self.members[e].clone();
+                    let share: Vec<GenerateRequest> =
+                        index.iter().map(|&i| reqs[i].clone()).collect();
+                    let call = self.rt.spawn(async move { member.generate(share).await });
+                    (e, index, call)
+                })
+                .collect();
+            todo.clear();
+            for (e, index, call) in calls {
+                let out = call
+                    .await
+                    .map_err(|err| PoolError::Runtime(format!("a rollout call was lost: {err}")))?;
+                match out {
+                    Ok(cs) => all.extend(cs.into_iter().map(|mut c| {
+                        c.request = index[c.request];
+                        c
+                    })),
+                    Err(PoolError::Engine(EngineError::Unavailable(msg))) => {
+                        self.take_out(e, msg);
+                        todo.extend(index);
+                    }
+                    Err(err) => return Err(err),
+                }
+            }
+            todo.sort_unstable();
+        }
+        all.sort_by_key(|c| (c.request, c.index));
+        Ok(all)
+    }
+
+    /// The load of each engine in service (`None`: out of service). Actors report none.
+    async fn loads(&self) -> Vec<Option<Load>> {
+        let up: Vec<bool> = lock(&self.down).iter().map(Option::is_none).collect();
+        let mut out = Vec::with_capacity(up.len());
+        for (m, up) in self.members.iter().zip(up) {
+            out.push(match (up, m) {
+                (false, _) => None,
+                (true, Member::Actor(_)) => Some(Load::default()),
+                (true, Member::External(e)) => Some(e.load().await.unwrap_or_default()),
+            });
+        }
+        out
+    }
+
+    fn take_out(&self, e: usize, error: String) {
+        let backoff = Duration::from_millis(500);
+        tracing::warn!(
+            engine = %self.members[e].location(),
+            "{error}; out of service, retried in {backoff:?}"
+        );
+        lock(&self.down)[e] = Some(Down {
+            error,
+            next_try: Instant::now() + backoff,
+            backoff,
+        });
+    }
+
+    fn all_down(&self, wait: Duration) -> PoolError {
+        let down = lock(&self.down);
+        let why: Vec<String> = self
+            .members
+            .iter()
+            .zip(down.iter())
+            .map(|(m, d)| {
+                format!(
+                    "{}: {}",
+                    m.location(),
+                    d.as_ref().map_or("in service", |d| d.error.as_str())
+                )
+            })
+            .collect();
+        PoolError::AllDown {
+            wait,
+            why: why.join("; "),
+        }
+    }
+
+    /// Tries the engines out of service whose backoff is over: one that answers its health
+    /// route gets the current weights, is checked, and is back in service.
+    async fn revive(&self) -> Result<(), PoolError> {
+        let Some(x) = &self.external else {
+            return Ok(());
+        };
+        let due: Vec<usize> = lock(&self.down)
+            .iter()
+            .enumerate()
+            .filter(|(_, d)| d.as_ref().is_some_and(|d| d.next_try <= Instant::now()))
+            .map(|(i, _)| i)
+            .collect();
+        for i in due {
+            let Member::External(e) = &self.members[i] else {
+                continue;
+            };
+            let probe = lock(&x.probe).clone();
+            let result = match e.health().await {
+                Ok(()) => match &probe {
+                    Some(p) => x.reload_and_verify(e, p).await,
+                    None => Ok(()),
+                },
+                Err(err) => Err(err),
+            };
+            let mut down = lock(&self.down);
+            match result {
+                Ok(()) => {
+                    tracing::info!(engine = e.url(), "back in service");
+                    down[i] = None;
+                }
+                Err(EngineError::Unavailable(msg)) => {
+                    if let Some(d) = &mut down[i] {
+                        d.backoff = (d.backoff * 2).min(Duration::from_secs(30));
+                        d.next_try = Instant::now() + d.backoff;
+                        d.error = msg;
+                    }
+                }
+                Err(err) => return Err(err.into()),
+            }
+        }
+        Ok(())
+    }
+
+    /// Swaps `snapshot` into every engine in service before returning: actors between their
+    /// decode steps; external engines by reloading a new folder, then checked with the probe.
+    /// An engine that does not answer is taken out of service (it gets these weights when it
+    /// returns).
+    fn push(&self, snapshot: WeightSnapshot) -> Result<(), PoolError> {
+        *lock(&self.current) = snapshot.clone();
+        if let Some(x) = &self.external {
+            let probe = x.publish(&snapshot)?;
+            let up: Vec<bool> = lock(&self.down).iter().map(Option::is_none).collect();
+            let results = self.rt.block_on(async {
+                let mut out = Vec::new();
+                for (i, m) in self.members.iter().enumerate() {
+                    if let (true, Member::External(e)) = (up[i], m) {
+                        out.push((i, x.reload_and_verify(e, &probe).await));
+                    }
+                }
+                out
+            });
+            for (i, r) in results {
+                match r {
+                    Ok(()) => {}
+                    Err(EngineError::Unavailable(msg)) => self.take_out(i, msg),
+                    Err(e) => return Err(e.into()),
+                }
+            }
+            tracing::debug!(version = snapshot.version, "weights pushed");
+            return Ok(());
+        }
+        let pushes: Vec<_> = self
+            .members
+            .iter()
+            .filter_map(|m| match m {
+                Member::Actor(a) => Some(a.clone()),
+                Member::External(_) => None,
+            })
+            .map(|a| {
+                let s = snapshot.clone();
+                self.rt
+                    .spawn(async move { retry(&a, || a.load_weights(s.clone())).await })
+            })
+            .collect();
+        for p in pushes {
+            self.rt
+                .handle()
+                .block_on(p)
+                .map_err(|e| PoolError::Runtime(format!("a weight push was lost: {e}")))??;
+        }
+        Ok(())
+    }
+}
+
+/// The adapter name of an external engine.
+fn api_name(api: crate::plan::schema::Engine) -> &'static str {
+    use crate::plan::schema::Engine;
+    match api {
+        Engine::Sglang => "sglang",
+        Engine::Vllm => "vllm",
+        Engine::Served | Engine::Native | Engine::Pjrt => "served",
+    }
+}
+
+impl Rollouts for RolloutPool {
+    fn generate(&self, reqs: Vec<GenerateRequest>) -> Result<Vec<Completion>, RoleError> {
+        Ok(self.rt.block_on(RolloutPool::generate(self, reqs))?)
+    }
+
+    fn update_weights(&self, snapshot: WeightSnapshot) -> Result<(), RoleError> {
+        Ok(self.push(snapshot)?)
+    }
+
+    fn locations(&self) -> Vec<String> {
+        self.members.iter().map(Member::location).collect()
+    }
+
+    fn down_count(&self) -> usize {
+        lock(&self.down).iter().filter(|d| d.is_some()).count()
+    }
+}
+
+impl Drop for RolloutPool {
+    fn drop(&mut self) {
+        // Waited for: the runtime (and the supervisors' stop calls to agents) ends with the
+        // pool, and a shared head's agents must get their resources back for the next job.
+        self.rt.block_on(async {
+            let stops = self.members.iter().filter_map(|m| match m {
+                Member::Actor(a) => Some(a.stop_and_wait()),
+                Member::External(_) => None,
+            });
+            let all = async {
+                for s in stops {
+                    s.await;
+                }
+            };
+            if tokio::time::timeout(Duration::from_secs(5), all)
+                .await
+                .is_err()
+            {
+                tracing::warn!("rollout actors did not stop within 5 s");
+            }
+        });
+        // Agents stay up for the next run; they only lose this run's actors.
+        if let Some(head) = self.head.take() {
+            self.rt.block_on(head.shutdown(false));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::Placement;
+    use learner::Model;
+    use rollout::SamplingParams;
+
+    fn tiny(seed: u64) -> Model {
+        let cfg = serde_json::json!({"model_type": "qwen2", "vocab_size": 32, "hidden_size": 16,
+            "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+            "num_key_value_heads": 2, "max_position_embeddings": 64});
+        Model::init(ModelConfig::from_json(cfg, Path::new("t")).unwrap(), seed)
+    }
+
+    fn start<'a>(
+        plan: &'a RolloutPlan,
+        model: &'a Model,
+        note: &'a mut dyn FnMut(&str),
+    ) -> PoolStart<'a> {
+        PoolStart {
+            plan,
+            config: &model.config,
+            weights: WeightSnapshot {
+                version: 0,
+                params: Arc::new(model.params.clone()),
+            },
+            cluster: None,
+            stop: &|| false,
+            run_dir: Path::new("."),
+            needs_processed: false,
+            note,
+        }
+    }
+
+    #[test]
+    fn a_pool_of_engines_gives_the_tokens_of_one_engine() {
+        let model = tiny(5);
+        let reqs: Vec<GenerateRequest> = (0..5u32)
+            .map(|i| GenerateRequest {
+                prompt: vec![1 + i, 2, 3],
+                params: SamplingParams {
+                    n: 1 + i as usize % 3,
+                    max_tokens: 6,
+                    seed: Some(i as u64),
+                    ..Default::default()
+                },
+            })
+            .collect();
+        let plan = |count| RolloutPlan {
+            count,
+            engine: RolloutEngine::Native {
+                kv_cache_bytes: 8 << 20,
+            },
+            placement: Placement::Local,
+        };
+        let (p1, p3) = (plan(1), plan(3));
+        let mut note = |_: &str| {};
+        let one = RolloutPool::new(start(&p1, &model, &mut note)).unwrap();
+        let three = RolloutPool::new(start(&p3, &model, &mut note)).unwrap();
+        assert_eq!(three.len(), 3);
+        let a = Rollouts::generate(&one, reqs.clone()).unwrap();
+        let b = Rollouts::generate(&three, reqs).unwrap();
+        let tokens = |v: &[Completion]| -> Vec<(usize, usize, Vec<u32>)> {
+            v.iter()
+                .map(|c| (c.request, c.index, c.token_ids.clone()))
+                .collect()
+        };
+        assert_eq!(tokens(&a), tokens(&b));
+        let snap = WeightSnapshot {
+            version: 4,
+            params: Arc::new(model.params.clone()),
+        };
+        three.update_weights(snap).unwrap();
+        let c = Rollouts::generate(
+            &three,
+            vec![GenerateRequest {
+                prompt: vec![1, 2],
+                params: SamplingParams {
+                    max_tokens: 2,
+                    ..Default::default()
+                },
+            }],
+        )
+        .unwrap();
+        assert!(c[0].weight_versions.iter().all(|s| s.version == 4));
+    }
+
+    #[test]
+    fn a_push_the_engine_did_not_take_is_caught_by_the_probe() {
+        let (a, b) = (tiny(5), tiny(6));
+        let cfg = a.config.clone();
+        let root = std::env::temp_dir().join(format!("trellis-probe-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        learner::checkpoint::save(&b, &[], &root.join("served"), None).unwrap();
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        rt.spawn(engine_serve::serve(
+            engine_serve::EngineServeOptions {
+                model: engine_serve::ModelSource::Checkpoint(root.join("served")),
+                listen: "127.0.0.1:0".parse().unwrap(),
+                served_model_name: None,
+                kv_cache_bytes: 8 << 20,
+                completions_only: false,
+                raw_logprobs: false,
+            },
+            move |addr, _| tx.send(addr).unwrap(),
+            std::future::pending(),
+        ));
+        let addr = rx.recv().unwrap();
+        let config = ExternalConfig {
+            url: format!("http://{addr}"),
+            model: None,
+            timeout: Duration::from_secs(30),
+        };
+        let engine = rt.block_on(External::connect("served", config)).unwrap();
+        let x = ExternalPool {
+            folders: WeightFolders::new(root.join("weights")),
+            config: cfg.clone(),
+            tolerance: 1e-4,
+            needs_processed: true,
+            wait: Duration::from_secs(1),
+            probe: Mutex::new(None),
+            raw_warned: Default::default(),
+        };
+        let snap = |m: &Model, version| WeightSnapshot {
+            version,
+            params: Arc::new(m.params.clone()),
+        };
+        // The engine serves what the folder holds, as the learner says: accepted.
+        let probe = x.publish(&snap(&a, 1)).unwrap();
+        rt.block_on(x.reload_and_verify(&engine, &probe)).unwrap();
+        // A learner whose weights are not the folder's (a push that did not take): refused.
+        let stale =
+            super::super::external::Probe::of(&cfg, &snap(&b, 2), probe.dir.clone()).unwrap();
+        let e = rt
+            .block_on(x.reload_and_verify(&engine, &stale))
+            .unwrap_err();
+        assert!(matches!(e, EngineError::BadWeights(_)), "{e}");
+        assert!(
+            e.to_string().contains("does not serve the pushed weights"),
+            "{e}"
+        );
+        drop(rt);
+        let _ = std::fs::remove_dir_all(&root);
+    }
+}

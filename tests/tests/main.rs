@@ -1,0 +1,15 @@
+//! End-to-end tests of Trellis, one binary with a module per area (one link on a 2-core CI
+//! instead of one per file, as ripgrep has): each drives the real `trellis` binary and real
+//! processes (`trellis_tests::trellis()` finds or builds it).
+
+mod actors;
+mod cli;
+mod deploy;
+mod engines;
+mod generate;
+mod netns;
+mod pjrt;
+mod score;
+mod serve;
+mod train;
+mod train_agents;
