@@ -9,9 +9,9 @@
 //! Owns: the `Actor` trait, mailboxes, handles, the supervisor loop. Does not own: where a remote
 //! actor runs (the head decides) or how bytes cross the network (`remote`).
 
-use crate::error::ActorError;
+use crate::error::{ActorError, CallError};
 use crate::remote::RemoteActor;
-use learner::snapshot::WeightSnapshot;
+use kernels::tensor::WeightSnapshot;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use std::future::Future;
@@ -39,11 +39,12 @@ pub trait Actor: Send + Sized + 'static {
     /// Builds the actor (runs on a blocking thread: it may load a model).
     fn start(config: Self::Config) -> Result<Self, String>;
 
-    /// Answers one request. An `Err` fails this call only; a panic kills the actor.
+    /// Answers one request. An `Err` fails this call only (saying whether the same call may
+    /// succeed later); a panic kills the actor.
     fn handle(
         &mut self,
         request: Self::Request,
-    ) -> impl Future<Output = Result<Self::Response, String>> + Send;
+    ) -> impl Future<Output = Result<Self::Response, CallError>> + Send;
 
     /// Takes a new weight snapshot (rollout actors swap their engine's weights here).
     fn load_weights(
@@ -57,7 +58,7 @@ pub trait Actor: Send + Sized + 'static {
 
 /// A message in a local actor's mailbox.
 pub(crate) enum Envelope<A: Actor> {
-    Call(A::Request, oneshot::Sender<Result<A::Response, String>>),
+    Call(A::Request, oneshot::Sender<Result<A::Response, CallError>>),
     Weights(WeightSnapshot, oneshot::Sender<Result<(), String>>),
 }
 
@@ -139,9 +140,10 @@ pub(crate) async fn local_call<A: Actor>(
         .map_err(|_| died())?;
     match answer.await {
         Ok(Ok(response)) => Ok(response),
-        Ok(Err(message)) => Err(ActorError::Failed {
+        Ok(Err(e)) => Err(ActorError::Failed {
             actor: name.to_string(),
-            message,
+            message: e.message,
+            retryable: e.retryable,
         }),
         Err(_) => Err(died()),
     }
@@ -230,7 +232,16 @@ impl<A: Actor> ActorRef<A> {
             let current = link.borrow_and_update().clone();
             match current {
                 Link::Local(tx, _) => return local_call::<A>(&self.name, &tx, request).await,
-                Link::Remote(remote) => return remote.call::<A>(&self.name, &request).await,
+                Link::Remote(remote) => {
+                    let bad = |message: String| ActorError::BadMessage {
+                        actor: self.name.to_string(),
+                        message,
+                    };
+                    let payload = serde_json::to_vec(&request).map_err(|e| bad(e.to_string()))?;
+                    let reply = remote.call(&self.name, payload).await?;
+                    return serde_json::from_slice(&reply)
+                        .map_err(|e| bad(format!("reply does not decode: {e}")));
+                }
                 Link::Restarting => self.wait_for_change(&mut link).await?,
                 Link::Down(e) => return Err(e),
             }
@@ -259,6 +270,7 @@ impl<A: Actor> ActorRef<A> {
                         Ok(Err(message)) => Err(ActorError::Failed {
                             actor: self.name.to_string(),
                             message,
+                            retryable: false,
                         }),
                         Err(_) => Err(died()),
                     };
@@ -554,6 +566,15 @@ mod tests {
             .await
             .unwrap_err();
         assert_eq!(e.to_string(), "actor `ping` failed: nope");
+        assert!(
+            !e.is_retryable(),
+            "a handler's error is final unless it says so"
+        );
+        let e = ping
+            .call(PingRequest::Unavailable("busy".into()))
+            .await
+            .unwrap_err();
+        assert!(e.is_retryable(), "{e:?}");
 
         let e = ping
             .call(PingRequest::Panic("boom".into()))
@@ -581,8 +602,8 @@ mod tests {
         let ping = spawn_local::<Ping>("p", (), SpawnOptions::default())
             .await
             .expect("starts");
-        let params = Arc::new(learner::Params {
-            tensors: vec![learner::Tensor {
+        let params = Arc::new(kernels::tensor::TensorSet {
+            tensors: vec![kernels::tensor::Tensor {
                 name: "w".into(),
                 shape: vec![2],
                 data: vec![1.0, 2.0].into(),

@@ -11,9 +11,9 @@ use crate::error::ActorError;
 use crate::head::{Head, HeadConfig};
 use crate::placement::{Demand, Device};
 use crate::snapshot::content_crc;
-use learner::Params;
-use learner::params::Tensor;
-use learner::snapshot::WeightSnapshot;
+use kernels::tensor::Tensor;
+use kernels::tensor::TensorSet;
+use kernels::tensor::WeightSnapshot;
 use serde::Serialize;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -157,7 +157,7 @@ fn snapshot(bytes: usize, version: u64) -> WeightSnapshot {
         .collect();
     WeightSnapshot {
         version,
-        params: Arc::new(Params { tensors }),
+        params: Arc::new(TensorSet { tensors }),
     }
 }
 

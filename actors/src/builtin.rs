@@ -4,9 +4,10 @@
 //! (rollout and learner actors are registered by the binary).
 
 use crate::actor::Actor;
+use crate::error::CallError;
 use crate::registry::Registry;
 use crate::snapshot::content_crc;
-use learner::snapshot::WeightSnapshot;
+use kernels::tensor::WeightSnapshot;
 use serde::{Deserialize, Serialize};
 
 /// Answers at once, holds the last weights it was given, and can be told to fail or die.
@@ -24,6 +25,8 @@ pub enum PingRequest {
     Weights,
     /// Fails this call with the message (the actor lives on).
     Fail(String),
+    /// Fails this call as one that may succeed later (the actor lives on).
+    Unavailable(String),
     /// Panics with the message (the actor dies: for restart drills).
     Panic(String),
 }
@@ -51,7 +54,7 @@ impl Actor for Ping {
         Ok(Ping::default())
     }
 
-    async fn handle(&mut self, request: PingRequest) -> Result<PingResponse, String> {
+    async fn handle(&mut self, request: PingRequest) -> Result<PingResponse, CallError> {
         match request {
             PingRequest::Echo(text) => Ok(PingResponse::Echo(text)),
             PingRequest::Weights => Ok(match &self.weights {
@@ -68,7 +71,8 @@ impl Actor for Ping {
                     crc32c: 0,
                 },
             }),
-            PingRequest::Fail(message) => Err(message),
+            PingRequest::Fail(message) => Err(message.into()),
+            PingRequest::Unavailable(message) => Err(CallError::retryable(message)),
             PingRequest::Panic(message) => panic!("{message}"),
         }
     }

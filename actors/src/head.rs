@@ -584,7 +584,7 @@ mod tests {
     use crate::agent::{self, AgentOptions};
     use crate::builtin::{self, Ping, PingRequest, PingResponse};
     use crate::placement::{Device, Strategy};
-    use learner::snapshot::WeightSnapshot;
+    use kernels::tensor::WeightSnapshot;
 
     fn config() -> HeadConfig {
         HeadConfig {
@@ -642,14 +642,14 @@ mod tests {
     fn snapshot(version: u64, n: usize) -> WeightSnapshot {
         WeightSnapshot {
             version,
-            params: Arc::new(learner::Params {
+            params: Arc::new(kernels::tensor::TensorSet {
                 tensors: vec![
-                    learner::Tensor {
+                    kernels::tensor::Tensor {
                         name: "a".into(),
                         shape: vec![n],
                         data: (0..n).map(|i| i as f32).collect(),
                     },
-                    learner::Tensor {
+                    kernels::tensor::Tensor {
                         name: "b".into(),
                         shape: vec![3],
                         data: vec![-1.0, 0.5, 2.0].into(),
@@ -729,6 +729,13 @@ mod tests {
             .await
             .unwrap_err();
         assert_eq!(e.to_string(), "actor `ping-0` failed: no");
+        assert!(!e.is_retryable());
+        // Whether a failure may pass crosses the wire.
+        let e = refs[0]
+            .call(PingRequest::Unavailable("busy".into()))
+            .await
+            .unwrap_err();
+        assert!(e.is_retryable(), "{e:?}");
         // Both cpus of each agent: one taken by a ping actor.
         let e = head
             .place(&[PoolSpec {

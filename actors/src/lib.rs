@@ -27,7 +27,7 @@ pub use actor::{
 };
 pub use agent::{AgentError, AgentOptions};
 pub use auth::{Bearer, Guard, Token, TokenError};
-pub use error::ActorError;
+pub use error::{ActorError, CallError};
 pub use head::{AgentInfo, Head, HeadConfig};
 pub use placement::{Demand, Device, PoolSpec, Resources, Strategy};
 pub use registry::Registry;

@@ -7,7 +7,7 @@
 use crate::actor::{Actor, BoxFuture, Envelope, start_local};
 use crate::error::ActorError;
 use bytes::Bytes;
-use learner::snapshot::WeightSnapshot;
+use kernels::tensor::WeightSnapshot;
 use proto::v1::failure::Code;
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -48,7 +48,14 @@ impl<A: Actor> Mailbox for Typed<A> {
             match answer.await {
                 Ok(Ok(response)) => serde_json::to_vec(&response)
                     .map_err(|e| (Code::BadMessage, format!("response does not encode: {e}"))),
-                Ok(Err(message)) => Err((Code::Failed, message)),
+                Ok(Err(e)) => Err((
+                    if e.retryable {
+                        Code::Unavailable
+                    } else {
+                        Code::Failed
+                    },
+                    e.message,
+                )),
                 Err(_) => Err(died()),
             }
         })

@@ -5,13 +5,12 @@
 //! Owns: the connection and its failure. Does not own: deciding that an agent is dead (the head
 //! does, from heartbeats and from this connection's end) or restarting anything.
 
-use crate::actor::Actor;
 use crate::auth::{Bearer, Token};
 use crate::error::ActorError;
 use crate::lock;
 use crate::snapshot;
 use bytes::Bytes;
-use learner::snapshot::WeightSnapshot;
+use kernels::tensor::WeightSnapshot;
 use proto::v1::agent_client::AgentClient;
 use proto::v1::failure::Code;
 use proto::v1::{
@@ -370,25 +369,24 @@ impl RemoteActor {
         self.conn.stop(&self.actor_id).await;
     }
 
-    pub(crate) async fn call<A: Actor>(
+    /// One call with an encoded request; the encoded reply (the caller does the typing).
+    pub(crate) async fn call(
         &self,
         name: &str,
-        request: &A::Request,
-    ) -> Result<A::Response, ActorError> {
-        let bad = |message: String| ActorError::BadMessage {
-            actor: name.to_string(),
-            message,
-        };
-        let payload = serde_json::to_vec(request).map_err(|e| bad(e.to_string()))?;
+        payload: Vec<u8>,
+    ) -> Result<bytes::Bytes, ActorError> {
         match self.conn.call(&self.actor_id, payload).await {
-            Ok(bytes) => serde_json::from_slice(&bytes)
-                .map_err(|e| bad(format!("reply does not decode: {e}"))),
+            Ok(bytes) => Ok(bytes),
             Err(f) => Err(match f.code() {
-                Code::Failed => ActorError::Failed {
+                code @ (Code::Failed | Code::Unavailable) => ActorError::Failed {
+                    actor: name.to_string(),
+                    message: f.message,
+                    retryable: code == Code::Unavailable,
+                },
+                Code::BadMessage => ActorError::BadMessage {
                     actor: name.to_string(),
                     message: f.message,
                 },
-                Code::BadMessage => bad(f.message),
                 Code::Died | Code::NotFound | Code::Unspecified => {
                     (self.conn.on_actor_died)(&self.actor_id, f.message.clone());
                     ActorError::Died {

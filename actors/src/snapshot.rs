@@ -8,8 +8,8 @@
 use crate::error::ActorError;
 use bytes::BufMut;
 use kernels::mem::{f32_bytes, f32_bytes_mut, zeroed_f32};
-use learner::params::{Params, Storage, Tensor};
-use learner::snapshot::WeightSnapshot;
+use kernels::tensor::WeightSnapshot;
+use kernels::tensor::{Storage, Tensor, TensorSet};
 use memmap2::{Mmap, MmapMut};
 use prost::Message;
 use proto::v1::{Dtype, SnapshotAck, SnapshotChunk, SnapshotManifest, TensorMeta};
@@ -122,7 +122,7 @@ fn starts(tensors: &[TensorMeta]) -> Vec<u64> {
 
 /// Copies stream bytes `[start, start + dst.len())` of `params` into `dst`; returns their
 /// CRC-32C.
-fn gather(params: &Params, starts: &[u64], start: u64, dst: &mut [u8]) -> u32 {
+fn gather(params: &TensorSet, starts: &[u64], start: u64, dst: &mut [u8]) -> u32 {
     spans(starts, start, dst.len()).fold(0, |crc, (i, from, pos, n)| {
         let src = f32_bytes(&params.tensors[i].data);
         copy_crc(crc, &src[from..from + n], &mut dst[pos..pos + n])
@@ -175,7 +175,7 @@ fn bucket(snapshot: &WeightSnapshot, manifest: &SnapshotManifest, index: usize) 
 pub(crate) enum Outgoing {
     Header(SnapshotChunk),
     Bucket {
-        params: Arc<Params>,
+        params: Arc<TensorSet>,
         starts: Arc<Vec<u64>>,
         version: u64,
         index: u32,
@@ -306,7 +306,7 @@ impl Decoder for AckDecoder {
 
 /// Appends stream bytes `[start, start + len)` of `params` to `dst`; returns their CRC-32C.
 fn gather_into(
-    params: &Params,
+    params: &TensorSet,
     starts: &[u64],
     start: u64,
     len: usize,
@@ -333,7 +333,7 @@ pub fn digest(crcs: &[u32]) -> u32 {
 
 /// CRC-32C of every tensor's bytes in order: what an actor holding the snapshot can report so
 /// that a sender checks the weights arrived unchanged, whatever the bucketing.
-pub fn content_crc(params: &Params) -> u32 {
+pub fn content_crc(params: &TensorSet) -> u32 {
     params
         .tensors
         .iter()
@@ -374,11 +374,11 @@ fn scatter(dest: &Dest, starts: &[u64], start: u64, src: &[u8]) -> u32 {
 /// their memory once nobody else holds them (fresh gigabytes cost more to fault in than to
 /// fill on many machines).
 #[derive(Default)]
-pub struct Spares(Vec<Arc<Params>>);
+pub struct Spares(Vec<Arc<TensorSet>>);
 
 impl Spares {
     /// Keeps `params` (the latest few only).
-    pub fn keep(&mut self, params: Arc<Params>) {
+    pub fn keep(&mut self, params: Arc<TensorSet>) {
         self.0.push(params);
         if self.0.len() > 3 {
             self.0.remove(0);
@@ -387,8 +387,8 @@ impl Spares {
 
     /// A kept snapshot that nobody else holds and whose tensors have the manifest's names and
     /// shapes.
-    fn take(&mut self, manifest: &SnapshotManifest) -> Option<Params> {
-        let fits = |p: &Params| {
+    fn take(&mut self, manifest: &SnapshotManifest) -> Option<TensorSet> {
+        let fits = |p: &TensorSet| {
             p.tensors.len() == manifest.tensors.len()
                 && p.tensors.iter().zip(&manifest.tensors).all(|(t, m)| {
                     t.name == m.name
@@ -579,7 +579,7 @@ impl Assembler {
         };
         let snapshot = WeightSnapshot {
             version: self.version,
-            params: Arc::new(Params {
+            params: Arc::new(TensorSet {
                 tensors: self.tensors,
             }),
         };
@@ -820,7 +820,7 @@ pub fn read_shm(
     };
     let snapshot = WeightSnapshot {
         version: manifest.version,
-        params: Arc::new(Params { tensors }),
+        params: Arc::new(TensorSet { tensors }),
     };
     Ok((snapshot, ack))
 }
@@ -839,7 +839,7 @@ mod tests {
         };
         WeightSnapshot {
             version: 9,
-            params: Arc::new(Params {
+            params: Arc::new(TensorSet {
                 tensors: vec![
                     tensor("a", vec![3, 5], 1.0),
                     tensor("b", vec![7], -2.0),

@@ -23,6 +23,7 @@ pub mod optim;
 pub mod peak;
 pub mod rope;
 pub mod skinny;
+pub mod tensor;
 pub mod threads;
 
 #[cfg(test)]

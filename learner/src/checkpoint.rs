@@ -9,6 +9,7 @@ use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::model::Model;
 use crate::optim::Optimizer;
+use crate::params::ParamsIo;
 use crate::tokenizer::Tokenizer;
 use std::path::{Path, PathBuf};
 

@@ -9,6 +9,7 @@ use crate::error::{Error, Result};
 use crate::model::{Batch, Model, Tape};
 use crate::optim::{Optimizer, StepReport};
 use crate::params::Params;
+use crate::params::ParamsIo;
 use std::path::Path;
 
 /// A value model.

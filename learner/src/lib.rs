@@ -19,10 +19,9 @@ pub mod params;
 pub mod pjrt;
 pub mod rl;
 pub mod rng;
-pub mod snapshot;
 pub mod tokenizer;
 
 pub use config::{Arch, ModelConfig};
 pub use error::{Error, Result};
 pub use model::{Attend, Batch, Model, Scores, Tape};
-pub use params::{Params, Tensor};
+pub use params::{Params, ParamsIo, Tensor};

@@ -4,6 +4,7 @@
 
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
+use crate::params::ParamsIo;
 use crate::params::{Layout, Params, Tensor};
 use kernels::attention::{AttnShape, attention, attention_backward};
 use kernels::matmul::{Op, Par, matmul, matmul_nt_many};

@@ -3,6 +3,7 @@
 
 use crate::error::{Error, Result};
 use crate::params::Params;
+use crate::params::ParamsIo;
 use kernels::optim::{AdamW, clip_factor, global_norm, scale};
 use std::path::Path;
 

@@ -1,6 +1,7 @@
-//! Named parameter tensors in Hugging Face naming, their layout per layer, seeded random
+//! A model's parameters: their layout per layer in Hugging Face naming, seeded random
 //! initialisation, and safetensors loading (f32/bf16/f16, single file or sharded, memory-mapped)
-//! and saving.
+//! and saving ([`ParamsIo`]). The tensor types themselves are `kernels::tensor`'s, shared with
+//! the engines and the actor runtime.
 
 use crate::config::{Arch, ModelConfig};
 use crate::error::{Error, Result};
@@ -10,133 +11,28 @@ use safetensors::{Dtype, SafeTensors, tensor::TensorView};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
-/// One named f32 tensor.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Tensor {
-    /// Hugging Face parameter name.
-    pub name: String,
-    /// Shape, outermost first.
-    pub shape: Vec<usize>,
-    /// Row-major values.
-    pub data: Storage,
-}
+pub use kernels::tensor::{Storage, Tensor};
 
-/// A tensor's values: its own memory, or a read-only view of a memory-mapped file (a weight
-/// snapshot another process on this host wrote into shared memory, used in place). A view is
-/// copied into memory of its own the first time it is written (`DerefMut`), so a mapping is
-/// never written through.
-#[derive(Clone)]
-pub enum Storage {
-    Owned(Vec<f32>),
-    Mapped {
-        map: std::sync::Arc<memmap2::Mmap>,
-        /// Byte offset of the first value in `map` (a multiple of 4).
-        offset: usize,
-        /// Number of values.
-        len: usize,
-    },
-}
+/// Every parameter of a model (or a gradient / optimiser moment with the same layout).
+pub type Params = kernels::tensor::TensorSet;
 
-impl Storage {
-    /// A view of `len` f32 values at byte `offset` of `map`; `None` when they do not fit or are
-    /// not 4-byte aligned.
-    pub fn mapped(map: std::sync::Arc<memmap2::Mmap>, offset: usize, len: usize) -> Option<Self> {
-        let end = offset.checked_add(len.checked_mul(4)?)?;
-        let aligned = (map.as_ptr() as usize + offset).is_multiple_of(std::mem::align_of::<f32>());
-        (end <= map.len() && aligned).then_some(Storage::Mapped { map, offset, len })
+/// Seeded initialisation and safetensors files of [`Params`].
+pub trait ParamsIo: Sized {
+    /// Seeded random init as `transformers` does it: normal(0, std) for matrices, ones for
+    /// norms, zeros for biases.
+    fn init(specs: &[(String, Vec<usize>)], std: f32, seed: u64) -> Self;
+
+    /// Loads every spec'd tensor from the checkpoint folder `dir` (`model.safetensors`, or the
+    /// shards listed in `model.safetensors.index.json`), converting bf16/f16 to f32.
+    fn load(dir: &Path, specs: &[(String, Vec<usize>)]) -> Result<Self>;
+
+    /// Writes all tensors as f32 into one safetensors file at `path`.
+    fn save(&self, path: &Path) -> Result<()> {
+        self.save_prefixed(path, "")
     }
 
-    /// The mapping this storage views, if it is a view.
-    pub fn mapping(&self) -> Option<&std::sync::Arc<memmap2::Mmap>> {
-        match self {
-            Storage::Owned(_) => None,
-            Storage::Mapped { map, .. } => Some(map),
-        }
-    }
-
-    /// The values.
-    pub fn as_slice(&self) -> &[f32] {
-        self
-    }
-
-    /// The values, writable (a view is copied out first).
-    pub fn as_mut_slice(&mut self) -> &mut [f32] {
-        self
-    }
-
-    /// The values as a vector of their own (copied out of a mapping).
-    pub fn into_vec(self) -> Vec<f32> {
-        match self {
-            Storage::Owned(v) => v,
-            mapped => mapped.to_vec(),
-        }
-    }
-}
-
-impl Default for Storage {
-    fn default() -> Self {
-        Storage::Owned(Vec::new())
-    }
-}
-
-impl From<Vec<f32>> for Storage {
-    fn from(v: Vec<f32>) -> Self {
-        Storage::Owned(v)
-    }
-}
-
-impl std::ops::Deref for Storage {
-    type Target = [f32];
-    fn deref(&self) -> &[f32] {
-        match self {
-            Storage::Owned(v) => v,
-            Storage::Mapped { map, offset, len } => {
-                let bytes = &map[*offset..*offset + *len * 4];
-                // SAFETY: `Storage::mapped` checked that the range lies in the mapping and is
-                // 4-byte aligned; every bit pattern is a valid f32; the mapping is read-only
-                // and kept alive by the Arc for as long as this borrow.
-                unsafe { std::slice::from_raw_parts(bytes.as_ptr().cast::<f32>(), *len) }
-            }
-        }
-    }
-}
-
-impl std::ops::DerefMut for Storage {
-    fn deref_mut(&mut self) -> &mut [f32] {
-        if let Storage::Mapped { .. } = self {
-            *self = Storage::Owned(self.to_vec());
-        }
-        match self {
-            Storage::Owned(v) => v,
-            Storage::Mapped { .. } => unreachable!("copied out just above"),
-        }
-    }
-}
-
-impl FromIterator<f32> for Storage {
-    fn from_iter<I: IntoIterator<Item = f32>>(iter: I) -> Self {
-        Storage::Owned(iter.into_iter().collect())
-    }
-}
-
-impl<'a> IntoIterator for &'a Storage {
-    type Item = &'a f32;
-    type IntoIter = std::slice::Iter<'a, f32>;
-    fn into_iter(self) -> Self::IntoIter {
-        self.iter()
-    }
-}
-
-impl PartialEq for Storage {
-    fn eq(&self, other: &Self) -> bool {
-        **self == **other
-    }
-}
-
-impl std::fmt::Debug for Storage {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        std::fmt::Debug::fmt(&**self, f)
-    }
+    /// As [`ParamsIo::save`], with `prefix` before every name.
+    fn save_prefixed(&self, path: &Path, prefix: &str) -> Result<()>;
 }
 
 /// Indices into [`Params::tensors`] for one decoder layer.
@@ -167,13 +63,6 @@ pub struct Layout {
     pub norm: usize,
     /// `None` when the head is tied to the embedding.
     pub lm_head: Option<usize>,
-}
-
-/// Every parameter of a model (or a gradient / optimiser moment with the same layout).
-#[derive(Clone, Debug, PartialEq)]
-pub struct Params {
-    /// In layout order.
-    pub tensors: Vec<Tensor>,
 }
 
 impl Layout {
@@ -256,42 +145,8 @@ fn is_norm(name: &str) -> bool {
     name.ends_with("norm.weight")
 }
 
-impl Params {
-    /// Zeros with the given specs.
-    pub fn zeros(specs: &[(String, Vec<usize>)]) -> Self {
-        let tensors = specs
-            .iter()
-            .map(|(name, shape)| Tensor {
-                name: name.clone(),
-                shape: shape.clone(),
-                data: vec![0.0; shape.iter().product()].into(),
-            })
-            .collect();
-        Self { tensors }
-    }
-
-    /// Zeros shaped like `self`.
-    pub fn zeros_like(&self) -> Self {
-        let tensors = self
-            .tensors
-            .iter()
-            .map(|t| Tensor {
-                name: t.name.clone(),
-                shape: t.shape.clone(),
-                data: vec![0.0; t.data.len()].into(),
-            })
-            .collect();
-        Self { tensors }
-    }
-
-    /// Sets every value to zero.
-    pub fn fill_zero(&mut self) {
-        self.tensors.iter_mut().for_each(|t| t.data.fill(0.0));
-    }
-
-    /// Seeded random init as `transformers` does it: normal(0, std) for matrices, ones for
-    /// norms, zeros for biases.
-    pub fn init(specs: &[(String, Vec<usize>)], std: f32, seed: u64) -> Self {
+impl ParamsIo for Params {
+    fn init(specs: &[(String, Vec<usize>)], std: f32, seed: u64) -> Self {
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
         let mut p = Self::zeros(specs);
         for t in &mut p.tensors {
@@ -304,16 +159,33 @@ impl Params {
         p
     }
 
-    /// Total number of values.
-    pub fn numel(&self) -> usize {
-        self.tensors.iter().map(|t| t.data.len()).sum()
-    }
-
-    /// Loads every spec'd tensor from the checkpoint folder `dir` (`model.safetensors`, or the
-    /// shards listed in `model.safetensors.index.json`), converting bf16/f16 to f32.
-    pub fn load(dir: &Path, specs: &[(String, Vec<usize>)]) -> Result<Self> {
+    fn load(dir: &Path, specs: &[(String, Vec<usize>)]) -> Result<Self> {
         let files = safetensors_files(dir)?;
         load_files(dir, &files, specs)
+    }
+
+    fn save_prefixed(&self, path: &Path, prefix: &str) -> Result<()> {
+        let bytes: Vec<Vec<u8>> = self
+            .tensors
+            .iter()
+            .map(|t| t.data.iter().flat_map(|v| v.to_le_bytes()).collect())
+            .collect();
+        let mut views = BTreeMap::new();
+        for (t, b) in self.tensors.iter().zip(&bytes) {
+            let view =
+                TensorView::new(Dtype::F32, t.shape.clone(), b).map_err(|e| Error::BadTensor {
+                    path: path.to_path_buf(),
+                    name: t.name.clone(),
+                    msg: e.to_string(),
+                })?;
+            views.insert(format!("{prefix}{}", t.name), view);
+        }
+        let mut meta = HashMap::new();
+        meta.insert("format".to_string(), "pt".to_string());
+        safetensors::serialize_to_file(views, Some(meta), path).map_err(|e| Error::Safetensors {
+            path: path.to_path_buf(),
+            msg: e.to_string(),
+        })
     }
 }
 
@@ -381,38 +253,6 @@ fn load_files(origin: &Path, files: &[PathBuf], specs: &[(String, Vec<usize>)]) 
         });
     }
     Ok(Params { tensors })
-}
-
-impl Params {
-    /// Writes all tensors as f32 into one safetensors file at `path`.
-    pub fn save(&self, path: &Path) -> Result<()> {
-        self.save_prefixed(path, "")
-    }
-
-    /// As [`Params::save`], with `prefix` before every name (optimiser moments use `m.`/`v.`).
-    pub fn save_prefixed(&self, path: &Path, prefix: &str) -> Result<()> {
-        let bytes: Vec<Vec<u8>> = self
-            .tensors
-            .iter()
-            .map(|t| t.data.iter().flat_map(|v| v.to_le_bytes()).collect())
-            .collect();
-        let mut views = BTreeMap::new();
-        for (t, b) in self.tensors.iter().zip(&bytes) {
-            let view =
-                TensorView::new(Dtype::F32, t.shape.clone(), b).map_err(|e| Error::BadTensor {
-                    path: path.to_path_buf(),
-                    name: t.name.clone(),
-                    msg: e.to_string(),
-                })?;
-            views.insert(format!("{prefix}{}", t.name), view);
-        }
-        let mut meta = HashMap::new();
-        meta.insert("format".to_string(), "pt".to_string());
-        safetensors::serialize_to_file(views, Some(meta), path).map_err(|e| Error::Safetensors {
-            path: path.to_path_buf(),
-            msg: e.to_string(),
-        })
-    }
 }
 
 /// The safetensors files of a checkpoint folder.

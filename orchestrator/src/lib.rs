@@ -1,11 +1,12 @@
 //! The orchestrator: turns a workflow into work on roles and actor pools, and keeps the record
 //! of it.
 //!
-//! Layers, each using only those above it in this list: [`plan`] (a workflow parsed once into
-//! types, checked before anything runs); [`roles`] (what the executor may ask of the models),
+//! Layers, each using only those before it in this list: [`plan`] (a workflow parsed once into
+//! types, checked before anything runs) and [`chat`]; [`store`] (the durable job store);
 //! [`kinds`] and [`pools`] (actors that host engines, and the pools that place, supervise and
-//! route to them); [`record`] (the run's sinks); [`exec`] (runs a plan's stages against roles);
-//! [`jobs`] (the store, the one job lifecycle, the server's queue).
+//! route to them); [`roles`] (what the executor may ask of the models, local or actor-backed);
+//! [`record`] (the run's sinks); [`exec`] (runs a plan's stages against roles); [`jobs`] (the
+//! one job lifecycle, the server's queue).
 //!
 //! Never: prints (a sink of the binary does), parses command lines or serves HTTP (the
 //! `trellis` binary does), touches tensor contents in job control (tensors move through the
@@ -20,3 +21,4 @@ pub mod plan;
 pub mod pools;
 pub mod record;
 pub mod roles;
+pub mod store;

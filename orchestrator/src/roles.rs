@@ -9,6 +9,8 @@
 //! or knows the run directory's layout beyond the folder a call names.
 
 use crate::pools::PoolError;
+use crate::pools::rollout::RolloutPool;
+use kernels::tensor::WeightSnapshot;
 use learner::algo::TokenRows;
 use learner::algo::policy::{PolicyBatch, PolicyUpdate};
 use learner::algo::sft::SftStep;
@@ -17,7 +19,6 @@ use learner::critic::Critic as ValueModel;
 use learner::engine::TrainEngine;
 use learner::optim::{LrSchedule, Optimizer};
 use learner::rl::Metrics;
-use learner::snapshot::WeightSnapshot;
 use learner::{Model, ModelConfig, Params};
 use rollout::{Completion, GenerateRequest};
 use std::path::Path;
@@ -120,6 +121,24 @@ pub trait Rollouts: Send + Sync {
 
     /// Engines out of service now.
     fn down_count(&self) -> usize;
+}
+
+impl Rollouts for RolloutPool {
+    fn generate(&self, reqs: Vec<GenerateRequest>) -> Result<Vec<Completion>> {
+        Ok(RolloutPool::generate(self, reqs)?)
+    }
+
+    fn update_weights(&self, snapshot: WeightSnapshot) -> Result<()> {
+        Ok(RolloutPool::update_weights(self, snapshot)?)
+    }
+
+    fn locations(&self) -> Vec<String> {
+        RolloutPool::locations(self)
+    }
+
+    fn down_count(&self) -> usize {
+        RolloutPool::down_count(self)
+    }
 }
 
 /// Builds a stage's reference policy and critic.

@@ -13,9 +13,10 @@ use crate::http::HttpClient;
 use crate::sglang::SglangEngine;
 use crate::vllm::VllmEngine;
 use crate::{Completion, EngineError, GenerateRequest};
+use kernels::tensor::WeightSnapshot;
 use learner::ModelConfig;
+use learner::ParamsIo;
 use learner::params::{Params, Tensor};
-use learner::snapshot::WeightSnapshot;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 

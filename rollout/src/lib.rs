@@ -22,7 +22,7 @@ pub mod sglang;
 pub mod task;
 pub mod vllm;
 
-use learner::snapshot::WeightSnapshot;
+use kernels::tensor::WeightSnapshot;
 pub use sampling::SamplingParams;
 use serde::{Deserialize, Serialize};
 use std::future::Future;

@@ -12,7 +12,7 @@
 use crate::kv::{BlockPool, CachedStep, KvShape, SeqCache};
 use crate::sampling::{raw_logprob, sample};
 use crate::{Completion, EngineError, FinishReason, GenerateRequest, InferenceEngine, VersionSpan};
-use learner::snapshot::WeightSnapshot;
+use kernels::tensor::WeightSnapshot;
 use learner::{Model, ModelConfig};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;

@@ -12,8 +12,8 @@
 use crate::native::check_requests;
 use crate::sampling::sample;
 use crate::{Completion, EngineError, FinishReason, GenerateRequest, InferenceEngine, VersionSpan};
+use kernels::tensor::WeightSnapshot;
 use learner::pjrt::{Client, PjrtDecoder};
-use learner::snapshot::WeightSnapshot;
 use learner::{Model, ModelConfig};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;

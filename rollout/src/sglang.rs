@@ -12,8 +12,8 @@ use crate::external::{ExternalConfig, Load, WeightFolders, fan_out, prometheus_s
 use crate::http::{HttpClient, as_u64};
 use crate::vllm::sampling_json;
 use crate::{Completion, EngineError, FinishReason, GenerateRequest, InferenceEngine, VersionSpan};
+use kernels::tensor::WeightSnapshot;
 use learner::ModelConfig;
-use learner::snapshot::WeightSnapshot;
 use serde_json::{Value, json};
 use std::path::Path;
 use std::sync::Arc;

@@ -20,8 +20,8 @@ use crate::{
     Completion, EngineError, FinishReason, GenerateRequest, InferenceEngine, SamplingParams,
     VersionSpan,
 };
+use kernels::tensor::WeightSnapshot;
 use learner::ModelConfig;
-use learner::snapshot::WeightSnapshot;
 use serde_json::{Value, json};
 use std::path::Path;
 use std::sync::Arc;

@@ -1,7 +1,7 @@
 //! The native engine against the transformers fixture and the learner.
 
+use kernels::tensor::WeightSnapshot;
 use learner::checkpoint::Checkpoint;
-use learner::snapshot::WeightSnapshot;
 use learner::{Batch, Model};
 use rollout::native::{NativeConfig, NativeEngine, SwapPolicy};
 use rollout::{EngineError, FinishReason, GenerateRequest, SamplingParams};

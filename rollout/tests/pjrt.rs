@@ -2,9 +2,9 @@
 //! native engine (sampled tokens, log-probs, stop rules, weight updates). Without the plugin the
 //! tests say so loudly and pass; with `TRELLIS_REQUIRE_PJRT=1` (CI) they fail.
 
+use kernels::tensor::WeightSnapshot;
 use learner::Model;
 use learner::checkpoint::Checkpoint;
-use learner::snapshot::WeightSnapshot;
 use rollout::native::{NativeConfig, NativeEngine};
 use rollout::pjrt::PjrtEngine;
 use rollout::{

@@ -6,9 +6,9 @@
 use actors::builtin::{Ping, PingRequest, PingResponse};
 use actors::snapshot::content_crc;
 use actors::{ActorError, ActorRef, Head, HeadConfig, PoolSpec, RestartHook, SpawnOptions, Token};
-use learner::Params;
-use learner::params::Tensor;
-use learner::snapshot::WeightSnapshot;
+use kernels::tensor::Tensor;
+use kernels::tensor::TensorSet as Params;
+use kernels::tensor::WeightSnapshot;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;

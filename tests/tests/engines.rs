@@ -4,8 +4,8 @@
 //! metrics equal an in-process run's even with an engine killed -9 mid-RL, and the errors for an
 //! unreachable URL (then resumed), a wrong model and a malformed response.
 
+use kernels::tensor::WeightSnapshot;
 use learner::checkpoint::Checkpoint;
-use learner::snapshot::WeightSnapshot;
 use rollout::external::ExternalConfig;
 use rollout::http::HttpClient;
 use rollout::native::NativeEngine;

@@ -6,9 +6,9 @@
 //! Owns: the workload and the report. Never: asserts a time (figures are for the note).
 
 use engine_serve::{EngineServeOptions, ModelSource, serve};
+use kernels::tensor::WeightSnapshot;
 use learner::Model;
 use learner::checkpoint::Checkpoint;
-use learner::snapshot::WeightSnapshot;
 use rollout::external::{ExternalConfig, WeightFolders};
 use rollout::native::{NativeConfig, NativeEngine};
 use rollout::vllm::VllmEngine;

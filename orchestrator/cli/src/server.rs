@@ -20,7 +20,7 @@
 
 use actors::{Head, HeadConfig, Token};
 use orchestrator::jobs::queue::{Queue, QueueError, SinkMaker};
-use orchestrator::jobs::store::{Job, JobState, Store, StoreError};
+use orchestrator::store::{Job, JobState, Store, StoreError};
 use proto::v1 as pb;
 use proto::v1::job_service_server::{JobService, JobServiceServer};
 use std::net::SocketAddr;

@@ -9,6 +9,7 @@
 //! and the step's artifacts. Never: computes a gradient or a loss (the learner does), samples
 //! (the engines do), or prints (it tells its [`Records`]).
 
+mod board;
 mod eval;
 mod nodes;
 mod prompts;
@@ -16,12 +17,13 @@ mod stage;
 mod step;
 
 pub use prompts::Prompts;
-pub use stage::{Executor, Summary};
 
-use crate::jobs::store::StoreError;
 use crate::plan::Plan;
 use crate::record::{RecordError, Records};
 use crate::roles::{RoleError, Rollouts};
+use crate::store::{Progress, StoreError};
+use serde::Serialize;
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -91,11 +93,34 @@ pub struct Job<'a> {
     /// The run directory (checkpoints).
     pub dir: &'a std::path::Path,
     /// The job store and the job's id in it.
-    pub store: &'a crate::jobs::store::Store,
+    pub store: &'a crate::store::Store,
     /// The job's id.
     pub id: u64,
     /// Where rows and progress go.
     pub records: Records<'a>,
     /// Whether the job was asked to stop (checked after each step).
     pub stop: &'a (dyn Fn() -> bool + Sync),
+}
+
+/// What a finished run reports.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct Summary {
+    /// Eval accuracy after each stage that evaluated, by stage id.
+    pub eval_accuracy: BTreeMap<String, f64>,
+    /// Steps run in this invocation (not counting those resumed over).
+    pub steps_run: u64,
+    /// `resume` found the run finished already.
+    pub finished_before: bool,
+}
+
+/// Runs a job's stages.
+pub struct Executor<'a> {
+    pub(crate) job: Job<'a>,
+    pub(crate) roles: Roles,
+    pub(crate) prompts: Prompts<'a>,
+    /// Where the job stands (from the store: completed stages, the last checkpoint).
+    pub(crate) state: Progress,
+    /// The weight version the rollout engines serve.
+    pub(crate) version: u64,
+    summary: Summary,
 }

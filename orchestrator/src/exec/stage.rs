@@ -5,55 +5,18 @@
 //! `optimizer/` mid-stage, `critic/` for PPO, `trainer_state.json`); a stage with a KL loss keeps
 //! its reference weights in `checkpoints/<stage>/reference/`.
 
+use super::board::push_weights;
 use super::step::RlStage;
-use super::{ExecError, Job, Prompts, Roles, eval};
-use crate::jobs::store::{CheckpointRecord, Progress};
+use super::{ExecError, Executor, Job, Prompts, Roles, Summary, eval};
 use crate::plan::{StagePlan, Work};
 use crate::record::Event;
-use crate::roles::{Critic, Policy, Rollouts};
+use crate::roles::Critic;
+use crate::store::{CheckpointRecord, Progress};
+use learner::ParamsIo;
 use learner::rl::Metrics;
-use serde::Serialize;
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-/// What a finished run reports.
-#[derive(Clone, Debug, Default, PartialEq, Serialize)]
-pub struct Summary {
-    /// Eval accuracy after each stage that evaluated, by stage id.
-    pub eval_accuracy: BTreeMap<String, f64>,
-    /// Steps run in this invocation (not counting those resumed over).
-    pub steps_run: u64,
-    /// `resume` found the run finished already.
-    pub finished_before: bool,
-}
-
-/// Runs a job's stages.
-pub struct Executor<'a> {
-    pub(super) job: Job<'a>,
-    pub(super) roles: Roles,
-    pub(super) prompts: Prompts<'a>,
-    /// Where the job stands (from the store: completed stages, the last checkpoint).
-    pub(super) state: Progress,
-    /// The weight version the rollout engines serve.
-    pub(super) version: u64,
-    summary: Summary,
-}
-
-/// The policy's weights to the rollout engines as the next version (`version` advances);
-/// returns the seconds it took.
-pub(super) fn push_weights(
-    policy: &mut dyn Policy,
-    rollouts: &dyn Rollouts,
-    version: &mut u64,
-) -> Result<f64, ExecError> {
-    let t = Instant::now();
-    *version += 1;
-    let snapshot = policy.snapshot(*version)?;
-    rollouts.update_weights(snapshot)?;
-    Ok(t.elapsed().as_secs_f64())
-}
 
 fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), ExecError> {
     let tmp = path.with_extension("tmp");

@@ -11,10 +11,10 @@
 //! server does), or deletes a job's files.
 
 use super::run::{self, RunOptions, StopFlag, StopReason};
-use super::store::{Job, JobState, Store, StoreError};
 use crate::plan::{Plan, PlanError};
 use crate::pools::{Cluster, ClusterHead};
 use crate::record::Recorder;
+use crate::store::{Job, JobState, Store, StoreError};
 use actors::Head;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};

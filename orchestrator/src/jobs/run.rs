@@ -9,7 +9,6 @@
 //! metric row), `workflow.json` (the resolved workflow, for people), `metrics.jsonl` (one object
 //! per step, an export of the store's rows), `tensorboard/`, and `checkpoints/<stage>/step_<N>/`.
 
-use super::store::{CheckpointRecord, Job, JobState, Progress, Store, StoreError};
 use crate::exec::{ExecError, Executor, Prompts, Roles, Summary};
 use crate::plan::{LearnerEngine, ModelSource, Plan, PlanError, RolloutEngine};
 use crate::pools::rollout::{PoolStart, RolloutPool};
@@ -17,10 +16,11 @@ use crate::pools::{Cluster, PoolError};
 use crate::record::tensorboard::EventWriter;
 use crate::record::{Event, JsonlSink, RecordError, Recorder, Records, StoreSink};
 use crate::roles::{LocalPolicy, LocalRoles};
+use crate::store::{CheckpointRecord, Job, JobState, Progress, Store, StoreError};
+use kernels::tensor::WeightSnapshot;
 use learner::Model;
 use learner::checkpoint::Checkpoint;
 use learner::engine::Backend;
-use learner::snapshot::WeightSnapshot;
 use serde::Serialize;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

@@ -2,8 +2,8 @@
 //! actor. Its engine starts with the first weights it is given.
 
 use crate::plan::Device;
-use actors::Actor;
-use learner::snapshot::WeightSnapshot;
+use actors::{Actor, CallError};
+use kernels::tensor::WeightSnapshot;
 use learner::{Model, ModelConfig};
 use rollout::native::{NativeConfig, NativeEngine};
 use rollout::{Completion, EngineError, GenerateRequest, InferenceEngine};
@@ -106,15 +106,17 @@ impl Actor for RolloutActor {
         })
     }
 
-    async fn handle(&mut self, request: RolloutRequest) -> Result<Vec<Completion>, String> {
+    async fn handle(&mut self, request: RolloutRequest) -> Result<Vec<Completion>, CallError> {
         let engine = self
             .engine
             .as_ref()
             .ok_or("no weights yet: push a snapshot before generating")?;
         match request {
-            RolloutRequest::Generate(reqs) => {
-                engine.generate(reqs).await.map_err(|e| e.to_string())
-            }
+            RolloutRequest::Generate(reqs) => engine.generate(reqs).await.map_err(|e| match e {
+                // An engine that did not answer may answer the same call later.
+                EngineError::Unavailable(m) => CallError::retryable(m),
+                e => CallError::fatal(e.to_string()),
+            }),
         }
     }
 

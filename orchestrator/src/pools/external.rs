@@ -6,7 +6,7 @@
 //! `rollout` adapters do).
 
 use super::{PoolError, lock};
-use learner::snapshot::WeightSnapshot;
+use kernels::tensor::WeightSnapshot;
 use learner::{Model, ModelConfig};
 use rollout::external::{External, WeightFolders};
 use rollout::{EngineError, GenerateRequest};

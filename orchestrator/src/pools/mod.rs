@@ -1,9 +1,11 @@
-//! Actor pools: the rollout pool (engines as actors, local or on agents, or external servers),
-//! where a job meets its agents ([`Cluster`]), and the retry of calls lost with an actor.
+//! Actor pools: the generic pool of supervised actors ([`actor_pool`]), the rollout pool over it
+//! (or over external servers), where a job meets its agents ([`Cluster`]), and the retry of
+//! calls that may pass.
 //!
 //! Owns: placing, starting and supervising a pool's actors, routing calls to them, and fanning
 //! out weights. Never: samples, trains or scores.
 
+pub mod actor_pool;
 pub mod external;
 pub mod rollout;
 
@@ -80,7 +82,7 @@ impl PoolError {
     pub fn is_retryable(&self) -> bool {
         match self {
             PoolError::Engine(e) => matches!(e, ::rollout::EngineError::Unavailable(_)),
-            PoolError::Actor(e) => matches!(e, ActorError::Died { .. } | ActorError::Agent { .. }),
+            PoolError::Actor(e) => e.is_retryable(),
             PoolError::AllDown { .. } => true,
             _ => false,
         }
@@ -119,8 +121,9 @@ impl std::fmt::Debug for ClusterHead {
     }
 }
 
-/// Runs `op` against `actor`, again (up to 5 times) when the actor died or its agent was lost
-/// meanwhile: the supervisor restarts it elsewhere and gives it the current weights.
+/// Runs `op` against `actor`, again (up to 5 times, backing off) when the failure may pass: the
+/// actor died or its agent was lost meanwhile (the supervisor restarts it elsewhere and gives it
+/// the current weights), or its handler said the call may succeed later.
 pub(crate) async fn retry<A, T, F, Fut>(actor: &ActorRef<A>, mut op: F) -> Result<T, ActorError>
 where
     A: actors::Actor,
@@ -130,7 +133,7 @@ where
     let mut attempt = 0;
     loop {
         match op().await {
-            Err(e @ (ActorError::Died { .. } | ActorError::Agent { .. })) if attempt < 5 => {
+            Err(e) if e.is_retryable() && attempt < 5 => {
                 attempt += 1;
                 tracing::warn!(actor = actor.name(), "{e}; retrying (attempt {attempt})");
                 tokio::time::sleep(Duration::from_millis(50 << attempt)).await;

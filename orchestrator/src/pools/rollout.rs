@@ -11,14 +11,14 @@
 //! Owns: placing and routing, weight fan-out, and engine health. Never: samples, trains or
 //! scores.
 
+use super::actor_pool::{ActorPool, PoolShape};
 use super::external::{Down, ExternalPool};
-use super::{Cluster, ClusterHead, PoolError, lock, retry};
+use super::{Cluster, PoolError, lock, retry};
 use crate::kinds::rollout::{EngineSpec, RolloutActor, RolloutConfig, RolloutRequest};
 use crate::plan::{Placement, RolloutEngine, RolloutPlan};
-use crate::roles::{RoleError, Rollouts};
-use actors::{Actor, ActorRef, Head, HeadConfig, PoolSpec, RestartHook, SpawnOptions};
+use actors::ActorRef;
+use kernels::tensor::WeightSnapshot;
 use learner::ModelConfig;
-use learner::snapshot::WeightSnapshot;
 use rollout::external::{External, ExternalConfig, Load, WeightFolders};
 use rollout::router::{Router, Weights};
 use rollout::{Completion, EngineError, GenerateRequest};
@@ -76,14 +76,12 @@ pub struct PoolStart<'a> {
 /// The rollout engines of a job, and the router that spreads prompts over them.
 pub struct RolloutPool {
     rt: tokio::runtime::Runtime,
-    /// The head this pool started (shut down with the pool).
-    head: Option<Head>,
+    /// The engines as actors (none for external engines).
+    actors: Option<ActorPool<RolloutActor>>,
     members: Vec<Member>,
     /// `Some` for an engine taken out of service.
     down: Mutex<Vec<Option<Down>>>,
     router: Mutex<Router>,
-    /// The weights every actor serves (a restarted actor gets them back).
-    current: Arc<Mutex<WeightSnapshot>>,
     external: Option<ExternalPool>,
 }
 
@@ -96,7 +94,6 @@ impl RolloutPool {
             .enable_all()
             .build()
             .map_err(|e| PoolError::Runtime(format!("cannot start the actor runtime: {e}")))?;
-        let current = Arc::new(Mutex::new(start.weights.clone()));
         let plan = start.plan;
         let (engine, kv_cache_bytes) = match &plan.engine {
             RolloutEngine::External(x) => {
@@ -131,11 +128,10 @@ impl RolloutPool {
                 })?;
                 let this = Self {
                     rt,
-                    head: None,
+                    actors: None,
                     down: Mutex::new(engines.iter().map(|_| None).collect()),
                     router: Mutex::new(Router::new(engines.len(), Weights::default())),
                     members: engines,
-                    current,
                     external: Some(ExternalPool {
                         folders: WeightFolders::new(root),
                         config: start.config.clone(),
@@ -147,7 +143,7 @@ impl RolloutPool {
                     }),
                 };
                 // Whatever they served before, every engine starts on the job's weights.
-                this.push(start.weights)?;
+                this.update_weights(start.weights)?;
                 return Ok(this);
             }
             RolloutEngine::Native { kv_cache_bytes } => (EngineSpec::Native, *kv_cache_bytes),
@@ -164,15 +160,6 @@ impl RolloutPool {
             ),
         };
         let count = plan.count.max(1);
-        let for_hook = Arc::clone(&current);
-        let hook: RestartHook<RolloutActor> = Arc::new(move |actor| {
-            let snap = lock(&for_hook).clone();
-            Box::pin(async move { actor.load_weights(snap).await })
-        });
-        let options = SpawnOptions {
-            on_restart: Some(Arc::clone(&hook)),
-            ..Default::default()
-        };
         let local = plan.placement == Placement::Local;
         let config = RolloutConfig {
             model: start.config.to_hf_json(),
@@ -183,91 +170,29 @@ impl RolloutPool {
             },
             engine,
         };
-        let (head, actors) = match plan.placement {
-            Placement::Local => {
-                let actors = rt.block_on(async {
-                    let mut actors = Vec::with_capacity(count);
-                    for i in 0..count {
-                        let a = actors::spawn_local::<RolloutActor>(
-                            &format!("rollout-{i}"),
-                            config.clone(),
-                            options.clone(),
-                        )
-                        .await?;
-                        actors.push(a);
-                    }
-                    Ok::<_, actors::ActorError>(actors)
-                })?;
-                (None, actors)
-            }
-            Placement::Agents(strategy) => {
-                let cluster = start.cluster.ok_or(PoolError::NoCluster)?;
-                let spec = PoolSpec {
-                    name: "rollout".into(),
-                    kind: RolloutActor::KIND.into(),
-                    actors: count as u32,
-                    // Placed by the device the engine really uses: a pjrt pool on TPU counts
-                    // TPU chips.
-                    device: plan.device(),
-                    per_actor: 1,
-                    strategy,
-                    labels: Default::default(),
-                    colocate: None,
-                };
-                let note = start.note;
-                let stop = start.stop;
-                rt.block_on(async {
-                    let (head, owned) = match &cluster.head {
-                        ClusterHead::Listen { listen, token } => {
-                            let head = Head::serve(*listen, token.clone(), HeadConfig::default())
-                                .await
-                                .map_err(|e| PoolError::Listen {
-                                    listen: *listen,
-                                    message: e.to_string(),
-                                })?;
-                            note(&format!(
-                                "rollout pool: waiting up to {:.0?} for agents to register at http://{}",
-                                cluster.wait,
-                                head.address()
-                            ));
-                            (head.clone(), Some(head))
-                        }
-                        ClusterHead::Shared(head) => (head.clone(), None),
-                    };
-                    let deadline = Instant::now() + cluster.wait;
-                    loop {
-                        match head.place(std::slice::from_ref(&spec)) {
-                            Ok(_) => break,
-                            Err(e) if Instant::now() >= deadline => {
-                                return Err(PoolError::Actor(e));
-                            }
-                            // Waiting can be long (agents still starting): a stop ends it.
-                            Err(_) if stop() => return Err(PoolError::StoppedWaiting),
-                            Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
-                        }
-                    }
-                    let actors = head
-                        .spawn_pool::<RolloutActor>(&spec, |_| config.clone(), options.clone())
-                        .await?;
-                    Ok((owned, actors))
-                })?
-            }
-        };
-        // Every actor starts with the current weights.
-        rt.block_on(async {
-            for a in &actors {
-                a.load_weights(start.weights.clone()).await?;
-            }
-            Ok::<_, actors::ActorError>(())
-        })?;
-        let n = actors.len();
+        let pool = rt.block_on(ActorPool::start(
+            PoolShape {
+                name: "rollout",
+                count,
+                config: &|_| config.clone(),
+                placement: plan.placement,
+                // Placed by the device the engine really uses: a pjrt pool on TPU counts TPU
+                // chips.
+                device: plan.device(),
+                cluster: start.cluster,
+                stop: start.stop,
+                note: start.note,
+            },
+            start.weights,
+        ))?;
+        let members: Vec<Member> = pool.actors().iter().cloned().map(Member::Actor).collect();
+        let n = members.len();
         Ok(Self {
             rt,
-            head,
-            members: actors.into_iter().map(Member::Actor).collect(),
+            actors: Some(pool),
+            members,
             down: Mutex::new((0..n).map(|_| None).collect()),
             router: Mutex::new(Router::new(n, Weights::default())),
-            current,
             external: None,
         })
     }
@@ -286,7 +211,21 @@ impl RolloutPool {
     /// sample, as from one engine. The router gives each request (all its samples) to one
     /// engine; the requests of an engine that stops answering go to the others, and it is
     /// taken out of service until it answers again and serves the current weights.
-    async fn generate(&self, reqs: Vec<GenerateRequest>) -> Result<Vec<Completion>, PoolError> {
+    pub fn generate(&self, reqs: Vec<GenerateRequest>) -> Result<Vec<Completion>, PoolError> {
+        self.rt.block_on(self.route(reqs))
+    }
+
+    /// Where each engine runs (`local`, its agent, or its URL).
+    pub fn locations(&self) -> Vec<String> {
+        self.members.iter().map(Member::location).collect()
+    }
+
+    /// Engines out of service now.
+    pub fn down_count(&self) -> usize {
+        lock(&self.down).iter().filter(|d| d.is_some()).count()
+    }
+
+    async fn route(&self, reqs: Vec<GenerateRequest>) -> Result<Vec<Completion>, PoolError> {
         let mut todo: Vec<usize> = (0..reqs.len()).collect();
         let mut all = Vec::with_capacity(reqs.iter().map(|r| r.params.n).sum());
         let mut waiting_since: Option<Instant> = None;
@@ -439,49 +378,32 @@ impl RolloutPool {
     /// decode steps; external engines by reloading a new folder, then checked with the probe.
     /// An engine that does not answer is taken out of service (it gets these weights when it
     /// returns).
-    fn push(&self, snapshot: WeightSnapshot) -> Result<(), PoolError> {
-        *lock(&self.current) = snapshot.clone();
-        if let Some(x) = &self.external {
-            let probe = x.publish(&snapshot)?;
-            let up: Vec<bool> = lock(&self.down).iter().map(Option::is_none).collect();
-            let results = self.rt.block_on(async {
-                let mut out = Vec::new();
-                for (i, m) in self.members.iter().enumerate() {
-                    if let (true, Member::External(e)) = (up[i], m) {
-                        out.push((i, x.reload_and_verify(e, &probe).await));
-                    }
-                }
-                out
-            });
-            for (i, r) in results {
-                match r {
-                    Ok(()) => {}
-                    Err(EngineError::Unavailable(msg)) => self.take_out(i, msg),
-                    Err(e) => return Err(e.into()),
+    pub fn update_weights(&self, snapshot: WeightSnapshot) -> Result<(), PoolError> {
+        if let Some(pool) = &self.actors {
+            return self.rt.block_on(pool.push(self.rt.handle(), snapshot));
+        }
+        let Some(x) = &self.external else {
+            return Ok(());
+        };
+        let probe = x.publish(&snapshot)?;
+        let up: Vec<bool> = lock(&self.down).iter().map(Option::is_none).collect();
+        let results = self.rt.block_on(async {
+            let mut out = Vec::new();
+            for (i, m) in self.members.iter().enumerate() {
+                if let (true, Member::External(e)) = (up[i], m) {
+                    out.push((i, x.reload_and_verify(e, &probe).await));
                 }
             }
-            tracing::debug!(version = snapshot.version, "weights pushed");
-            return Ok(());
+            out
+        });
+        for (i, r) in results {
+            match r {
+                Ok(()) => {}
+                Err(EngineError::Unavailable(msg)) => self.take_out(i, msg),
+                Err(e) => return Err(e.into()),
+            }
         }
-        let pushes: Vec<_> = self
-            .members
-            .iter()
-            .filter_map(|m| match m {
-                Member::Actor(a) => Some(a.clone()),
-                Member::External(_) => None,
-            })
-            .map(|a| {
-                let s = snapshot.clone();
-                self.rt
-                    .spawn(async move { retry(&a, || a.load_weights(s.clone())).await })
-            })
-            .collect();
-        for p in pushes {
-            self.rt
-                .handle()
-                .block_on(p)
-                .map_err(|e| PoolError::Runtime(format!("a weight push was lost: {e}")))??;
-        }
+        tracing::debug!(version = snapshot.version, "weights pushed");
         Ok(())
     }
 }
@@ -496,48 +418,12 @@ fn api_name(api: crate::plan::schema::Engine) -> &'static str {
     }
 }
 
-impl Rollouts for RolloutPool {
-    fn generate(&self, reqs: Vec<GenerateRequest>) -> Result<Vec<Completion>, RoleError> {
-        Ok(self.rt.block_on(RolloutPool::generate(self, reqs))?)
-    }
-
-    fn update_weights(&self, snapshot: WeightSnapshot) -> Result<(), RoleError> {
-        Ok(self.push(snapshot)?)
-    }
-
-    fn locations(&self) -> Vec<String> {
-        self.members.iter().map(Member::location).collect()
-    }
-
-    fn down_count(&self) -> usize {
-        lock(&self.down).iter().filter(|d| d.is_some()).count()
-    }
-}
-
 impl Drop for RolloutPool {
     fn drop(&mut self) {
         // Waited for: the runtime (and the supervisors' stop calls to agents) ends with the
         // pool, and a shared head's agents must get their resources back for the next job.
-        self.rt.block_on(async {
-            let stops = self.members.iter().filter_map(|m| match m {
-                Member::Actor(a) => Some(a.stop_and_wait()),
-                Member::External(_) => None,
-            });
-            let all = async {
-                for s in stops {
-                    s.await;
-                }
-            };
-            if tokio::time::timeout(Duration::from_secs(5), all)
-                .await
-                .is_err()
-            {
-                tracing::warn!("rollout actors did not stop within 5 s");
-            }
-        });
-        // Agents stay up for the next run; they only lose this run's actors.
-        if let Some(head) = self.head.take() {
-            self.rt.block_on(head.shutdown(false));
+        if let Some(mut pool) = self.actors.take() {
+            self.rt.block_on(pool.shutdown());
         }
     }
 }
@@ -602,8 +488,8 @@ mod tests {
         let one = RolloutPool::new(start(&p1, &model, &mut note)).unwrap();
         let three = RolloutPool::new(start(&p3, &model, &mut note)).unwrap();
         assert_eq!(three.len(), 3);
-        let a = Rollouts::generate(&one, reqs.clone()).unwrap();
-        let b = Rollouts::generate(&three, reqs).unwrap();
+        let a = one.generate(reqs.clone()).unwrap();
+        let b = three.generate(reqs).unwrap();
         let tokens = |v: &[Completion]| -> Vec<(usize, usize, Vec<u32>)> {
             v.iter()
                 .map(|c| (c.request, c.index, c.token_ids.clone()))
@@ -615,17 +501,15 @@ mod tests {
             params: Arc::new(model.params.clone()),
         };
         three.update_weights(snap).unwrap();
-        let c = Rollouts::generate(
-            &three,
-            vec![GenerateRequest {
+        let c = three
+            .generate(vec![GenerateRequest {
                 prompt: vec![1, 2],
                 params: SamplingParams {
                     max_tokens: 2,
                     ..Default::default()
                 },
-            }],
-        )
-        .unwrap();
+            }])
+            .unwrap();
         assert!(c[0].weight_versions.iter().all(|s| s.version == 4));
     }
 

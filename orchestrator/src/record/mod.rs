@@ -9,7 +9,7 @@
 
 pub mod tensorboard;
 
-use crate::jobs::store::{Store, StoreError};
+use crate::store::{Store, StoreError};
 use learner::rl::Metrics;
 use std::io::Write;
 use std::path::{Path, PathBuf};

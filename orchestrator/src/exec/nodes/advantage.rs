@@ -2,7 +2,7 @@
 //! response's last token, and the values when the estimator has a critic.
 
 use super::{Board, Compute, ExecError, StepCx, Update};
-use crate::exec::step::Write;
+use crate::exec::board::Write;
 use learner::rl::advantage::{AdvInput, compute};
 
 pub(crate) struct Advantage;

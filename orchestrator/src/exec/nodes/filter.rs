@@ -2,7 +2,7 @@
 //! carry no group-relative signal, or a response cut at the budget).
 
 use super::{Board, Compute, ExecError, StepCx, Update};
-use crate::exec::step::Write;
+use crate::exec::board::Write;
 use crate::plan::FilterPlan;
 use rollout::FinishReason;
 use std::sync::Arc;

@@ -4,7 +4,7 @@
 //! step takes its own, dropping or regenerating groups whose tokens lag too many versions.
 
 use super::{Act, Board, ExecError, StepCx, Update};
-use crate::exec::step::{Group, OldLogp, Pending, Write};
+use crate::exec::board::{Group, OldLogp, Pending, Write};
 use crate::plan::Mode;
 use crate::plan::schema::Stale;
 use learner::rl::Metrics;

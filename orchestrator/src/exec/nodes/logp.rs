@@ -2,7 +2,7 @@
 //! its update (several updates per batch), and under the reference policy (the KL loss).
 
 use super::{Board, Compute, ExecError, StepCx, Update};
-use crate::exec::step::Write;
+use crate::exec::board::Write;
 
 pub(crate) struct OldLogp;
 

@@ -14,7 +14,7 @@ mod update;
 mod values;
 
 use super::ExecError;
-use super::step::{Board, StepCx, Update};
+use super::board::{Board, StepCx, Update};
 use crate::plan::Op;
 
 /// A node that reads the board and the roles, and writes only the board.

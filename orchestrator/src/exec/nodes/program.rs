@@ -4,7 +4,7 @@
 //! is counted (and logged), never failing the step.
 
 use super::{Board, Compute, ExecError, StepCx, Update};
-use crate::exec::step::{Group, Write};
+use crate::exec::board::{Group, Write};
 use crate::plan::ProgramPlan;
 use crate::plan::schema::ScoreMode;
 use std::io::{Read, Write as _};

@@ -1,7 +1,7 @@
 //! `reward`: the stage's reward of every response, with DAPO's overlong shaping.
 
 use super::{Board, Compute, ExecError, StepCx, Update};
-use crate::exec::step::Write;
+use crate::exec::board::Write;
 use learner::rl::dapo::overlong_penalty;
 
 pub(crate) struct Reward;

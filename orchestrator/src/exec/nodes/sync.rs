@@ -1,8 +1,8 @@
 //! `sync_weights`: the policy's new weights to the rollout engines, as the next version.
 
-use super::super::stage::push_weights;
 use super::{Act, Board, ExecError, StepCx, Update};
-use crate::exec::step::Write;
+use crate::exec::board::Write;
+use crate::exec::board::push_weights;
 use crate::plan::Artifact;
 
 pub(crate) struct SyncWeights;

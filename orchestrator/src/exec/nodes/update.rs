@@ -1,7 +1,7 @@
 //! `update_critic` and `update_actor`: the learner's updates over the step's rollouts.
 
 use super::{Act, Board, ExecError, StepCx, Update};
-use crate::exec::step::Write;
+use crate::exec::board::Write;
 use crate::plan::Artifact;
 use learner::algo::policy::PolicyBatch;
 

@@ -1,7 +1,7 @@
 //! `values`: the critic's value at every response token (GAE).
 
 use super::{Board, Compute, ExecError, StepCx, Update};
-use crate::exec::step::Write;
+use crate::exec::board::Write;
 
 pub(crate) struct Values;
 

@@ -1,0 +1,178 @@
+//! [`ActorPool`]: `count` actors of one kind, supervised, in this process or placed on the
+//! agents of a head by the device they really use, each given the pool's current weights when
+//! it starts and again whenever it is restarted. The rollout pool holds one; a learner pool
+//! holds another of its own kind.
+//!
+//! Owns: placing, spawning, the restart hook and weight fan-out of one pool of actors. Never:
+//! routes calls (the role over the pool does) or knows what its actors compute.
+
+use super::{Cluster, ClusterHead, PoolError, lock, retry};
+use crate::plan::{Device, Placement};
+use actors::{Actor, ActorRef, Head, HeadConfig, PoolSpec, RestartHook, SpawnOptions};
+use kernels::tensor::WeightSnapshot;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// What a pool is made of and where it runs.
+pub struct PoolShape<'a, A: Actor> {
+    /// The pool's name (its actors are `<name>-<i>`).
+    pub name: &'a str,
+    /// Actors in the pool.
+    pub count: usize,
+    /// How each one starts (`i`: its index).
+    pub config: &'a (dyn Fn(usize) -> A::Config + Sync),
+    /// Where they run.
+    pub placement: Placement,
+    /// The device each occupies (what placement counts).
+    pub device: Device,
+    /// Where agents register, when placed on them.
+    pub cluster: Option<&'a Cluster>,
+    /// Whether the job was asked to stop (ends a wait for agents).
+    pub stop: &'a (dyn Fn() -> bool + Sync),
+    /// Told what people must know while the pool starts (where agents register).
+    pub note: &'a mut dyn FnMut(&str),
+}
+
+/// A pool of supervised actors of kind `A` that take weights.
+pub struct ActorPool<A: Actor> {
+    actors: Vec<ActorRef<A>>,
+    /// The head this pool started (shut down with the pool).
+    head: Option<Head>,
+    /// The weights every actor serves (a restarted actor gets them back).
+    current: Arc<Mutex<WeightSnapshot>>,
+}
+
+impl<A: Actor> ActorPool<A> {
+    /// Starts the pool of `shape`, every actor with `weights`.
+    pub async fn start(
+        shape: PoolShape<'_, A>,
+        weights: WeightSnapshot,
+    ) -> Result<Self, PoolError> {
+        let current = Arc::new(Mutex::new(weights.clone()));
+        let for_hook = Arc::clone(&current);
+        let hook: RestartHook<A> = Arc::new(move |actor| {
+            let snap = lock(&for_hook).clone();
+            Box::pin(async move { actor.load_weights(snap).await })
+        });
+        let options = SpawnOptions {
+            on_restart: Some(Arc::clone(&hook)),
+            ..Default::default()
+        };
+        let count = shape.count.max(1);
+        let (head, actors) = match shape.placement {
+            Placement::Local => {
+                let mut actors = Vec::with_capacity(count);
+                for i in 0..count {
+                    let name = format!("{}-{i}", shape.name);
+                    let a =
+                        actors::spawn_local::<A>(&name, (shape.config)(i), options.clone()).await?;
+                    actors.push(a);
+                }
+                (None, actors)
+            }
+            Placement::Agents(strategy) => {
+                let cluster = shape.cluster.ok_or(PoolError::NoCluster)?;
+                let spec = PoolSpec {
+                    name: shape.name.into(),
+                    kind: A::KIND.into(),
+                    actors: count as u32,
+                    device: shape.device,
+                    per_actor: 1,
+                    strategy,
+                    labels: Default::default(),
+                    colocate: None,
+                };
+                let (head, owned) = match &cluster.head {
+                    ClusterHead::Listen { listen, token } => {
+                        let head = Head::serve(*listen, token.clone(), HeadConfig::default())
+                            .await
+                            .map_err(|e| PoolError::Listen {
+                                listen: *listen,
+                                message: e.to_string(),
+                            })?;
+                        (shape.note)(&format!(
+                            "{} pool: waiting up to {:.0?} for agents to register at http://{}",
+                            shape.name,
+                            cluster.wait,
+                            head.address()
+                        ));
+                        (head.clone(), Some(head))
+                    }
+                    ClusterHead::Shared(head) => (head.clone(), None),
+                };
+                let deadline = Instant::now() + cluster.wait;
+                loop {
+                    match head.place(std::slice::from_ref(&spec)) {
+                        Ok(_) => break,
+                        Err(e) if Instant::now() >= deadline => return Err(PoolError::Actor(e)),
+                        // Waiting can be long (agents still starting): a stop ends it.
+                        Err(_) if (shape.stop)() => return Err(PoolError::StoppedWaiting),
+                        Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+                    }
+                }
+                let config = shape.config;
+                let actors = head
+                    .spawn_pool::<A>(&spec, |i| config(i as usize), options.clone())
+                    .await?;
+                (owned, actors)
+            }
+        };
+        // Every actor starts with the current weights.
+        for a in &actors {
+            a.load_weights(weights.clone()).await?;
+        }
+        Ok(Self {
+            actors,
+            head,
+            current,
+        })
+    }
+
+    /// The actors.
+    pub fn actors(&self) -> &[ActorRef<A>] {
+        &self.actors
+    }
+
+    /// Hands `snapshot` to every actor, concurrently, before returning; an actor that dies
+    /// meanwhile gets it from the restart hook. `rt`: where the pushes run.
+    pub async fn push(
+        &self,
+        rt: &tokio::runtime::Handle,
+        snapshot: WeightSnapshot,
+    ) -> Result<(), PoolError> {
+        *lock(&self.current) = snapshot.clone();
+        let pushes: Vec<_> = self
+            .actors
+            .iter()
+            .map(|a| {
+                let (a, s) = (a.clone(), snapshot.clone());
+                rt.spawn(async move { retry(&a, || a.load_weights(s.clone())).await })
+            })
+            .collect();
+        for p in pushes {
+            p.await
+                .map_err(|e| PoolError::Runtime(format!("a weight push was lost: {e}")))??;
+        }
+        Ok(())
+    }
+
+    /// Stops every actor (waiting up to 5 s for them to be down) and the head the pool
+    /// started; a shared head's agents get their resources back for the next job.
+    pub async fn shutdown(&mut self) {
+        let all = async {
+            for a in &self.actors {
+                a.stop_and_wait().await;
+            }
+        };
+        if tokio::time::timeout(Duration::from_secs(5), all)
+            .await
+            .is_err()
+        {
+            tracing::warn!("actors did not stop within 5 s");
+        }
+        // Agents stay up for the next job; they only lose this job's actors.
+        if let Some(head) = self.head.take() {
+            head.shutdown(false).await;
+        }
+    }
+}
