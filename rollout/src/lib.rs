@@ -1,16 +1,17 @@
-//! Rollout: the [`InferenceEngine`] trait, its request and completion types, the native CPU
-//! engine (`native`: paged KV cache, continuous batching, shared prefill for `n` samples,
-//! sampling, versioned weight swaps), the adapters for external engines (`vllm`, `sglang`, over
-//! `http`, with weight folders from `external`) and the prefix-aware `router` that picks an
-//! engine for each prompt.
+//! Rollout: the [`InferenceEngine`] interface, its request and completion types, and [`open`],
+//! the one place that makes an in-process engine. The engine room: the native CPU engine
+//! (`native`: paged KV cache in `kv`, continuous batching, shared prefill for `n` samples,
+//! `sampling`, versioned weight swaps) and the `pjrt` engine. The clients of external engines
+//! (`external`: vLLM and SGLang over HTTP, weight folders) and the prefix-aware `router` that
+//! picks an engine for each prompt. The environment wing: tasks and datasets (`task`,
+//! `parquet`) and the rewards that score responses (`reward`).
 //!
-//! Owns: turning token ids into sampled continuations with log-probs and weight versions.
-//! Never: trains, computes rewards, or serves HTTP (the engine server is the binary's); the
-//! native engine never opens a socket.
+//! Owns: turning token ids into sampled continuations with log-probs and weight versions, and
+//! scoring them against a task's answers. Never: trains, or serves HTTP (the engine server is
+//! `rollout/serve`'s); the native engine never opens a socket.
 
 pub mod bench;
 pub mod external;
-pub mod http;
 pub mod kv;
 pub mod native;
 pub mod parquet;
@@ -18,14 +19,14 @@ pub mod pjrt;
 pub mod reward;
 pub mod router;
 pub mod sampling;
-pub mod sglang;
 pub mod task;
-pub mod vllm;
 
 use kernels::tensor::WeightSnapshot;
+use learner::Model;
 pub use sampling::SamplingParams;
 use serde::{Deserialize, Serialize};
 use std::future::Future;
+use std::pin::Pin;
 
 /// One prompt (token ids) and how to sample it.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -101,6 +102,9 @@ pub enum EngineError {
     Protocol(String),
 }
 
+/// A boxed future, as the engine interface returns them (so `dyn InferenceEngine` works).
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
 /// An inference engine that rollout actors own (native, PJRT, or an external server).
 pub trait InferenceEngine: Send + Sync {
     /// Generates `n` completions for each request; completions come back ordered by request,
@@ -108,12 +112,36 @@ pub trait InferenceEngine: Send + Sync {
     fn generate(
         &self,
         reqs: Vec<GenerateRequest>,
-    ) -> impl Future<Output = Result<Vec<Completion>, EngineError>> + Send;
+    ) -> BoxFuture<'_, Result<Vec<Completion>, EngineError>>;
     /// Swaps in new weights between decode steps and takes their version.
-    fn update_weights(
-        &self,
-        snapshot: WeightSnapshot,
-    ) -> impl Future<Output = Result<(), EngineError>> + Send;
+    fn update_weights(&self, snapshot: WeightSnapshot) -> BoxFuture<'_, Result<(), EngineError>>;
     /// The version currently served.
     fn weight_version(&self) -> u64;
+}
+
+/// An in-process engine to make.
+pub enum EngineSpec {
+    /// The native CPU engine.
+    Native(native::NativeConfig),
+    /// A PJRT device, through a client of its plugin.
+    Pjrt(learner::pjrt::Client),
+}
+
+/// The engine `spec` names, serving `model`'s weights as `version`: the one place an engine is
+/// chosen.
+pub fn open(
+    spec: EngineSpec,
+    model: Model,
+    version: u64,
+) -> Result<Box<dyn InferenceEngine>, EngineError> {
+    Ok(match spec {
+        EngineSpec::Native(config) => Box::new(native::NativeEngine::new(
+            model,
+            native::NativeConfig {
+                initial_version: version,
+                ..config
+            },
+        )),
+        EngineSpec::Pjrt(client) => Box::new(pjrt::PjrtEngine::new(client, &model, version)?),
+    })
 }

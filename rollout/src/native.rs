@@ -11,7 +11,9 @@
 
 use crate::kv::{BlockPool, CachedStep, KvShape, SeqCache};
 use crate::sampling::{raw_logprob, sample};
-use crate::{Completion, EngineError, FinishReason, GenerateRequest, InferenceEngine, VersionSpan};
+use crate::{
+    BoxFuture, Completion, EngineError, FinishReason, GenerateRequest, InferenceEngine, VersionSpan,
+};
 use kernels::tensor::WeightSnapshot;
 use learner::{Model, ModelConfig};
 use rand::SeedableRng;
@@ -265,17 +267,24 @@ impl Drop for NativeEngine {
 }
 
 impl InferenceEngine for NativeEngine {
-    async fn generate(&self, reqs: Vec<GenerateRequest>) -> Result<Vec<Completion>, EngineError> {
-        self.validate(&reqs)?;
-        self.send(|r| Cmd::Generate(reqs, r))?
-            .await
-            .map_err(|_| EngineError::Closed)?
+    fn generate(
+        &self,
+        reqs: Vec<GenerateRequest>,
+    ) -> BoxFuture<'_, Result<Vec<Completion>, EngineError>> {
+        Box::pin(async move {
+            self.validate(&reqs)?;
+            self.send(|r| Cmd::Generate(reqs, r))?
+                .await
+                .map_err(|_| EngineError::Closed)?
+        })
     }
 
-    async fn update_weights(&self, snapshot: WeightSnapshot) -> Result<(), EngineError> {
-        self.send(|r| Cmd::Update(snapshot, false, r))?
-            .await
-            .map_err(|_| EngineError::Closed)?
+    fn update_weights(&self, snapshot: WeightSnapshot) -> BoxFuture<'_, Result<(), EngineError>> {
+        Box::pin(async move {
+            self.send(|r| Cmd::Update(snapshot, false, r))?
+                .await
+                .map_err(|_| EngineError::Closed)?
+        })
     }
 
     fn weight_version(&self) -> u64 {

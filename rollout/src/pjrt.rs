@@ -11,7 +11,9 @@
 
 use crate::native::check_requests;
 use crate::sampling::sample;
-use crate::{Completion, EngineError, FinishReason, GenerateRequest, InferenceEngine, VersionSpan};
+use crate::{
+    BoxFuture, Completion, EngineError, FinishReason, GenerateRequest, InferenceEngine, VersionSpan,
+};
 use kernels::tensor::WeightSnapshot;
 use learner::pjrt::{Client, PjrtDecoder};
 use learner::{Model, ModelConfig};
@@ -190,22 +192,26 @@ impl PjrtEngine {
 }
 
 impl InferenceEngine for PjrtEngine {
-    async fn generate(&self, reqs: Vec<GenerateRequest>) -> Result<Vec<Completion>, EngineError> {
-        check_requests(&self.config, &reqs)?;
-        self.with(move |i| i.generate(&reqs)).await
+    fn generate(
+        &self,
+        reqs: Vec<GenerateRequest>,
+    ) -> BoxFuture<'_, Result<Vec<Completion>, EngineError>> {
+        Box::pin(async move {
+            check_requests(&self.config, &reqs)?;
+            self.with(move |i| i.generate(&reqs)).await
+        })
     }
 
-    async fn update_weights(&self, snapshot: WeightSnapshot) -> Result<(), EngineError> {
+    fn update_weights(&self, snapshot: WeightSnapshot) -> BoxFuture<'_, Result<(), EngineError>> {
         let version = self.version.clone();
-        self.with(move |i| {
+        Box::pin(self.with(move |i| {
             i.dec
                 .set_params(&snapshot.params)
                 .map_err(|e| EngineError::BadWeights(e.to_string()))?;
             i.version = snapshot.version;
             version.store(snapshot.version, Ordering::Release);
             Ok(())
-        })
-        .await
+        }))
     }
 
     fn weight_version(&self) -> u64 {

@@ -7,10 +7,10 @@
 use kernels::tensor::WeightSnapshot;
 use learner::checkpoint::Checkpoint;
 use rollout::external::ExternalConfig;
-use rollout::http::HttpClient;
+use rollout::external::http::HttpClient;
+use rollout::external::sglang::SglangEngine;
+use rollout::external::vllm::VllmEngine;
 use rollout::native::NativeEngine;
-use rollout::sglang::SglangEngine;
-use rollout::vllm::VllmEngine;
 use rollout::{Completion, GenerateRequest, InferenceEngine, SamplingParams};
 use serde_json::{Value, json};
 use std::io::{BufRead, BufReader, Read, Write};

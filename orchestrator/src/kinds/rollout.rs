@@ -5,7 +5,7 @@ use crate::plan::Device;
 use actors::{Actor, CallError};
 use kernels::tensor::WeightSnapshot;
 use learner::{Model, ModelConfig};
-use rollout::native::{NativeConfig, NativeEngine};
+use rollout::native::NativeConfig;
 use rollout::{Completion, EngineError, GenerateRequest, InferenceEngine};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
@@ -38,35 +38,6 @@ pub struct RolloutConfig {
     pub engine: EngineSpec,
 }
 
-/// The engine a rollout actor owns.
-enum Engine {
-    Native(NativeEngine),
-    Pjrt(rollout::pjrt::PjrtEngine),
-}
-
-impl Engine {
-    fn weight_version(&self) -> u64 {
-        match self {
-            Self::Native(e) => e.weight_version(),
-            Self::Pjrt(e) => e.weight_version(),
-        }
-    }
-
-    async fn generate(&self, reqs: Vec<GenerateRequest>) -> Result<Vec<Completion>, EngineError> {
-        match self {
-            Self::Native(e) => e.generate(reqs).await,
-            Self::Pjrt(e) => e.generate(reqs).await,
-        }
-    }
-
-    async fn update_weights(&self, snapshot: WeightSnapshot) -> Result<(), EngineError> {
-        match self {
-            Self::Native(e) => e.update_weights(snapshot).await,
-            Self::Pjrt(e) => e.update_weights(snapshot).await,
-        }
-    }
-}
-
 /// What a rollout actor is asked.
 #[derive(Debug, Serialize, Deserialize)]
 pub enum RolloutRequest {
@@ -78,7 +49,7 @@ pub enum RolloutRequest {
 pub struct RolloutActor {
     config: ModelConfig,
     start: RolloutConfig,
-    engine: Option<Engine>,
+    engine: Option<Box<dyn InferenceEngine>>,
 }
 
 /// The PJRT plugin's device kind for a pool's device.
@@ -134,25 +105,20 @@ impl Actor for RolloutActor {
         }
         let params = Arc::unwrap_or_clone(snapshot.params);
         let model = Model::new(self.config.clone(), params).map_err(|e| e.to_string())?;
-        self.engine = Some(match &self.start.engine {
+        let spec = match &self.start.engine {
             EngineSpec::Pjrt { device, plugin } => {
                 let client = libtpu_sys::locate::open(pjrt_device(*device), plugin.as_deref())
                     .map_err(|e| format!("pools.rollout: {e}"))?;
                 tracing::info!(platform = client.platform(), "rollout engine on pjrt");
-                Engine::Pjrt(
-                    rollout::pjrt::PjrtEngine::new(client, &model, snapshot.version)
-                        .map_err(|e| e.to_string())?,
-                )
+                rollout::EngineSpec::Pjrt(client)
             }
-            EngineSpec::Native => Engine::Native(NativeEngine::new(
-                model,
-                NativeConfig {
-                    kv_cache_bytes: self.start.kv_cache_bytes,
-                    initial_version: snapshot.version,
-                    ..Default::default()
-                },
-            )),
-        });
+            EngineSpec::Native => rollout::EngineSpec::Native(NativeConfig {
+                kv_cache_bytes: self.start.kv_cache_bytes,
+                ..Default::default()
+            }),
+        };
+        let engine = rollout::open(spec, model, snapshot.version).map_err(|e| e.to_string())?;
+        self.engine = Some(engine);
         Ok(())
     }
 }

@@ -8,7 +8,7 @@
 use super::{PoolError, lock};
 use kernels::tensor::WeightSnapshot;
 use learner::{Model, ModelConfig};
-use rollout::external::{External, WeightFolders};
+use rollout::external::{ExternalEngine, WeightFolders};
 use rollout::{EngineError, GenerateRequest};
 use std::path::PathBuf;
 use std::sync::Mutex;
@@ -97,7 +97,11 @@ impl ExternalPool {
     }
 
     /// Pushes the probe's version to `e` and checks its answer against the learner's.
-    pub async fn reload_and_verify(&self, e: &External, p: &Probe) -> Result<(), EngineError> {
+    pub async fn reload_and_verify(
+        &self,
+        e: &dyn ExternalEngine,
+        p: &Probe,
+    ) -> Result<(), EngineError> {
         e.reload(&p.dir, p.version).await?;
         let c = e.generate(vec![p.request()]).await?;
         let (Some(c), url) = (c.first(), e.url()) else {

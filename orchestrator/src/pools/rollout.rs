@@ -19,7 +19,7 @@ use crate::plan::{Placement, RolloutEngine, RolloutPlan};
 use actors::ActorRef;
 use kernels::tensor::WeightSnapshot;
 use learner::ModelConfig;
-use rollout::external::{External, ExternalConfig, Load, WeightFolders};
+use rollout::external::{Api, ExternalConfig, ExternalEngine, Load, WeightFolders};
 use rollout::router::{Router, Weights};
 use rollout::{Completion, EngineError, GenerateRequest};
 use std::path::Path;
@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 #[derive(Clone)]
 enum Member {
     Actor(ActorRef<RolloutActor>),
-    External(Arc<External>),
+    External(Arc<dyn ExternalEngine>),
 }
 
 impl Member {
@@ -105,16 +105,16 @@ impl RolloutPool {
                             model: x.model.clone(),
                             timeout: x.timeout,
                         };
-                        let api = api_name(x.api);
-                        let e = External::connect(api, cfg).await.map_err(|source| {
-                            PoolError::Endpoint {
+                        let (api, name) = api(x.api);
+                        let e = rollout::external::connect(api, cfg)
+                            .await
+                            .map_err(|source| PoolError::Endpoint {
                                 index,
                                 url: url.clone(),
-                                api,
+                                api: name,
                                 source,
-                            }
-                        })?;
-                        out.push(Member::External(Arc::new(e)));
+                            })?;
+                        out.push(Member::External(Arc::from(e)));
                     }
                     Ok::<_, PoolError>(out)
                 })?;
@@ -350,7 +350,7 @@ impl RolloutPool {
             let probe = lock(&x.probe).clone();
             let result = match e.health().await {
                 Ok(()) => match &probe {
-                    Some(p) => x.reload_and_verify(e, p).await,
+                    Some(p) => x.reload_and_verify(&**e, p).await,
                     None => Ok(()),
                 },
                 Err(err) => Err(err),
@@ -391,7 +391,7 @@ impl RolloutPool {
             let mut out = Vec::new();
             for (i, m) in self.members.iter().enumerate() {
                 if let (true, Member::External(e)) = (up[i], m) {
-                    out.push((i, x.reload_and_verify(e, &probe).await));
+                    out.push((i, x.reload_and_verify(&**e, &probe).await));
                 }
             }
             out
@@ -408,13 +408,13 @@ impl RolloutPool {
     }
 }
 
-/// The adapter name of an external engine.
-fn api_name(api: crate::plan::schema::Engine) -> &'static str {
+/// The API of an external engine, and its name in messages.
+fn api(engine: crate::plan::schema::Engine) -> (Api, &'static str) {
     use crate::plan::schema::Engine;
-    match api {
-        Engine::Sglang => "sglang",
-        Engine::Vllm => "vllm",
-        Engine::Served | Engine::Native | Engine::Pjrt => "served",
+    match engine {
+        Engine::Sglang => (Api::Sglang, "sglang"),
+        Engine::Vllm => (Api::Vllm, "vllm"),
+        Engine::Served | Engine::Native | Engine::Pjrt => (Api::Vllm, "served"),
     }
 }
 
@@ -544,7 +544,9 @@ mod tests {
             model: None,
             timeout: Duration::from_secs(30),
         };
-        let engine = rt.block_on(External::connect("served", config)).unwrap();
+        let engine = rt
+            .block_on(rollout::external::connect(Api::Vllm, config))
+            .unwrap();
         let x = ExternalPool {
             folders: WeightFolders::new(root.join("weights")),
             config: cfg.clone(),
@@ -560,12 +562,12 @@ mod tests {
         };
         // The engine serves what the folder holds, as the learner says: accepted.
         let probe = x.publish(&snap(&a, 1)).unwrap();
-        rt.block_on(x.reload_and_verify(&engine, &probe)).unwrap();
+        rt.block_on(x.reload_and_verify(&*engine, &probe)).unwrap();
         // A learner whose weights are not the folder's (a push that did not take): refused.
         let stale =
             super::super::external::Probe::of(&cfg, &snap(&b, 2), probe.dir.clone()).unwrap();
         let e = rt
-            .block_on(x.reload_and_verify(&engine, &stale))
+            .block_on(x.reload_and_verify(&*engine, &stale))
             .unwrap_err();
         assert!(matches!(e, EngineError::BadWeights(_)), "{e}");
         assert!(

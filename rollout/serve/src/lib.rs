@@ -639,7 +639,7 @@ async fn collective_rpc(state: &State, b: &Value) -> Answer {
 }
 
 async fn update_version(state: &State, v: &Value) -> Answer {
-    let version = rollout::http::as_u64(v)
+    let version = rollout::external::http::as_u64(v)
         .ok_or_else(|| bad(format!("`new_version` must be an integer version, got {v}")))?;
     let pending = state.pending.lock().await.take();
     let params = match pending {
@@ -668,7 +668,7 @@ async fn update_from_disk(state: &State, b: &Value) -> Answer {
         match &b["weight_version"] {
             Value::Null => stage_weights(state, params).await,
             v => {
-                let version = rollout::http::as_u64(v).ok_or_else(|| {
+                let version = rollout::external::http::as_u64(v).ok_or_else(|| {
                     bad(format!(
                         "`weight_version` must be an integer version, got {v}"
                     ))

@@ -14,11 +14,12 @@
 //! Owns: the JSON shapes of vLLM's API. Never: checks that a push took (the pool probes the
 //! engine's log-probs against the learner's after every push).
 
-use crate::external::{ExternalConfig, Load, WeightFolders, fan_out, prometheus_sum, write_folder};
-use crate::http::{HttpClient, as_u64};
+use super::ExternalEngine;
+use super::common::{ExternalConfig, Load, fan_out, prometheus_sum, sampling_json};
+use super::folders::{WeightFolders, write_folder};
+use super::http::{HttpClient, as_u64};
 use crate::{
-    Completion, EngineError, FinishReason, GenerateRequest, InferenceEngine, SamplingParams,
-    VersionSpan,
+    BoxFuture, Completion, EngineError, FinishReason, GenerateRequest, InferenceEngine, VersionSpan,
 };
 use kernels::tensor::WeightSnapshot;
 use learner::ModelConfig;
@@ -345,25 +346,6 @@ impl Call {
     }
 }
 
-/// vLLM's `sampling_params` for `p` (`max_key`: `max_tokens`, or SGLang's `max_new_tokens`).
-pub(crate) fn sampling_json(p: &SamplingParams, max_key: &str) -> Value {
-    let mut v = json!({
-        "n": p.n,
-        "temperature": p.temperature,
-        "top_p": p.top_p,
-        "top_k": if p.top_k == 0 { -1 } else { p.top_k as i64 },
-        "min_p": p.min_p,
-        "stop_token_ids": p.stop_token_ids,
-        "ignore_eos": p.ignore_eos,
-        "logprobs": 1,
-    });
-    v[max_key] = json!(p.max_tokens);
-    if let Some(seed) = p.seed {
-        v["seed"] = json!(seed);
-    }
-    v
-}
-
 fn list(ids: &[String]) -> String {
     if ids.is_empty() {
         "no model".into()
@@ -375,14 +357,37 @@ fn list(ids: &[String]) -> String {
     }
 }
 
-impl InferenceEngine for VllmEngine {
-    async fn generate(&self, reqs: Vec<GenerateRequest>) -> Result<Vec<Completion>, EngineError> {
-        self.generate_all(reqs).await
+impl ExternalEngine for VllmEngine {
+    fn url(&self) -> &str {
+        VllmEngine::url(self)
     }
 
-    async fn update_weights(&self, snapshot: WeightSnapshot) -> Result<(), EngineError> {
-        let dir = write_folder(self.folders.as_ref(), self.url(), &snapshot)?;
-        self.reload(&dir, snapshot.version).await
+    fn reload<'a>(&'a self, dir: &'a Path, version: u64) -> BoxFuture<'a, Result<(), EngineError>> {
+        Box::pin(VllmEngine::reload(self, dir, version))
+    }
+
+    fn health(&self) -> BoxFuture<'_, Result<(), EngineError>> {
+        Box::pin(VllmEngine::health(self))
+    }
+
+    fn load(&self) -> BoxFuture<'_, Result<Load, EngineError>> {
+        Box::pin(VllmEngine::load(self))
+    }
+}
+
+impl InferenceEngine for VllmEngine {
+    fn generate(
+        &self,
+        reqs: Vec<GenerateRequest>,
+    ) -> BoxFuture<'_, Result<Vec<Completion>, EngineError>> {
+        Box::pin(self.generate_all(reqs))
+    }
+
+    fn update_weights(&self, snapshot: WeightSnapshot) -> BoxFuture<'_, Result<(), EngineError>> {
+        Box::pin(async move {
+            let dir = write_folder(self.folders.as_ref(), self.url(), &snapshot)?;
+            self.reload(&dir, snapshot.version).await
+        })
     }
 
     fn weight_version(&self) -> u64 {
@@ -393,6 +398,7 @@ impl InferenceEngine for VllmEngine {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::SamplingParams;
 
     /// An answer of a real vLLM 0.32 (`/inference/v1/generate`, CPU build, n = 2), trimmed of
     /// fields the adapter ignores; its weights were never pushed, so versions read "default".
