@@ -2,6 +2,8 @@
 //! `transformers` on the fixture, refused checkpoints, and the `pjrt` engine on the XLA CPU
 //! plugin.
 
+#![allow(clippy::print_stdout, clippy::print_stderr)]
+
 mod bad_checkpoints;
 mod parity;
 mod pjrt;

@@ -2,6 +2,8 @@
 //! instead of one per file, as ripgrep has): each drives the real `trellis` binary and real
 //! processes (`trellis_tests::trellis()` finds or builds it).
 
+#![allow(clippy::print_stdout, clippy::print_stderr)]
+
 mod actors;
 mod cli;
 mod deploy;
@@ -11,5 +13,6 @@ mod netns;
 mod pjrt;
 mod score;
 mod serve;
+mod tidy;
 mod train;
 mod train_agents;

@@ -344,6 +344,7 @@ mod tests {
     /// With `TRELLIS_PJRT_CPU_PLUGIN` pointing at the XLA CPU plugin (`xla_cpu_pjrt.so` from the
     /// `xla-cpu-pjrt` wheel), its version is read. Skipped loudly without it.
     #[test]
+    #[allow(clippy::print_stderr)] // a skip says so
     fn the_cpu_plugin_reports_its_api_version() {
         let Some(path) = std::env::var_os("TRELLIS_PJRT_CPU_PLUGIN") else {
             eprintln!(

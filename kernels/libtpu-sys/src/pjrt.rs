@@ -577,6 +577,7 @@ mod tests {
 
     /// The CPU plugin's client, or `None` (said loudly) when it is not installed; with
     /// `TRELLIS_REQUIRE_PJRT=1` (CI) a missing plugin fails the test.
+    #[allow(clippy::print_stderr)] // a skip says so
     pub(crate) fn cpu_client() -> Option<Client> {
         match cpu_plugin_path() {
             Some(p) => Some(Client::open(&p).unwrap()),

@@ -7,6 +7,7 @@ use super::{Bin, Graph, Shape, Un, V};
 use crate::testutil::{close, randn};
 use libtpu_sys::pjrt::{Buffer, Client, cpu_plugin_path};
 
+#[allow(clippy::print_stderr)] // a skip says so
 fn client() -> Option<Client> {
     match cpu_plugin_path() {
         Some(p) => Some(Client::open(&p).expect("the XLA CPU plugin loads")),

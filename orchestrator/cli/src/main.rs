@@ -5,6 +5,9 @@
 //! (Ctrl-C: resumable), 75 stopped because the process was asked to (SIGTERM, a preemption:
 //! resumable).
 
+// The binary is what prints: its subcommands' output and messages.
+#![allow(clippy::print_stdout, clippy::print_stderr)]
+
 mod client;
 mod cmd;
 mod doctor;
