@@ -31,11 +31,12 @@ impl fmt::Display for Device {
     }
 }
 
-/// Where pip puts PJRT plugins, relative to a site-packages folder, with their device.
+/// Where pip puts PJRT plugins, relative to a site-packages folder, with their device (the
+/// newer CUDA first).
 pub const PLUGIN_PATHS: [(Device, &str); 4] = [
     (Device::Tpu, "libtpu/libtpu.so"),
-    (Device::Gpu, "jax_plugins/xla_cuda12/xla_cuda_plugin.so"),
     (Device::Gpu, "jax_plugins/xla_cuda13/xla_cuda_plugin.so"),
+    (Device::Gpu, "jax_plugins/xla_cuda12/xla_cuda_plugin.so"),
     (Device::Cpu, "xla_plugins/xla_cpu_pjrt/xla_cpu_pjrt.so"),
 ];
 
@@ -102,7 +103,12 @@ pub fn find_plugin(device: Device) -> Option<PathBuf> {
     {
         return Some(p);
     }
-    site_packages()
+    find_in(device, &site_packages())
+}
+
+/// The plugin of `device` pip installed in one of `sites` (site-packages folders).
+pub fn find_in(device: Device, sites: &[PathBuf]) -> Option<PathBuf> {
+    sites
         .iter()
         .flat_map(|site| {
             PLUGIN_PATHS
@@ -175,4 +181,35 @@ pub fn open(device: Device, plugin: Option<&Path>) -> Result<Client, LocateError
         });
     }
     Ok(client)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_plugin_pip_installed_for_a_device_is_found_cuda_13_before_12() {
+        let site = std::env::temp_dir().join(format!("trellis-site-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&site);
+        let put = |rel: &str| {
+            let p = site.join(rel);
+            std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+            std::fs::write(&p, b"").unwrap();
+            p
+        };
+        let sites = [site.clone()];
+        assert_eq!(find_in(Device::Gpu, &sites), None);
+        let cuda12 = put("jax_plugins/xla_cuda12/xla_cuda_plugin.so");
+        assert_eq!(find_in(Device::Gpu, &sites), Some(cuda12));
+        let cuda13 = put("jax_plugins/xla_cuda13/xla_cuda_plugin.so");
+        assert_eq!(find_in(Device::Gpu, &sites), Some(cuda13));
+        let tpu = put("libtpu/libtpu.so");
+        assert_eq!(find_in(Device::Tpu, &sites), Some(tpu));
+        assert_eq!(
+            find_in(Device::Cpu, &sites),
+            None,
+            "a GPU plugin is not the CPU's"
+        );
+        let _ = std::fs::remove_dir_all(&site);
+    }
 }

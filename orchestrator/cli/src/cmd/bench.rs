@@ -25,27 +25,7 @@ pub enum BenchCommand {
         json: bool,
     },
     /// One training step of the reference model: tokens/s, GFLOP/s, MFU, GEMM rate, peak RSS.
-    Train {
-        /// Rows per step.
-        #[arg(long, default_value_t = 8)]
-        batch: usize,
-        /// Tokens per row.
-        #[arg(long, default_value_t = 256)]
-        seq: usize,
-        /// Timed steps (after one warm-up).
-        #[arg(long, default_value_t = 5)]
-        steps: usize,
-        /// `native`, or `pjrt`: also the same step on a PJRT plugin, in the same run.
-        #[arg(long, default_value = "native")]
-        engine: String,
-        /// The PJRT plugin for `--engine pjrt` (default: TRELLIS_PJRT_PLUGIN, else the XLA CPU
-        /// plugin pip installed).
-        #[arg(long)]
-        plugin: Option<PathBuf>,
-        /// Print JSON.
-        #[arg(long)]
-        json: bool,
-    },
+    Train(TrainBench),
     /// The native engine: prefill and decode tokens/s (batch 1, 16, 64), MFU, the bandwidth
     /// bound, and the cost of n = 8 samples against one.
     Generate {
@@ -80,14 +60,7 @@ impl BenchCommand {
                 in_flight,
                 json,
             } => bench_actors(snapshot_mib, calls, in_flight, json),
-            BenchCommand::Train {
-                batch,
-                seq,
-                steps,
-                engine,
-                plugin,
-                json,
-            } => bench_train(batch, seq, steps, &engine, plugin, json),
+            BenchCommand::Train(a) => bench_train(a),
             BenchCommand::Generate { model, json } => bench_generate(model, json),
             BenchCommand::Engines {
                 model,
@@ -98,35 +71,111 @@ impl BenchCommand {
     }
 }
 
-fn bench_train(
+/// Which engines `trellis bench train` times.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum BenchEngine {
+    /// The native engine.
+    Native,
+    /// The native engine, and the same step on a PJRT plugin in the same run.
+    Pjrt,
+    /// Only the PJRT plugin (for a model the host would take minutes a step on).
+    PjrtOnly,
+}
+
+/// The device of `--engine pjrt`'s plugin.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum BenchDevice {
+    Cpu,
+    Gpu,
+    Tpu,
+}
+
+/// `trellis bench train`.
+#[derive(Debug, clap::Args)]
+pub struct TrainBench {
+    /// Rows per step.
+    #[arg(long, default_value_t = 8)]
     batch: usize,
+    /// Tokens per row.
+    #[arg(long, default_value_t = 256)]
     seq: usize,
+    /// Timed steps (after one warm-up).
+    #[arg(long, default_value_t = 5)]
     steps: usize,
-    engine: &str,
+    /// The engines to time.
+    #[arg(long, value_enum, default_value_t = BenchEngine::Native)]
+    engine: BenchEngine,
+    /// The device whose plugin `pjrt` uses (found as for a pool; `--plugin` overrides).
+    #[arg(long, value_enum, default_value_t = BenchDevice::Cpu)]
+    device: BenchDevice,
+    /// The PJRT plugin (default: TRELLIS_PJRT_PLUGIN, else the one pip installed for
+    /// `--device`).
+    #[arg(long)]
     plugin: Option<PathBuf>,
+    /// Hidden size instead of the reference model's 512 (the MLP scales with it).
+    #[arg(long)]
+    hidden: Option<usize>,
+    /// Layers instead of 8.
+    #[arg(long)]
+    layers: Option<usize>,
+    /// Attention heads instead of 8.
+    #[arg(long)]
+    heads: Option<usize>,
+    /// Vocabulary instead of 8192.
+    #[arg(long)]
+    vocab: Option<usize>,
+    /// The device's peak TFLOP/s, for its MFU (e.g. an H200's dense bf16 or f32 peak).
+    #[arg(long)]
+    device_peak_tflops: Option<f64>,
+    /// Print JSON.
+    #[arg(long)]
     json: bool,
-) -> Result<()> {
+}
+
+fn bench_train(a: TrainBench) -> Result<()> {
+    let TrainBench {
+        batch,
+        seq,
+        steps,
+        engine,
+        device,
+        plugin,
+        json,
+        ..
+    } = a;
     if batch == 0 || seq < 2 || steps == 0 {
         bail!("--batch and --steps must be positive and --seq at least 2");
     }
     let client = match engine {
-        "native" => None,
-        "pjrt" => {
-            let path = plugin
-                .or_else(|| libtpu_sys::locate::find_plugin(libtpu_sys::locate::Device::Cpu))
-                .context("--engine pjrt needs a PJRT plugin: pass --plugin PATH, set TRELLIS_PJRT_PLUGIN, or `pip install xla-cpu-pjrt`")?;
-            Some(
-                libtpu_sys::pjrt::Client::open(&path)
-                    .with_context(|| format!("--plugin {}", path.display()))?,
-            )
+        BenchEngine::Native => None,
+        BenchEngine::Pjrt | BenchEngine::PjrtOnly => {
+            use libtpu_sys::locate::Device;
+            let device = match device {
+                BenchDevice::Cpu => Device::Cpu,
+                BenchDevice::Gpu => Device::Gpu,
+                BenchDevice::Tpu => Device::Tpu,
+            };
+            Some(libtpu_sys::locate::open(device, plugin.as_deref()).context("--engine pjrt")?)
         }
-        other => bail!("--engine `{other}`: expected native or pjrt"),
     };
+    let mut shape = serde_json::Map::new();
+    for (key, v) in [
+        ("hidden_size", a.hidden),
+        ("num_hidden_layers", a.layers),
+        ("num_attention_heads", a.heads),
+        ("vocab_size", a.vocab),
+    ] {
+        if let Some(v) = v {
+            shape.insert(key.into(), v.into());
+        }
+    }
     let opts = bench::TrainBenchOptions {
+        config: bench::reference_config_with(&shape)?,
         batch,
         seq,
         steps,
-        ..Default::default()
+        native: engine != BenchEngine::PjrtOnly,
+        device_peak_tflops: a.device_peak_tflops,
     };
     let r = bench::train_bench(&opts, client)?;
     if json {
@@ -138,6 +187,9 @@ fn bench_train(
         r.params as f64 / 1e6,
         r.threads
     );
+    if r.step_seconds_median.is_nan() {
+        println!("  native engine not timed (--engine pjrt-only)");
+    }
     println!(
         "  step time (median of {steps}) {:.3} s",
         r.step_seconds_median
@@ -171,6 +223,9 @@ fn bench_train(
             p.achieved_gflops,
             100.0 * p.mfu_vs_host_peak
         );
+        if let Some(m) = p.mfu_vs_device_peak {
+            println!("  MFU (device peak given)    {:.1}%", 100.0 * m);
+        }
     }
     Ok(())
 }
