@@ -9,6 +9,25 @@
 use minijinja::{Environment, Error, ErrorKind, context};
 use std::path::Path;
 
+/// Why a chat template cannot be read or rendered (names the file where there is one).
+#[derive(Debug, thiserror::Error)]
+pub enum ChatError {
+    /// `tokenizer_config.json` cannot be read or is not JSON.
+    #[error("{path}: {message}")]
+    Config {
+        /// The file.
+        path: std::path::PathBuf,
+        /// What is wrong.
+        message: String,
+    },
+    /// The template does not compile.
+    #[error("chat_template: {0}")]
+    Compile(String),
+    /// A prompt the template cannot render.
+    #[error("rendering the chat template: {0}")]
+    Render(String),
+}
+
 /// A compiled chat template.
 pub struct ChatTemplate {
     env: Environment<'static>,
@@ -32,10 +51,14 @@ fn token_text(v: Option<&serde_json::Value>) -> String {
 impl ChatTemplate {
     /// Reads `chat_template` (a string, or the `default` of a list of named templates) from a
     /// `tokenizer_config.json`.
-    pub fn from_tokenizer_config(path: &Path) -> Result<Self, String> {
-        let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    pub fn from_tokenizer_config(path: &Path) -> Result<Self, ChatError> {
+        let config = |message: String| ChatError::Config {
+            path: path.to_path_buf(),
+            message,
+        };
+        let text = std::fs::read_to_string(path).map_err(|e| config(e.to_string()))?;
         let cfg: serde_json::Value =
-            serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+            serde_json::from_str(&text).map_err(|e| config(e.to_string()))?;
         let source = match cfg.get("chat_template") {
             Some(serde_json::Value::String(s)) => s.clone(),
             Some(serde_json::Value::Array(list)) => list
@@ -43,17 +66,11 @@ impl ChatTemplate {
                 .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
                 .and_then(|t| t.get("template"))
                 .and_then(|t| t.as_str())
-                .ok_or_else(|| {
-                    format!(
-                        "{}: chat_template lists no `default` template",
-                        path.display()
-                    )
-                })?
+                .ok_or_else(|| config("chat_template lists no `default` template".into()))?
                 .to_string(),
             _ => {
-                return Err(format!(
-                    "{}: no chat_template (the stage's data sets chat_template: true)",
-                    path.display()
+                return Err(config(
+                    "no chat_template (the stage's data sets chat_template: true)".into(),
                 ));
             }
         };
@@ -62,18 +79,18 @@ impl ChatTemplate {
             &token_text(cfg.get("bos_token")),
             &token_text(cfg.get("eos_token")),
         )
-        .map_err(|e| format!("{}: chat_template: {e}", path.display()))
+        .map_err(|e| config(e.to_string()))
     }
 
     /// Compiles `source`.
-    pub fn new(source: &str, bos: &str, eos: &str) -> Result<Self, String> {
+    pub fn new(source: &str, bos: &str, eos: &str) -> Result<Self, ChatError> {
         let mut env = Environment::new();
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", |msg: String| -> Result<String, Error> {
             Err(Error::new(ErrorKind::InvalidOperation, msg))
         });
         env.add_template_owned("chat", source.to_string())
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| ChatError::Compile(e.to_string()))?;
         Ok(Self {
             env,
             bos: bos.into(),
@@ -82,15 +99,18 @@ impl ChatTemplate {
     }
 
     /// The text of one user message followed by the assistant's turn.
-    pub fn render_user(&self, prompt: &str) -> Result<String, String> {
-        let tmpl = self.env.get_template("chat").map_err(|e| e.to_string())?;
+    pub fn render_user(&self, prompt: &str) -> Result<String, ChatError> {
+        let tmpl = self
+            .env
+            .get_template("chat")
+            .map_err(|e| ChatError::Render(e.to_string()))?;
         tmpl.render(context! {
             messages => vec![context! { role => "user", content => prompt }],
             add_generation_prompt => true,
             bos_token => &self.bos,
             eos_token => &self.eos,
         })
-        .map_err(|e| format!("rendering the chat template: {e}"))
+        .map_err(|e| ChatError::Render(e.to_string()))
     }
 }
 
@@ -123,6 +143,7 @@ mod tests {
         assert!(
             t.render_user("x")
                 .unwrap_err()
+                .to_string()
                 .contains("only system and user")
         );
     }
@@ -141,10 +162,16 @@ mod tests {
         assert_eq!(t.render_user("q").unwrap(), "[q]");
         assert_eq!(t.eos, "</s>");
         std::fs::write(&f, "{}").unwrap();
-        let e = ChatTemplate::from_tokenizer_config(&f).err().unwrap();
+        let e = ChatTemplate::from_tokenizer_config(&f)
+            .err()
+            .unwrap()
+            .to_string();
         assert!(e.contains("tokenizer_config.json: no chat_template"), "{e}");
         std::fs::write(&f, r#"{"chat_template": "{% for %}"}"#).unwrap();
-        let e = ChatTemplate::from_tokenizer_config(&f).err().unwrap();
+        let e = ChatTemplate::from_tokenizer_config(&f)
+            .err()
+            .unwrap()
+            .to_string();
         assert!(e.contains("chat_template: "), "{e}");
         std::fs::remove_dir_all(&dir).unwrap();
     }

@@ -10,6 +10,14 @@ use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
 
+/// Writes `bytes` to `path` through a temporary file renamed into place: a reader never sees
+/// it half-written. Errors name the file that failed.
+pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), (PathBuf, std::io::Error)> {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, bytes).map_err(|e| (tmp.clone(), e))?;
+    std::fs::rename(&tmp, path).map_err(|e| (path.to_path_buf(), e))
+}
+
 /// Job id → the job as JSON.
 const JOBS: TableDefinition<'_, u64, &[u8]> = TableDefinition::new("jobs");
 /// (job id, row number) → one metric row as JSON.

@@ -54,8 +54,8 @@ pub enum ExecError {
         source: std::io::Error,
     },
     /// A prompt the chat template cannot render.
-    #[error("chat template: {0}")]
-    Chat(String),
+    #[error(transparent)]
+    Chat(#[from] crate::chat::ChatError),
     /// Stopped on request after a step, with a checkpoint of it.
     #[error("stopped on request after {stage} step {step} (checkpointed)")]
     Stopped {

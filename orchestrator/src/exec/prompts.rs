@@ -21,9 +21,7 @@ impl Prompts<'_> {
     /// followed by end-of-sequence.
     pub fn encode(&self, p: &Problem, chat: bool) -> Result<(Vec<u32>, Vec<u32>), ExecError> {
         let prompt = match (self.chat, chat) {
-            (Some(t), true) => self
-                .tokenizer
-                .encode(&t.render_user(&p.prompt).map_err(ExecError::Chat)?)?,
+            (Some(t), true) => self.tokenizer.encode(&t.render_user(&p.prompt)?)?,
             _ => self.tokenizer.encode(&p.prompt)?,
         };
         let mut answer = self.tokenizer.encode(&p.answer)?;

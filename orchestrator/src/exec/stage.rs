@@ -18,12 +18,6 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), ExecError> {
-    let tmp = path.with_extension("tmp");
-    std::fs::write(&tmp, bytes).map_err(ExecError::io(&tmp))?;
-    std::fs::rename(&tmp, path).map_err(ExecError::io(path))
-}
-
 impl<'a> Executor<'a> {
     /// An executor of `job` on `roles`, continuing from `state` with the engines serving weight
     /// version `version`.
@@ -263,10 +257,11 @@ impl<'a> Executor<'a> {
             "data_position": {"stage": stage.id, "step": step},
             "rng": {"kind": "chacha8", "seeded_by": ["seed", "stage", "step", "round", "prompt"]},
         });
-        write_atomic(
+        crate::store::write_atomic(
             &abs.join("trainer_state.json"),
             trainer_state.to_string().as_bytes(),
-        )?;
+        )
+        .map_err(|(path, source)| ExecError::Io { path, source })?;
         self.state.checkpoint = Some(rel.clone());
         self.state.stage = Some(stage.id.clone());
         self.state.step = step;

@@ -12,7 +12,7 @@
 
 use super::run::{self, RunOptions, StopFlag, StopReason};
 use crate::plan::{Plan, PlanError};
-use crate::pools::{Cluster, ClusterHead};
+use crate::pools::{Cluster, ClusterHead, lock};
 use crate::record::Recorder;
 use crate::store::{Job, JobState, Store, StoreError};
 use actors::Head;
@@ -62,10 +62,6 @@ pub struct Queue {
     wake: Notify,
     stopping: AtomicBool,
     sinks: SinkMaker,
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl Queue {

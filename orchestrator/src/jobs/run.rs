@@ -327,9 +327,7 @@ pub fn replan(store: &Store, job: &Job) -> Result<Plan, JobError> {
 }
 
 fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), JobError> {
-    let tmp = path.with_extension("tmp");
-    std::fs::write(&tmp, bytes).map_err(io(&tmp))?;
-    std::fs::rename(&tmp, path).map_err(io(path))
+    crate::store::write_atomic(path, bytes).map_err(|(path, source)| JobError::Io { path, source })
 }
 
 /// Runs job `id` of `store` (its plan `plan`, its files in `dir`) from its last checkpoint, and

@@ -44,7 +44,7 @@ pub(super) fn plan(mut spec: Workflow, origin: &str) -> Result<Plan, PlanError> 
                     .iter()
                     .position(|s| s.data.as_ref().is_some_and(|d| d.chat_template))
                     .unwrap_or(0);
-                e.at(format!("stages[{i}].data.chat_template"), m)
+                e.at(format!("stages[{i}].data.chat_template"), m.to_string())
             })?,
         )),
         (None, true) => {
