@@ -40,6 +40,62 @@ pub trait ExternalEngine: InferenceEngine {
     fn load(&self) -> BoxFuture<'_, Result<Load, EngineError>>;
 }
 
+/// The [`InferenceEngine`] and [`ExternalEngine`] faces of an adapter type whose inherent
+/// methods do the work (`url`, `generate_all`, `reload`, `health`, `load`) and whose fields hold
+/// its served version and weight folders (`version`, `folders`): every adapter the same way.
+macro_rules! adapter {
+    ($t:ty) => {
+        impl $crate::InferenceEngine for $t {
+            fn generate(
+                &self,
+                reqs: Vec<$crate::GenerateRequest>,
+            ) -> $crate::BoxFuture<'_, Result<Vec<$crate::Completion>, $crate::EngineError>> {
+                Box::pin(self.generate_all(reqs))
+            }
+
+            fn update_weights(
+                &self,
+                snapshot: kernels::tensor::WeightSnapshot,
+            ) -> $crate::BoxFuture<'_, Result<(), $crate::EngineError>> {
+                Box::pin(async move {
+                    let dir =
+                        super::folders::write_folder(self.folders.as_ref(), self.url(), &snapshot)?;
+                    self.reload(&dir, snapshot.version).await
+                })
+            }
+
+            fn weight_version(&self) -> u64 {
+                self.version.load(std::sync::atomic::Ordering::Acquire)
+            }
+        }
+
+        impl $crate::external::ExternalEngine for $t {
+            fn url(&self) -> &str {
+                <$t>::url(self)
+            }
+
+            fn reload<'a>(
+                &'a self,
+                dir: &'a std::path::Path,
+                version: u64,
+            ) -> $crate::BoxFuture<'a, Result<(), $crate::EngineError>> {
+                Box::pin(<$t>::reload(self, dir, version))
+            }
+
+            fn health(&self) -> $crate::BoxFuture<'_, Result<(), $crate::EngineError>> {
+                Box::pin(<$t>::health(self))
+            }
+
+            fn load(
+                &self,
+            ) -> $crate::BoxFuture<'_, Result<$crate::external::Load, $crate::EngineError>> {
+                Box::pin(<$t>::load(self))
+            }
+        }
+    };
+}
+use adapter;
+
 /// Connects to a server of `api`: checks that it answers and serves the expected model.
 pub async fn connect(
     api: Api,

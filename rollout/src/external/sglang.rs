@@ -8,14 +8,10 @@
 //!
 //! Owns: the JSON shapes of SGLang's API. Never: checks that a push took (the pool probes).
 
-use super::ExternalEngine;
 use super::common::{ExternalConfig, Load, fan_out, prometheus_sum, sampling_json};
-use super::folders::{WeightFolders, write_folder};
+use super::folders::WeightFolders;
 use super::http::{HttpClient, as_u64};
-use crate::{
-    BoxFuture, Completion, EngineError, FinishReason, GenerateRequest, InferenceEngine, VersionSpan,
-};
-use kernels::tensor::WeightSnapshot;
+use crate::{Completion, EngineError, FinishReason, GenerateRequest, VersionSpan};
 use learner::ModelConfig;
 use serde_json::{Value, json};
 use std::path::Path;
@@ -228,40 +224,4 @@ async fn generate(
     Ok(done)
 }
 
-impl ExternalEngine for SglangEngine {
-    fn url(&self) -> &str {
-        SglangEngine::url(self)
-    }
-
-    fn reload<'a>(&'a self, dir: &'a Path, version: u64) -> BoxFuture<'a, Result<(), EngineError>> {
-        Box::pin(SglangEngine::reload(self, dir, version))
-    }
-
-    fn health(&self) -> BoxFuture<'_, Result<(), EngineError>> {
-        Box::pin(SglangEngine::health(self))
-    }
-
-    fn load(&self) -> BoxFuture<'_, Result<Load, EngineError>> {
-        Box::pin(SglangEngine::load(self))
-    }
-}
-
-impl InferenceEngine for SglangEngine {
-    fn generate(
-        &self,
-        reqs: Vec<GenerateRequest>,
-    ) -> BoxFuture<'_, Result<Vec<Completion>, EngineError>> {
-        Box::pin(self.generate_all(reqs))
-    }
-
-    fn update_weights(&self, snapshot: WeightSnapshot) -> BoxFuture<'_, Result<(), EngineError>> {
-        Box::pin(async move {
-            let dir = write_folder(self.folders.as_ref(), self.url(), &snapshot)?;
-            self.reload(&dir, snapshot.version).await
-        })
-    }
-
-    fn weight_version(&self) -> u64 {
-        self.version.load(Ordering::Acquire)
-    }
-}
+super::adapter!(SglangEngine);
