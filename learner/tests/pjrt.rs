@@ -1,32 +1,21 @@
 //! The `pjrt` engine on the XLA CPU plugin against `transformers` (the fixture) and against the
 //! native engine: log-probs, entropy, gradients of every parameter, AdamW steps, other
 //! architectures (Qwen3's q/k norms with tied embeddings; Llama with biases and RoPE scaling).
-//! Without the plugin each test says so loudly and passes; with `TRELLIS_REQUIRE_PJRT=1` (CI)
-//! it fails.
+//! The plugin is fetched by `.ci/setup` the first time; `TRELLIS_SKIP_PJRT=1` skips these
+//! tests, saying so.
 
 use kernels::optim::AdamW;
 use learner::checkpoint::Checkpoint;
 use learner::optim::{LrSchedule, Optimizer};
 use learner::pjrt::PjrtModel;
 use learner::{Batch, Model, ModelConfig};
-use libtpu_sys::pjrt::{Client, cpu_plugin_path};
+use libtpu_sys::pjrt::Client;
 use safetensors::SafeTensors;
 use serde_json::{Value, json};
 use std::path::{Path, PathBuf};
 
 fn client() -> Option<Client> {
-    match cpu_plugin_path() {
-        Some(p) => Some(Client::open(&p).expect("the XLA CPU plugin loads")),
-        None if std::env::var_os("TRELLIS_REQUIRE_PJRT").is_some() => {
-            panic!("TRELLIS_REQUIRE_PJRT is set but the XLA CPU plugin is not found")
-        }
-        None => {
-            eprintln!(
-                "*** SKIPPED: no XLA CPU plugin (run .ci/run's setup, or set TRELLIS_PJRT_CPU_PLUGIN) ***"
-            );
-            None
-        }
-    }
+    libtpu_sys::testing::cpu_client()
 }
 
 fn data() -> PathBuf {

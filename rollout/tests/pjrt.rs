@@ -1,6 +1,6 @@
 //! The `pjrt` inference engine on the XLA CPU plugin against `transformers` (greedy) and the
-//! native engine (sampled tokens, log-probs, stop rules, weight updates). Without the plugin the
-//! tests say so loudly and pass; with `TRELLIS_REQUIRE_PJRT=1` (CI) they fail.
+//! native engine (sampled tokens, log-probs, stop rules, weight updates). The plugin is fetched by
+//! `.ci/setup` the first time; `TRELLIS_SKIP_PJRT=1` skips these tests, saying so.
 
 use kernels::tensor::WeightSnapshot;
 use learner::Model;
@@ -15,18 +15,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 fn client() -> Option<learner::pjrt::Client> {
-    match libtpu_sys::pjrt::cpu_plugin_path() {
-        Some(p) => Some(learner::pjrt::Client::open(&p).expect("the XLA CPU plugin loads")),
-        None if std::env::var_os("TRELLIS_REQUIRE_PJRT").is_some() => {
-            panic!("TRELLIS_REQUIRE_PJRT is set but the XLA CPU plugin is not found")
-        }
-        None => {
-            eprintln!(
-                "*** SKIPPED: no XLA CPU plugin (run .ci/run's setup, or set TRELLIS_PJRT_CPU_PLUGIN) ***"
-            );
-            None
-        }
-    }
+    libtpu_sys::testing::cpu_client()
 }
 
 fn data() -> PathBuf {

@@ -13,6 +13,8 @@
 
 pub mod locate;
 pub mod pjrt;
+#[cfg(any(test, feature = "testing"))]
+pub mod testing;
 
 use std::ffi::{c_char, c_int, c_void};
 use std::path::{Path, PathBuf};
@@ -341,15 +343,10 @@ mod tests {
         assert!(e.to_string().contains("/nonexistent/libtpu.so"), "{e}");
     }
 
-    /// With `TRELLIS_PJRT_CPU_PLUGIN` pointing at the XLA CPU plugin (`xla_cpu_pjrt.so` from the
-    /// `xla-cpu-pjrt` wheel), its version is read. Skipped loudly without it.
+    /// The XLA CPU plugin's version is read without initialising it.
     #[test]
-    #[allow(clippy::print_stderr)] // a skip says so
     fn the_cpu_plugin_reports_its_api_version() {
-        let Some(path) = std::env::var_os("TRELLIS_PJRT_CPU_PLUGIN") else {
-            eprintln!(
-                "*** SKIPPED: set TRELLIS_PJRT_CPU_PLUGIN to the XLA CPU plugin to probe it ***"
-            );
+        let Some(path) = crate::testing::cpu_plugin() else {
             return;
         };
         let info = probe(Path::new(&path)).unwrap();

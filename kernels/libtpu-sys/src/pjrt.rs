@@ -575,22 +575,8 @@ pub fn cpu_plugin_path() -> Option<PathBuf> {
 mod tests {
     use super::*;
 
-    /// The CPU plugin's client, or `None` (said loudly) when it is not installed; with
-    /// `TRELLIS_REQUIRE_PJRT=1` (CI) a missing plugin fails the test.
-    #[allow(clippy::print_stderr)] // a skip says so
     pub(crate) fn cpu_client() -> Option<Client> {
-        match cpu_plugin_path() {
-            Some(p) => Some(Client::open(&p).unwrap()),
-            None if std::env::var_os("TRELLIS_REQUIRE_PJRT").is_some() => {
-                panic!("TRELLIS_REQUIRE_PJRT is set but the XLA CPU plugin is not found")
-            }
-            None => {
-                eprintln!(
-                    "*** SKIPPED: no XLA CPU plugin (run .ci/run's setup, or set TRELLIS_PJRT_CPU_PLUGIN) ***"
-                );
-                None
-            }
-        }
+        crate::testing::cpu_client()
     }
 
     #[test]

@@ -1,26 +1,14 @@
 //! Each traced op against its eager kernel, forward and gradient, compiled and run by the XLA
-//! CPU plugin; and the primitives' gradients against finite differences. Without the plugin
-//! the tests say so loudly and pass; with `TRELLIS_REQUIRE_PJRT=1` (CI) they fail.
+//! CPU plugin (fetched by `.ci/setup` the first time; `TRELLIS_SKIP_PJRT=1` skips, saying so);
+//! and the primitives' gradients against finite differences.
 
 use super::ops::{self, Attn};
 use super::{Bin, Graph, Shape, Un, V};
 use crate::testutil::{close, randn};
-use libtpu_sys::pjrt::{Buffer, Client, cpu_plugin_path};
+use libtpu_sys::pjrt::{Buffer, Client};
 
-#[allow(clippy::print_stderr)] // a skip says so
 fn client() -> Option<Client> {
-    match cpu_plugin_path() {
-        Some(p) => Some(Client::open(&p).expect("the XLA CPU plugin loads")),
-        None if std::env::var_os("TRELLIS_REQUIRE_PJRT").is_some() => {
-            panic!("TRELLIS_REQUIRE_PJRT is set but the XLA CPU plugin is not found")
-        }
-        None => {
-            eprintln!(
-                "*** SKIPPED: no XLA CPU plugin (run .ci/run's setup, or set TRELLIS_PJRT_CPU_PLUGIN) ***"
-            );
-            None
-        }
-    }
+    libtpu_sys::testing::cpu_client()
 }
 
 enum In<'a> {
