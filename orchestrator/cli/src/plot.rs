@@ -1,20 +1,23 @@
 //! `plot.png`: the run's curves (eval accuracy, reward, KL, entropy, response length, SFT loss),
 //! one panel each, drawn from `metrics.jsonl` with no plotting dependency: a tiny rasteriser, a
-//! 5×7 bitmap font and an uncompressed PNG writer.
+//! 5×7 bitmap font and a PNG writer (the image data deflated by `miniz_oxide`). The x axis runs
+//! over every stage's steps in order; each stage's start is marked with a dashed line, and under
+//! the axis each stage is named with its last step.
 
 use std::path::Path;
 
 const W: usize = 1200;
 const H: usize = 760;
 
-/// Panels: (metric key, title).
-pub const PANELS: &[(&str, &str)] = &[
-    ("eval/accuracy", "EVAL ACCURACY"),
-    ("critic/score/mean", "REWARD MEAN"),
-    ("sft/loss", "SFT LOSS"),
-    ("actor/ppo_kl", "PPO KL"),
-    ("actor/entropy", "ENTROPY"),
-    ("response_length/mean", "RESPONSE LENGTH"),
+/// Panels: (metric keys, the first present drawn; title).
+pub const PANELS: &[(&[&str], &str)] = &[
+    (&["eval/accuracy"], "EVAL ACCURACY"),
+    (&["critic/score/mean"], "REWARD MEAN"),
+    (&["sft/loss"], "SFT LOSS"),
+    // The KL loss to the reference when the run has one; PPO's KL is 0 with one update a batch.
+    (&["actor/kl_loss", "actor/ppo_kl"], "KL"),
+    (&["actor/entropy"], "ENTROPY"),
+    (&["response_length/mean"], "RESPONSE LENGTH"),
 ];
 
 struct Canvas {
@@ -79,6 +82,9 @@ fn glyph(c: char) -> [u8; 7] {
         '9' => [14, 17, 17, 15, 1, 2, 12],
         '.' => [0, 0, 0, 0, 0, 12, 12],
         '-' => [0, 0, 0, 31, 0, 0, 0],
+        '_' => [0, 0, 0, 0, 0, 0, 31],
+        '/' => [1, 1, 2, 4, 8, 16, 16],
+        ':' => [0, 12, 12, 0, 12, 12, 0],
         'A' => [14, 17, 17, 31, 17, 17, 17],
         'C' => [14, 17, 16, 16, 16, 17, 14],
         'D' => [28, 18, 17, 17, 17, 18, 28],
@@ -132,22 +138,8 @@ fn png(canvas: &Canvas) -> Vec<u8> {
             raw.extend_from_slice(&canvas.px[y * W + x]);
         }
     }
-    // zlib stream of stored (uncompressed) deflate blocks
-    let mut z = vec![0x78, 0x01];
-    for (i, block) in raw.chunks(65535).enumerate() {
-        let last = (i + 1) * 65535 >= raw.len();
-        z.push(u8::from(last));
-        let len = block.len() as u16;
-        z.extend_from_slice(&len.to_le_bytes());
-        z.extend_from_slice(&(!len).to_le_bytes());
-        z.extend_from_slice(block);
-    }
-    let (mut a, mut b) = (1u32, 0u32);
-    for &v in &raw {
-        a = (a + v as u32) % 65521;
-        b = (b + a) % 65521;
-    }
-    z.extend_from_slice(&((b << 16) | a).to_be_bytes());
+    // The image data as a zlib stream (a few large flat areas and lines: it deflates ~100×).
+    let z = miniz_oxide::deflate::compress_to_vec_zlib(&raw, 6);
     let mut out = vec![0x89, b'P', b'N', b'G', 0x0D, 0x0A, 0x1A, 0x0A];
     let mut chunk = |kind: &[u8], data: &[u8]| {
         out.extend_from_slice(&(data.len() as u32).to_be_bytes());
@@ -190,13 +182,54 @@ pub fn plot(run_dir: &Path, out: &Path) -> Result<(), String> {
     let mut c = Canvas {
         px: vec![[255, 255, 255]; W * H],
     };
+    // Each stage's rows (first row index, id, last step).
+    let mut stages: Vec<(usize, String, u64)> = Vec::new();
+    for (i, r) in rows.iter().enumerate() {
+        let id = r.get("stage").and_then(|s| s.as_str()).unwrap_or("");
+        let step = r.get("step").and_then(|s| s.as_u64()).unwrap_or(0);
+        match stages.last_mut() {
+            Some((_, last, s)) if last == id => *s = step,
+            _ => stages.push((i, id.to_string(), step)),
+        }
+    }
     let (cols, rws) = (3, 2);
     let (pw, ph) = (W / cols, H / rws);
-    for (p, (key, title)) in PANELS.iter().enumerate() {
+    for (p, (keys, title)) in PANELS.iter().enumerate() {
         let (ox, oy) = ((p % cols) * pw, (p / cols) * ph);
         let (x0, y0, x1, y1) = (ox + 84, oy + 40, ox + pw - 24, oy + ph - 40);
+        let key = keys
+            .iter()
+            .find(|k| rows.iter().any(|r| r.get(**k).is_some()))
+            .unwrap_or(&keys[0]);
         c.text(x0, oy + 12, title, [0, 0, 0]);
         c.rect(x0, y0, x1, y1, [150, 150, 150]);
+        let n = (rows.len() - 1).max(1) as f64;
+        let xat = |i: f64| x0 as f64 + 4.0 + i / n * (x1 - x0 - 8) as f64;
+        // Stage boundaries: a dashed line where a stage starts; under the axis, each stage's id
+        // and its last step, as much of it as its span has room for.
+        for (k, (i, id, last)) in stages.iter().enumerate() {
+            let x = xat(*i as f64).round();
+            if k > 0 {
+                let mut y = y0 as f64;
+                while y < y1 as f64 {
+                    c.line((x, y), (x, (y + 5.0).min(y1 as f64)), [190, 190, 190]);
+                    y += 10.0;
+                }
+            }
+            let end = stages
+                .get(k + 1)
+                .map_or(x1 as f64, |(j, _, _)| xat(*j as f64));
+            let room = ((end - x) / 12.0).floor().max(0.0) as usize;
+            let full = format!("{id} {last}");
+            let shown = if full.len() < room {
+                full
+            } else if id.len() < room {
+                id.clone()
+            } else {
+                String::new()
+            };
+            c.text(x as usize + 2, y1 + 8, &shown, [80, 80, 80]);
+        }
         let pts: Vec<(f64, f64)> = rows
             .iter()
             .enumerate()
@@ -214,10 +247,9 @@ pub fn plot(run_dir: &Path, out: &Path) -> Result<(), String> {
         } else {
             (lo, hi)
         };
-        let n = (rows.len() - 1).max(1) as f64;
         let map = |(i, v): (f64, f64)| {
             (
-                x0 as f64 + 4.0 + i / n * (x1 - x0 - 8) as f64,
+                xat(i),
                 y1 as f64 - 4.0 - (v - lo) / (hi - lo) * (y1 - y0 - 8) as f64,
             )
         };
@@ -230,12 +262,6 @@ pub fn plot(run_dir: &Path, out: &Path) -> Result<(), String> {
         }
         c.text(ox + 2, y0, &label(hi), [80, 80, 80]);
         c.text(ox + 2, y1 - 14, &label(lo), [80, 80, 80]);
-        c.text(
-            x1 - 12 * (rows.len().to_string().len() + 6),
-            y1 + 8,
-            &format!("{} STEPS", rows.len()),
-            [80, 80, 80],
-        );
     }
     std::fs::write(out, png(&c)).map_err(|e| format!("{}: {e}", out.display()))
 }
@@ -243,6 +269,52 @@ pub fn plot(run_dir: &Path, out: &Path) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_plot_is_small_and_marks_where_stages_start() {
+        let dir = std::env::temp_dir().join(format!("trellis-plot-st-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        // A run shaped like grpo-arith: 550 SFT steps, 180 RL steps, an eval.
+        let mut lines = Vec::new();
+        for s in 1..=550 {
+            lines.push(format!(
+                "{{\"stage\":\"warmup\",\"step\":{s},\"sft/loss\":{}}}",
+                2.0 / (1.0 + s as f64 / 50.0)
+            ));
+        }
+        for s in 1..=180 {
+            lines.push(format!(
+                "{{\"stage\":\"rl\",\"step\":{s},\"critic/score/mean\":{},\"actor/entropy\":{},\"response_length/mean\":{}}}",
+                (s as f64 / 200.0).sin(),
+                1.0 - s as f64 / 300.0,
+                3.0 + (s % 7) as f64 / 7.0
+            ));
+        }
+        lines.push("{\"stage\":\"final-eval\",\"step\":0,\"eval/accuracy\":0.885}".into());
+        std::fs::write(dir.join("metrics.jsonl"), lines.join("\n")).unwrap();
+        let out = dir.join("plot.png");
+        plot(&dir, &out).unwrap();
+        let bytes = std::fs::read(&out).unwrap();
+        assert!(bytes.len() < 100_000, "{} bytes", bytes.len());
+        // Decoded back, the image holds the dashed boundary's grey where the RL stage starts.
+        let idat = bytes
+            .windows(4)
+            .position(|w| w == b"IDAT")
+            .expect("an IDAT chunk");
+        let len = u32::from_be_bytes(bytes[idat - 4..idat].try_into().unwrap()) as usize;
+        let raw =
+            miniz_oxide::inflate::decompress_to_vec_zlib(&bytes[idat + 4..idat + 4 + len]).unwrap();
+        assert_eq!(raw.len(), H * (W * 3 + 1));
+        let px = |x: usize, y: usize| {
+            let o = y * (W * 3 + 1) + 1 + x * 3;
+            [raw[o], raw[o + 1], raw[o + 2]]
+        };
+        // First panel: x0 = 84, x1 = 376, y0 = 40; the RL stage starts at row 550 of 731.
+        let x = (84.0 + 4.0 + 550.0 / 730.0 * (376.0 - 84.0 - 8.0_f64)).round() as usize;
+        let grey = (41..100).filter(|&y| px(x, y) == [190, 190, 190]).count();
+        assert!(grey > 10, "{grey} boundary pixels at x = {x}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[test]
     fn writes_a_valid_png() {
