@@ -142,6 +142,21 @@ pub struct CheckpointRecord {
     pub weight_version: u64,
 }
 
+/// What the store says of one job at one moment. A run that holds the store also keeps it in
+/// `RUN_DIR/status.json` (`live`), so it can be read while the run goes on.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct JobStatus {
+    /// The job (spec, state, progress).
+    pub job: Job,
+    /// Checkpoints kept, oldest first.
+    pub checkpoints: Vec<CheckpointRecord>,
+    /// Metric rows recorded.
+    pub metric_rows: usize,
+    /// Read from the running process's `status.json` (the store is busy), not the store.
+    #[serde(default)]
+    pub live: bool,
+}
+
 /// A line of a job's log.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct LogRecord {

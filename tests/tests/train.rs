@@ -97,6 +97,22 @@ fn a_recipe_runs_end_to_end_and_records_everything() {
     // ... and the curves as a PNG.
     let png = std::fs::read(dir.join("plot.png")).unwrap();
     assert_eq!(&png[..4], b"\x89PNG");
+    // Every log line is in train.log: the logs and the progress, though the run was quiet.
+    let log = std::fs::read_to_string(dir.join("train.log")).unwrap();
+    assert!(log.contains("learner on the native engine"), "{log}");
+    assert!(
+        log.contains("[rl] [####################] step 12/12"),
+        "{log}"
+    );
+    assert!(log.contains("[final-eval] eval accuracy"), "{log}");
+    assert!(
+        log.contains("checkpoint at step 10: checkpoints/warmup/step_000010"),
+        "{log}"
+    );
+    assert!(
+        !dir.join("status.json").exists(),
+        "the live status goes with the run"
+    );
     // The final model is a loadable Hugging Face checkpoint.
     let out =
         String::from_utf8(run_ok(trellis().arg("status").arg(&dir).arg("--json")).stdout).unwrap();
@@ -116,6 +132,54 @@ fn a_recipe_runs_end_to_end_and_records_everything() {
         trellis()
             .args(["score", "--json", "--text", "3+4=7", "--model"])
             .arg(&ck),
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn status_is_readable_while_the_run_goes() {
+    let dir = run_dir("live");
+    let mut child = trellis()
+        .arg("train")
+        .arg(recipe())
+        .args(["--quiet", "-o", "stages.rl.trainer.steps=40", "--run-dir"])
+        .arg(&dir)
+        .spawn()
+        .unwrap();
+    // While the run holds the store, status answers from what the run keeps current.
+    let t0 = Instant::now();
+    let live = loop {
+        assert!(t0.elapsed() < Duration::from_secs(120), "no live status");
+        let out = trellis()
+            .arg("status")
+            .arg(&dir)
+            .arg("--json")
+            .output()
+            .unwrap();
+        if out.status.success() {
+            let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+            if v["live"] == true && v["job"]["progress"]["stage"] == "warmup" {
+                break v;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(live["job"]["state"], "running", "{live:#}");
+    assert!(live["metric_rows"].as_u64().unwrap() >= 10, "{live:#}");
+    assert!(
+        live["checkpoints"]
+            .as_array()
+            .is_some_and(|c| !c.is_empty())
+    );
+    let text = run_ok(trellis().arg("status").arg(&dir)).stdout;
+    assert!(String::from_utf8_lossy(&text).contains("the run is going"));
+    assert!(child.wait().unwrap().success());
+    let done: Value =
+        serde_json::from_slice(&run_ok(trellis().arg("status").arg(&dir).arg("--json")).stdout)
+            .unwrap();
+    assert_eq!(
+        (done["live"].as_bool(), done["job"]["state"].as_str()),
+        (Some(false), Some("succeeded"))
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -12,6 +12,7 @@ mod client;
 mod cmd;
 mod doctor;
 mod engine_bench;
+mod logfile;
 mod plot;
 mod progress;
 mod server;
@@ -20,7 +21,11 @@ use clap::{Parser, Subcommand};
 
 /// Trellis: an RL post-training orchestrator for language models.
 #[derive(Debug, Parser)]
-#[command(name = "trellis", version, arg_required_else_help = true)]
+#[command(
+    name = "trellis",
+    version = concat!(env!("CARGO_PKG_VERSION"), " (", env!("TRELLIS_GIT_COMMIT"), ")"),
+    arg_required_else_help = true
+)]
 struct Cli {
     /// Log filter in `tracing` syntax (also read from TRELLIS_LOG).
     #[arg(long, global = true, env = "TRELLIS_LOG", default_value = "info")]
@@ -82,6 +87,12 @@ enum Command {
         #[command(subcommand)]
         what: cmd::engine::EngineCommand,
     },
+    /// Print a shell's completions for `trellis` (e.g. `trellis completions bash >
+    /// ~/.local/share/bash-completion/completions/trellis`).
+    Completions {
+        /// The shell.
+        shell: clap_complete::Shell,
+    },
 }
 
 fn main() -> std::process::ExitCode {
@@ -105,11 +116,7 @@ fn main() -> std::process::ExitCode {
 fn run() -> anyhow::Result<()> {
     cmd::tune_allocator();
     let cli = Cli::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_new(&cli.log)?)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
+    cmd::init_logging(&cli.log)?;
     kernels::threads::init(cli.threads);
     match cli.command {
         Command::Train(a) => a.run(),
@@ -129,5 +136,15 @@ fn run() -> anyhow::Result<()> {
         Command::Generate(a) => a.run(),
         Command::Bench { what } => what.run(),
         Command::Engine { what } => what.run(),
+        Command::Completions { shell } => {
+            use clap::CommandFactory;
+            clap_complete::generate(
+                shell,
+                &mut Cli::command(),
+                "trellis",
+                &mut std::io::stdout(),
+            );
+            Ok(())
+        }
     }
 }

@@ -282,6 +282,11 @@ impl<'a> Executor<'a> {
                 let _ = std::fs::remove_dir_all(self.job.dir.join(old.path));
             }
         }
+        let kept = self.job.store.checkpoints(self.job.id)?;
+        self.job.records.event(Event::Checkpoint {
+            progress: &self.state,
+            kept: &kept,
+        })?;
         Ok(())
     }
 }

@@ -14,14 +14,13 @@ use crate::plan::{LearnerEngine, ModelSource, Plan, PlanError, RolloutEngine};
 use crate::pools::rollout::{PoolStart, RolloutPool};
 use crate::pools::{Cluster, PoolError};
 use crate::record::tensorboard::EventWriter;
-use crate::record::{Event, JsonlSink, RecordError, Recorder, Records, StoreSink};
+use crate::record::{Event, JsonlSink, LiveStatus, RecordError, Recorder, Records, StoreSink};
 use crate::roles::{LocalPolicy, LocalRoles};
-use crate::store::{CheckpointRecord, Job, JobState, Progress, Store, StoreError};
+use crate::store::{Job, JobState, JobStatus, Progress, Store, StoreError};
 use kernels::tensor::WeightSnapshot;
 use learner::Model;
 use learner::checkpoint::Checkpoint;
 use learner::engine::Backend;
-use serde::Serialize;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -224,25 +223,31 @@ pub fn store_path(dir: &Path) -> PathBuf {
 }
 
 /// What the store of a run directory says about its job.
-#[derive(Clone, Debug, Serialize)]
-pub struct Status {
-    /// The job (spec, state, progress).
-    pub job: Job,
-    /// Checkpoints kept, oldest first.
-    pub checkpoints: Vec<CheckpointRecord>,
-    /// Metric rows recorded.
-    pub metric_rows: usize,
+pub type Status = JobStatus;
+
+/// The file a running job keeps its [`Status`] in while it holds the store.
+pub fn live_status_path(dir: &Path) -> PathBuf {
+    dir.join("status.json")
 }
 
-/// Reads the store of the run in `dir` (refused while a process runs it: the store is opened
-/// by one process at a time).
+/// What the store of the run in `dir` says; while a process runs the job (and holds the store),
+/// what it keeps in `status.json` (`live`).
 pub fn status(dir: &Path) -> Result<Status, JobError> {
-    let (store, job) = open_run(dir)?;
-    Ok(Status {
-        checkpoints: store.checkpoints(job.id)?,
-        metric_rows: store.metrics(job.id, 0)?.len(),
-        job,
-    })
+    match open_run(dir) {
+        Ok((store, job)) => Ok(Status {
+            checkpoints: store.checkpoints(job.id)?,
+            metric_rows: store.metrics(job.id, 0)?.len(),
+            job,
+            live: false,
+        }),
+        Err(JobError::Store(StoreError::Busy { path })) => {
+            let live = live_status_path(dir);
+            let text = std::fs::read(&live).map_err(|_| StoreError::Busy { path })?;
+            serde_json::from_slice(&text)
+                .map_err(|e| JobError::RunDir(format!("{}: {e}", live.display())))
+        }
+        Err(e) => Err(e),
+    }
 }
 
 fn open_run(dir: &Path) -> Result<(Store, Job), JobError> {
@@ -283,9 +288,9 @@ pub fn open_backend(plan: &Plan) -> Result<Backend, JobError> {
     })
 }
 
-/// Starts a job of `plan` in `dir` (which must not hold another one) and runs it here.
-pub fn start(plan: &Plan, dir: &Path, opts: RunOptions) -> Result<Summary, JobError> {
-    // A device that cannot be had fails before the run exists.
+/// Everything a new job of `plan` in `dir` needs checked before anything is made: its devices
+/// (the learner's engine is opened and returned) and a run directory that holds no other run.
+pub fn prepare(plan: &Plan, dir: &Path) -> Result<Backend, JobError> {
     let backend = open_backend(plan)?;
     if store_path(dir).exists() {
         return Err(JobError::RunDir(format!(
@@ -294,6 +299,16 @@ pub fn start(plan: &Plan, dir: &Path, opts: RunOptions) -> Result<Summary, JobEr
             dir.display()
         )));
     }
+    Ok(backend)
+}
+
+/// Starts a job of `plan` in `dir` and runs it here; `backend` from [`prepare`].
+pub fn start(
+    plan: &Plan,
+    dir: &Path,
+    backend: Backend,
+    opts: RunOptions,
+) -> Result<Summary, JobError> {
     std::fs::create_dir_all(dir).map_err(io(dir))?;
     let spec = serde_json::to_value(&plan.spec).map_err(|e| JobError::RunDir(e.to_string()))?;
     let text = serde_json::to_string_pretty(&spec).map_err(|e| JobError::RunDir(e.to_string()))?;
@@ -355,6 +370,8 @@ pub fn execute(
             .unwrap_or_default();
         Err(JobError::Panicked(what))
     });
+    // The store is the record again once this process lets it go.
+    let _ = std::fs::remove_file(live_status_path(dir));
     let reason = stop_requested().or_else(|| stop.as_ref().and_then(|s| s.reason()));
     let outcome = match result {
         Ok(summary) => Outcome::Succeeded(summary),
@@ -453,6 +470,15 @@ fn run(
     records.push(Box::new(JsonlSink::open(&metrics_path)?));
     let tb = dir.join("tensorboard");
     records.push(Box::new(EventWriter::create(&tb).map_err(io(&tb))?));
+    records.push(Box::new(LiveStatus::new(
+        live_status_path(dir),
+        JobStatus {
+            job: store.job(id)?,
+            checkpoints: store.checkpoints(id)?,
+            metric_rows: store.metrics(id, 0)?.len(),
+            live: true,
+        },
+    )?));
     let resume = opts.resume_command(dir);
     let RunOptions {
         cluster,

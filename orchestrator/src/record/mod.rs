@@ -9,7 +9,7 @@
 
 pub mod tensorboard;
 
-use crate::store::{Store, StoreError};
+use crate::store::{CheckpointRecord, JobStatus, Progress, Store, StoreError};
 use learner::rl::Metrics;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -86,6 +86,13 @@ pub enum Event<'a> {
         /// Greedy held-out accuracy.
         accuracy: f64,
     },
+    /// A checkpoint was recorded: where the job stands now, and the checkpoints kept.
+    Checkpoint {
+        /// The job's progress.
+        progress: &'a Progress,
+        /// The checkpoints the store keeps, oldest first.
+        kept: &'a [CheckpointRecord],
+    },
     /// Something worth saying (where the engines run, where agents register).
     Note {
         /// The text.
@@ -125,6 +132,12 @@ impl Event<'_> {
                 )
             }
             Event::Eval { stage, accuracy } => format!("[{stage}] eval accuracy {accuracy:.3}"),
+            Event::Checkpoint { progress, .. } => format!(
+                "[{}] checkpoint at step {}: {}",
+                progress.stage.as_deref().unwrap_or(""),
+                progress.step,
+                progress.checkpoint.as_deref().unwrap_or("")
+            ),
             Event::Note { text, .. } => text.to_string(),
         }
     }
@@ -139,7 +152,7 @@ impl Event<'_> {
                 metrics,
                 ..
             } => step == total || metrics.contains_key("eval/accuracy"),
-            Event::Eval { .. } | Event::Note { .. } => true,
+            Event::Eval { .. } | Event::Checkpoint { .. } | Event::Note { .. } => true,
         }
     }
 }
@@ -214,10 +227,56 @@ impl Recorder for StoreSink<'_> {
     }
 
     fn event(&mut self, event: &Event<'_>) -> Result<(), RecordError> {
-        if self.log {
+        // Checkpoints are the store's own records already.
+        if self.log && !matches!(event, Event::Checkpoint { .. }) {
             self.store.append_log(self.job, &event.line())?;
         }
         Ok(())
+    }
+}
+
+/// `RUN_DIR/status.json`: what the store says of the running job, kept current after every row
+/// and checkpoint, so `trellis status` can read it while the run holds the store.
+pub struct LiveStatus {
+    path: PathBuf,
+    status: JobStatus,
+}
+
+impl LiveStatus {
+    /// Keeps `status` (the store's view when the run started) at `path`.
+    pub fn new(path: PathBuf, mut status: JobStatus) -> Result<Self, RecordError> {
+        status.live = true;
+        let mut sink = Self { path, status };
+        sink.write()?;
+        Ok(sink)
+    }
+
+    fn write(&mut self) -> Result<(), RecordError> {
+        self.status.job.updated_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64);
+        let text = serde_json::to_vec_pretty(&self.status).map_err(|e| RecordError::Io {
+            path: self.path.clone(),
+            source: std::io::Error::other(e),
+        })?;
+        crate::store::write_atomic(&self.path, &text)
+            .map_err(|(path, source)| RecordError::Io { path, source })
+    }
+}
+
+impl Recorder for LiveStatus {
+    fn row(&mut self, _row: &Row<'_>) -> Result<(), RecordError> {
+        self.status.metric_rows += 1;
+        self.write()
+    }
+
+    fn event(&mut self, event: &Event<'_>) -> Result<(), RecordError> {
+        let Event::Checkpoint { progress, kept } = event else {
+            return Ok(());
+        };
+        self.status.job.progress = (*progress).clone();
+        self.status.checkpoints = kept.to_vec();
+        self.write()
     }
 }
 

@@ -334,7 +334,7 @@ fn bench_actors(snapshot_mib: usize, calls: usize, in_flight: usize, json: bool)
         tokio::spawn(async move { actors::bench::run(&options).await }).await
     })??;
     if json {
-        println!("{}", serde_json::to_string_pretty(&b)?);
+        println!("{}", serde_json::to_string(&b)?);
         return Ok(());
     }
     println!(

@@ -253,7 +253,7 @@ fn job_json(j: &proto::v1::Job) -> serde_json::Value {
 
 pub fn print_job(j: &proto::v1::Job, json: bool) -> Result<()> {
     if json {
-        println!("{}", serde_json::to_string_pretty(&job_json(j))?);
+        println!("{}", serde_json::to_string(&job_json(j))?);
         return Ok(());
     }
     println!("job {} `{}`: {}", j.id, j.name, state_name(j.state));

@@ -15,6 +15,27 @@ use anyhow::{Context, Result};
 use orchestrator::jobs::{JobError, StopReason};
 use std::path::PathBuf;
 
+/// Logs to stderr (above any progress bars) at `filter` (`tracing` syntax), and to the run's
+/// `train.log` once a run opens it.
+pub fn init_logging(filter: &str) -> Result<()> {
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+    tracing_subscriber::registry()
+        .with(tracing_subscriber::EnvFilter::try_new(filter)?)
+        .with(
+            tracing_subscriber::fmt::layer()
+                .with_writer(crate::progress::Stderr)
+                .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr())),
+        )
+        .with(
+            tracing_subscriber::fmt::layer()
+                .with_writer(crate::logfile::Writer)
+                .with_ansi(false),
+        )
+        .init();
+    Ok(())
+}
+
 /// A multi-threaded tokio runtime.
 pub fn runtime() -> Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_multi_thread()

@@ -2,8 +2,8 @@
 //! directories (`resume` and `status` also take a server's job id).
 
 use super::{ClusterArgs, ServerArgs, TokenArg, call_error, job_id, stop_on_signals};
-use crate::progress::{PlotSink, ProgressBar};
-use anyhow::Result;
+use crate::progress::{PlotSink, Progress};
+use anyhow::{Context, Result};
 use orchestrator::exec::Summary;
 use orchestrator::jobs::RunOptions;
 use std::path::{Path, PathBuf};
@@ -31,7 +31,7 @@ fn options(quiet: bool, dir: &Path, cluster: &ClusterArgs) -> Result<RunOptions>
     Ok(RunOptions {
         cluster: cluster.cluster()?,
         sinks: vec![
-            Box::new(ProgressBar::new(quiet)),
+            Box::new(Progress::new(quiet)),
             Box::new(PlotSink::new(dir.to_path_buf())),
         ],
         ..Default::default()
@@ -46,7 +46,11 @@ impl TrainArgs {
             .unwrap_or_else(|| PathBuf::from("runs").join(&plan.name));
         stop_on_signals();
         let opts = options(self.quiet, &dir, &self.cluster)?;
-        let summary = orchestrator::jobs::run::start(&plan, &dir, opts)?;
+        // Devices and the run directory are checked before anything is made.
+        let backend = orchestrator::jobs::run::prepare(&plan, &dir)?;
+        crate::logfile::open(&dir)
+            .with_context(|| format!("{}: cannot write train.log", dir.display()))?;
+        let summary = orchestrator::jobs::run::start(&plan, &dir, backend, opts)?;
         print_summary(&dir, &summary);
         Ok(())
     }
@@ -90,6 +94,8 @@ impl ResumeArgs {
         }
         stop_on_signals();
         let opts = options(self.quiet, &run_dir, &self.cluster)?;
+        crate::logfile::open(&run_dir)
+            .with_context(|| format!("{}: cannot write train.log", run_dir.display()))?;
         let summary = orchestrator::jobs::run::resume(&run_dir, opts)?;
         print_summary(&run_dir, &summary);
         Ok(())
@@ -124,11 +130,14 @@ impl StatusArgs {
         }
         let st = orchestrator::jobs::status(&run_dir)?;
         if self.json {
-            println!("{}", serde_json::to_string_pretty(&st)?);
+            println!("{}", serde_json::to_string(&st)?);
             return Ok(());
         }
         let j = &st.job;
         println!("job {} `{}`: {}", j.id, j.name, j.state.name());
+        if st.live {
+            println!("  (the run is going: read from its status.json while it holds the store)");
+        }
         if let Some(e) = &j.error {
             println!("  error: {e}");
         }
