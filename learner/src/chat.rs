@@ -28,6 +28,16 @@ pub enum ChatError {
     Render(String),
 }
 
+/// One message of a conversation, as chat templates read it (`message.role`,
+/// `message['content']`).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Message {
+    /// `system`, `user`, `assistant` (the template decides which it accepts).
+    pub role: String,
+    /// The text.
+    pub content: String,
+}
+
 /// A compiled chat template.
 pub struct ChatTemplate {
     env: Environment<'static>,
@@ -69,9 +79,7 @@ impl ChatTemplate {
                 .ok_or_else(|| config("chat_template lists no `default` template".into()))?
                 .to_string(),
             _ => {
-                return Err(config(
-                    "no chat_template (the stage's data sets chat_template: true)".into(),
-                ));
+                return Err(config("no chat_template".into()));
             }
         };
         Self::new(
@@ -100,13 +108,29 @@ impl ChatTemplate {
 
     /// The text of one user message followed by the assistant's turn.
     pub fn render_user(&self, prompt: &str) -> Result<String, ChatError> {
+        self.render(
+            &[Message {
+                role: "user".into(),
+                content: prompt.into(),
+            }],
+            true,
+        )
+    }
+
+    /// The text of a conversation, followed by the assistant's turn when
+    /// `add_generation_prompt`.
+    pub fn render(
+        &self,
+        messages: &[Message],
+        add_generation_prompt: bool,
+    ) -> Result<String, ChatError> {
         let tmpl = self
             .env
             .get_template("chat")
             .map_err(|e| ChatError::Render(e.to_string()))?;
         tmpl.render(context! {
-            messages => vec![context! { role => "user", content => prompt }],
-            add_generation_prompt => true,
+            messages => messages,
+            add_generation_prompt => add_generation_prompt,
             bos_token => &self.bos,
             eos_token => &self.eos,
         })
@@ -166,7 +190,10 @@ mod tests {
             .err()
             .unwrap()
             .to_string();
-        assert!(e.contains("tokenizer_config.json: no chat_template"), "{e}");
+        assert!(
+            e.ends_with("tokenizer_config.json: no chat_template"),
+            "{e}"
+        );
         std::fs::write(&f, r#"{"chat_template": "{% for %}"}"#).unwrap();
         let e = ChatTemplate::from_tokenizer_config(&f)
             .err()

@@ -1,5 +1,5 @@
 //! The learner: the model (Llama, Qwen2, Qwen3 families) with its forward and backward on the
-//! CPU kernels, the optimiser, checkpoints in Hugging Face layout, and the tokenizer.
+//! CPU kernels, the optimiser, checkpoints in Hugging Face layout, the tokenizer and the chat template.
 //!
 //! Owns: model configs, parameters and their on-disk format, training-step mathematics.
 //! Never: opens sockets, spawns processes, or knows which pool or machine it runs on; never
@@ -8,6 +8,7 @@
 
 pub mod algo;
 pub mod bench;
+pub mod chat;
 pub mod checkpoint;
 pub mod config;
 pub mod critic;

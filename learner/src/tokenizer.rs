@@ -48,9 +48,20 @@ impl Tokenizer {
     /// Token ids of `text`, with the tokenizer's post-processing (special tokens) applied, as
     /// `transformers`' default call does.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        self.encode_with(text, true)
+    }
+
+    /// Token ids of text a chat template rendered: without the post-processing's special
+    /// tokens (the template wrote its own), as `apply_chat_template(tokenize=True)` and VeRL's
+    /// datasets (`add_special_tokens=False`) do.
+    pub fn encode_rendered(&self, text: &str) -> Result<Vec<u32>> {
+        self.encode_with(text, false)
+    }
+
+    fn encode_with(&self, text: &str, special: bool) -> Result<Vec<u32>> {
         let enc = self
             .inner
-            .encode(text, true)
+            .encode(text, special)
             .map_err(|e| Error::Tokenizer {
                 path: self.path.clone(),
                 msg: e.to_string(),
@@ -74,5 +85,35 @@ impl Tokenizer {
     /// The id of a token string, if the vocabulary has it.
     pub fn token_id(&self, token: &str) -> Option<u32> {
         self.inner.token_to_id(token)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A word-level tokenizer whose post-processing puts `<s>` first, as Llama's does.
+    const WITH_BOS: &str = r#"{
+      "version": "1.0", "truncation": null, "padding": null,
+      "added_tokens": [{"id": 0, "content": "<s>", "single_word": false, "lstrip": false,
+                        "rstrip": false, "normalized": false, "special": true}],
+      "normalizer": null,
+      "pre_tokenizer": {"type": "Whitespace"},
+      "post_processor": {"type": "TemplateProcessing",
+        "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {"<s>": {"id": "<s>", "ids": [0], "tokens": ["<s>"]}}},
+      "decoder": null,
+      "model": {"type": "WordLevel", "vocab": {"<s>": 0, "hi": 1, "there": 2, "<unk>": 3},
+                "unk_token": "<unk>"}
+    }"#;
+
+    #[test]
+    fn rendered_text_gets_no_second_bos() {
+        let t = Tokenizer::from_json(WITH_BOS, Path::new("t.json")).unwrap();
+        assert_eq!(t.encode("hi there").unwrap(), [0, 1, 2]);
+        // A template that wrote `<s>` itself keeps exactly one.
+        assert_eq!(t.encode_rendered("<s> hi there").unwrap(), [0, 1, 2]);
+        assert_eq!(t.encode_rendered("hi").unwrap(), [1]);
     }
 }

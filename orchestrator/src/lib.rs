@@ -2,7 +2,7 @@
 //! of it.
 //!
 //! Layers, each using only those before it in this list: [`plan`] (a workflow parsed once into
-//! types, checked before anything runs) and [`chat`]; [`store`] (the durable job store);
+//! types, checked before anything runs); [`store`] (the durable job store);
 //! [`kinds`] and [`pools`] (actors that host engines, and the pools that place, supervise and
 //! route to them); [`roles`] (what the executor may ask of the models, local or actor-backed);
 //! [`record`] (the run's sinks); [`exec`] (runs a plan's stages against roles); [`jobs`] (the
@@ -13,7 +13,6 @@
 //! actors' data plane and the weight folders), or speaks an external engine's API itself (the
 //! `rollout` adapters do).
 
-pub mod chat;
 pub mod exec;
 pub mod jobs;
 pub mod kinds;

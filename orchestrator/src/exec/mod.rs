@@ -55,7 +55,7 @@ pub enum ExecError {
     },
     /// A prompt the chat template cannot render.
     #[error(transparent)]
-    Chat(#[from] crate::chat::ChatError),
+    Chat(#[from] learner::chat::ChatError),
     /// Stopped on request after a step, with a checkpoint of it.
     #[error("stopped on request after {stage} step {step} (checkpointed)")]
     Stopped {

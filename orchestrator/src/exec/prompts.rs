@@ -2,7 +2,7 @@
 //! the answer followed by end-of-sequence.
 
 use super::ExecError;
-use crate::chat::ChatTemplate;
+use learner::chat::ChatTemplate;
 use learner::tokenizer::Tokenizer;
 use rollout::task::Problem;
 
@@ -21,7 +21,7 @@ impl Prompts<'_> {
     /// followed by end-of-sequence.
     pub fn encode(&self, p: &Problem, chat: bool) -> Result<(Vec<u32>, Vec<u32>), ExecError> {
         let prompt = match (self.chat, chat) {
-            (Some(t), true) => self.tokenizer.encode(&t.render_user(&p.prompt)?)?,
+            (Some(t), true) => self.tokenizer.encode_rendered(&t.render_user(&p.prompt)?)?,
             _ => self.tokenizer.encode(&p.prompt)?,
         };
         let mut answer = self.tokenizer.encode(&p.answer)?;

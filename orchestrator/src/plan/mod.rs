@@ -21,11 +21,11 @@ pub use error::PlanError;
 pub use graph::{Artifact, Op, StepGraph};
 pub use schema::{Device, Workflow};
 
-use crate::chat::ChatTemplate;
 use actors::Strategy;
 use learner::ModelConfig;
 use learner::algo::policy::PolicyUpdate;
 use learner::algo::value::ValueUpdate;
+use learner::chat::ChatTemplate;
 use learner::optim::LrSchedule;
 use learner::rl::advantage::AdvEstimator;
 use learner::tokenizer::Tokenizer;
