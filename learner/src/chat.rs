@@ -62,6 +62,37 @@ impl ChatTemplate {
     /// Reads `chat_template` (a string, or the `default` of a list of named templates) from a
     /// `tokenizer_config.json`.
     pub fn from_tokenizer_config(path: &Path) -> Result<Self, ChatError> {
+        Self::read_config(path, None)?.ok_or_else(|| ChatError::Config {
+            path: path.to_path_buf(),
+            message: "no chat_template".into(),
+        })
+    }
+
+    /// A Jinja template file (as vLLM's `--chat-template`), without special tokens.
+    pub fn from_file(path: &Path) -> Result<Self, ChatError> {
+        let source = std::fs::read_to_string(path).map_err(|e| ChatError::Config {
+            path: path.to_path_buf(),
+            message: e.to_string(),
+        })?;
+        Self::new(&source, "", "").map_err(|e| ChatError::Config {
+            path: path.to_path_buf(),
+            message: e.to_string(),
+        })
+    }
+
+    /// The template a checkpoint folder serves with: the file `template` when given, else its
+    /// `tokenizer_config.json`'s `chat_template` (its `bos_token` and `eos_token` either way);
+    /// `None` when there is neither.
+    pub fn find(dir: &Path, template: Option<&Path>) -> Result<Option<Self>, ChatError> {
+        let config = dir.join("tokenizer_config.json");
+        if config.exists() {
+            return Self::read_config(&config, template);
+        }
+        template.map(Self::from_file).transpose()
+    }
+
+    /// A `tokenizer_config.json`'s template (or the file `template`) and special tokens.
+    fn read_config(path: &Path, template: Option<&Path>) -> Result<Option<Self>, ChatError> {
         let config = |message: String| ChatError::Config {
             path: path.to_path_buf(),
             message,
@@ -69,24 +100,27 @@ impl ChatTemplate {
         let text = std::fs::read_to_string(path).map_err(|e| config(e.to_string()))?;
         let cfg: serde_json::Value =
             serde_json::from_str(&text).map_err(|e| config(e.to_string()))?;
-        let source = match cfg.get("chat_template") {
-            Some(serde_json::Value::String(s)) => s.clone(),
-            Some(serde_json::Value::Array(list)) => list
+        let source = match (template, cfg.get("chat_template")) {
+            (Some(file), _) => std::fs::read_to_string(file).map_err(|e| ChatError::Config {
+                path: file.to_path_buf(),
+                message: e.to_string(),
+            })?,
+            (None, Some(serde_json::Value::String(s))) => s.clone(),
+            (None, Some(serde_json::Value::Array(list))) => list
                 .iter()
                 .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
                 .and_then(|t| t.get("template"))
                 .and_then(|t| t.as_str())
                 .ok_or_else(|| config("chat_template lists no `default` template".into()))?
                 .to_string(),
-            _ => {
-                return Err(config("no chat_template".into()));
-            }
+            (None, _) => return Ok(None),
         };
         Self::new(
             &source,
             &token_text(cfg.get("bos_token")),
             &token_text(cfg.get("eos_token")),
         )
+        .map(Some)
         .map_err(|e| config(e.to_string()))
     }
 

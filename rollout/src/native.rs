@@ -8,6 +8,10 @@
 //! into their samples; all running sequences then decode together, one token per
 //! step, leaving as they finish while waiting requests join between steps. Weight swaps happen
 //! between decode steps.
+//!
+//! Streaming: [`NativeEngine::generate_stream`] also sends each token as it is sampled, and its
+//! reader can end a sample early (a stop string seen) or all of them (by dropping the stream:
+//! a client gone) — the KV blocks are freed at the next step.
 
 use crate::kv::{BlockPool, CachedStep, KvShape, SeqCache};
 use crate::sampling::{raw_logprob, sample};
@@ -20,7 +24,7 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, mpsc};
 use tokio::sync::oneshot;
 
@@ -73,10 +77,70 @@ impl Default for NativeConfig {
 type Reply<T> = oneshot::Sender<Result<T, EngineError>>;
 
 enum Cmd {
-    Generate(Vec<GenerateRequest>, Reply<Vec<Completion>>),
+    Generate(
+        Vec<GenerateRequest>,
+        Option<Arc<Sink>>,
+        Reply<Vec<Completion>>,
+    ),
     /// New weights; `relabel` allows any version other than the served one.
     Update(WeightSnapshot, bool, Reply<()>),
 }
+
+/// A token as a streaming generation sends it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Streamed {
+    /// The request it belongs to (index in the generation's requests).
+    pub request: usize,
+    /// The sample of that request (0..n).
+    pub index: usize,
+    /// The token.
+    pub token: u32,
+    /// Its log-probability (as the completion reports it).
+    pub logprob: f32,
+}
+
+/// The tokens of a [`NativeEngine::generate_stream`] as they are sampled, each sample's in
+/// order, and the means to end a sample early. Dropping it ends every sample of the generation
+/// at its next token.
+pub struct TokenStream {
+    rx: tokio::sync::mpsc::UnboundedReceiver<Streamed>,
+    stops: Arc<StopFlags>,
+}
+
+impl TokenStream {
+    /// The next token of any sample; `None` once every sample has finished.
+    pub async fn next(&mut self) -> Option<Streamed> {
+        self.rx.recv().await
+    }
+
+    /// Ends sample `index` of request `request` after the token it is decoding now (its
+    /// completion finishes with `Stop`). Out-of-range pairs are ignored.
+    pub fn stop(&self, request: usize, index: usize) {
+        if let Some(f) = self
+            .stops
+            .offsets
+            .get(request)
+            .and_then(|o| self.stops.flags.get(o + index))
+        {
+            f.store(true, Ordering::Relaxed);
+        }
+    }
+}
+
+/// One flag per sample of a streaming generation, at its slot (`offsets[request] + index`).
+struct StopFlags {
+    offsets: Vec<usize>,
+    flags: Vec<AtomicBool>,
+}
+
+/// Where a streaming generation's samples send their tokens.
+struct Sink {
+    tx: tokio::sync::mpsc::UnboundedSender<Streamed>,
+    stops: Arc<StopFlags>,
+}
+
+/// A generation's completions, once every sample has finished.
+pub type Completions = BoxFuture<'static, Result<Vec<Completion>, EngineError>>;
 
 /// Counters the engine keeps (read with [`NativeEngine::stats`]).
 #[derive(Debug, Default)]
@@ -200,7 +264,10 @@ impl NativeEngine {
         &self.config
     }
 
-    fn validate(&self, reqs: &[GenerateRequest]) -> Result<(), EngineError> {
+    /// Refuses requests this engine cannot serve (bad tokens or settings, too long for the
+    /// context, more KV-cache blocks than the pool has), naming the request: what
+    /// [`InferenceEngine::generate`] checks first.
+    pub fn check(&self, reqs: &[GenerateRequest]) -> Result<(), EngineError> {
         check_requests(&self.config, reqs)?;
         for (i, r) in reqs.iter().enumerate() {
             let bad = |msg: String| Err(EngineError::InvalidRequest { request: i, msg });
@@ -234,10 +301,39 @@ impl NativeEngine {
         &self,
         reqs: Vec<GenerateRequest>,
     ) -> Result<Vec<Completion>, EngineError> {
-        self.validate(&reqs)?;
-        self.send(|r| Cmd::Generate(reqs, r))?
+        self.check(&reqs)?;
+        self.send(|r| Cmd::Generate(reqs, None, r))?
             .blocking_recv()
             .map_err(|_| EngineError::Closed)?
+    }
+
+    /// Generates as [`InferenceEngine::generate`] does, also sending every token as it is
+    /// sampled: the stream, and the completions once all samples have finished (those a reader
+    /// stopped, or whose stream was dropped, finish with `Stop` and the tokens they had).
+    pub fn generate_stream(
+        &self,
+        reqs: Vec<GenerateRequest>,
+    ) -> Result<(TokenStream, Completions), EngineError> {
+        self.check(&reqs)?;
+        let mut offsets = Vec::with_capacity(reqs.len());
+        let mut total = 0;
+        for r in &reqs {
+            offsets.push(total);
+            total += r.params.n;
+        }
+        let stops = Arc::new(StopFlags {
+            offsets,
+            flags: (0..total).map(|_| AtomicBool::new(false)).collect(),
+        });
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let sink = Arc::new(Sink {
+            tx,
+            stops: Arc::clone(&stops),
+        });
+        let done = self.send(|r| Cmd::Generate(reqs, Some(sink), r))?;
+        let done: Completions =
+            Box::pin(async move { done.await.map_err(|_| EngineError::Closed)? });
+        Ok((TokenStream { rx, stops }, done))
     }
 
     /// [`InferenceEngine::update_weights`] for callers without an async runtime.
@@ -272,8 +368,8 @@ impl InferenceEngine for NativeEngine {
         reqs: Vec<GenerateRequest>,
     ) -> BoxFuture<'_, Result<Vec<Completion>, EngineError>> {
         Box::pin(async move {
-            self.validate(&reqs)?;
-            self.send(|r| Cmd::Generate(reqs, r))?
+            self.check(&reqs)?;
+            self.send(|r| Cmd::Generate(reqs, None, r))?
                 .await
                 .map_err(|_| EngineError::Closed)?
         })
@@ -331,6 +427,7 @@ struct Job {
     results: Vec<Option<Completion>>,
     remaining: usize,
     reply: Option<Reply<Vec<Completion>>>,
+    sink: Option<Arc<Sink>>,
 }
 
 struct Pending {
@@ -357,6 +454,7 @@ struct Seq {
     tokens: Vec<u32>,
     logprobs: Vec<f32>,
     spans: Vec<VersionSpan>,
+    sink: Option<Arc<Sink>>,
 }
 
 impl Seq {
@@ -374,6 +472,18 @@ impl Seq {
         self.tokens.push(token);
         self.logprobs.push(logprob);
         self.pending = token;
+        if let Some(sink) = &self.sink {
+            let sent = sink.tx.send(Streamed {
+                request: self.request,
+                index: self.index,
+                token,
+                logprob,
+            });
+            // The reader is gone, or wants no more of this sample.
+            if sent.is_err() || sink.stops.flags[self.slot].load(Ordering::Relaxed) {
+                return Some(FinishReason::Stop);
+            }
+        }
         if self.stops.contains(&token) {
             Some(FinishReason::Stop)
         } else if self.tokens.len() >= self.params.max_tokens {
@@ -436,7 +546,7 @@ impl Worker {
 
     fn handle(&mut self, cmd: Cmd) {
         match cmd {
-            Cmd::Generate(reqs, reply) => {
+            Cmd::Generate(reqs, sink, reply) => {
                 let job = self.next_job;
                 self.next_job += 1;
                 let total: usize = reqs.iter().map(|r| r.params.n).sum();
@@ -446,6 +556,7 @@ impl Worker {
                         results: vec![None; total],
                         remaining: total,
                         reply: Some(reply),
+                        sink,
                     },
                 );
                 let mut slot = 0;
@@ -581,6 +692,7 @@ impl Worker {
             self.next_seed = self.next_seed.wrapping_add(0x9E37_79B9_7F4A_7C15);
             self.next_seed
         });
+        let sink = self.jobs.get(&p.job).and_then(|j| j.sink.clone());
         let full = plen / kv.block_size;
         let partial = usize::from(!plen.is_multiple_of(kv.block_size));
         let extra = kv.blocks_for(plen + params.max_tokens - 1) - full - partial;
@@ -606,6 +718,7 @@ impl Worker {
                 tokens: Vec::new(),
                 logprobs: Vec::new(),
                 spans: Vec::new(),
+                sink: sink.clone(),
             };
             let (tok, mut lp) = sample(logits, &seq.params, &mut seq.rng);
             if self.cfg.raw_logprobs {

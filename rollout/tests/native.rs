@@ -384,3 +384,99 @@ fn the_builtin_arith_tokenizer_round_trips() {
     with_eos.push(rollout::task::ARITH_EOS);
     assert_eq!(tok.decode(&with_eos).unwrap(), "37+45=82");
 }
+
+#[test]
+fn a_stream_sends_every_token_in_order_and_stops_samples_on_request() {
+    let engine = NativeEngine::new(model(), NativeConfig::default());
+    let prompt = ids(&reference()["input_ids"][0]);
+    let make = || {
+        vec![
+            req(&prompt, |s| {
+                s.n = 2;
+                s.max_tokens = 12;
+                s.seed = Some(7);
+                s.ignore_eos = true;
+            }),
+            req(&prompt, |s| {
+                s.temperature = 0.0;
+                s.max_tokens = 12;
+                s.ignore_eos = true;
+            }),
+        ]
+    };
+    let plain = engine.generate_blocking(make()).unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    // Read to the end: the streamed tokens are the completions'.
+    let (streamed, done) = rt.block_on(async {
+        let (mut stream, done) = engine.generate_stream(make()).unwrap();
+        let mut seen: Vec<Vec<(u32, f32)>> = vec![Vec::new(); 3];
+        while let Some(t) = stream.next().await {
+            seen[t.request * 2 + t.index].push((t.token, t.logprob));
+        }
+        (seen, done.await.unwrap())
+    });
+    for (c, p) in done.iter().zip(&plain) {
+        assert_eq!(
+            c.token_ids, p.token_ids,
+            "a seeded stream samples as generate"
+        );
+        let s = &streamed[c.request * 2 + c.index];
+        assert_eq!(s.iter().map(|t| t.0).collect::<Vec<_>>(), c.token_ids);
+        assert_eq!(s.iter().map(|t| t.1).collect::<Vec<_>>(), c.logprobs);
+    }
+    // Long samples, so that the reader's stop lands well before the end: stop sample 1 of
+    // request 0 after its third token; it ends there, a few tokens on at most (the engine does
+    // not wait for its reader), the others run to max_tokens.
+    let long = || {
+        let mut r = make();
+        for q in &mut r {
+            q.params.max_tokens = 240;
+        }
+        r
+    };
+    let full = engine.generate_blocking(long()).unwrap();
+    let done = rt.block_on(async {
+        let (mut stream, done) = engine.generate_stream(long()).unwrap();
+        let mut count = 0;
+        while let Some(t) = stream.next().await {
+            if (t.request, t.index) == (0, 1) {
+                count += 1;
+                if count == 3 {
+                    stream.stop(0, 1);
+                }
+            }
+        }
+        done.await.unwrap()
+    });
+    let stopped = done
+        .iter()
+        .find(|c| (c.request, c.index) == (0, 1))
+        .unwrap();
+    assert_eq!(stopped.finish_reason, FinishReason::Stop);
+    let n = stopped.token_ids.len();
+    assert!((3..240).contains(&n), "{n}");
+    assert_eq!(stopped.token_ids, full[1].token_ids[..n]);
+    for c in done.iter().filter(|c| (c.request, c.index) != (0, 1)) {
+        assert_eq!(
+            (c.token_ids.len(), c.finish_reason),
+            (240, FinishReason::Length)
+        );
+    }
+    // A reader gone ends every sample; the engine serves on.
+    let done = rt.block_on(async {
+        let (mut stream, done) = engine.generate_stream(long()).unwrap();
+        stream.next().await.unwrap();
+        drop(stream);
+        done.await.unwrap()
+    });
+    assert!(
+        done.iter()
+            .all(|c| c.finish_reason == FinishReason::Stop && c.token_ids.len() < 240)
+    );
+    assert_eq!(
+        engine.generate_blocking(make()).unwrap()[2].token_ids,
+        plain[2].token_ids
+    );
+}

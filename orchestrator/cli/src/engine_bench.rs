@@ -106,12 +106,8 @@ pub fn run(model: Model, repeats: usize) -> Result<EngineBenchReport, BenchError
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let server = rt.spawn(serve(
         EngineServeOptions {
-            model: ModelSource::Checkpoint(served.clone()),
-            listen: "127.0.0.1:0".parse().map_err(fail)?,
-            served_model_name: None,
             kv_cache_bytes: engine_cfg.kv_cache_bytes,
-            completions_only: false,
-            raw_logprobs: false,
+            ..EngineServeOptions::new(ModelSource::Checkpoint(served.clone()))
         },
         move |addr, _| {
             let _ = tx.send(addr);

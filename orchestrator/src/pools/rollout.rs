@@ -528,12 +528,10 @@ mod tests {
         let (tx, rx) = std::sync::mpsc::channel();
         rt.spawn(engine_serve::serve(
             engine_serve::EngineServeOptions {
-                model: engine_serve::ModelSource::Checkpoint(root.join("served")),
-                listen: "127.0.0.1:0".parse().unwrap(),
-                served_model_name: None,
                 kv_cache_bytes: 8 << 20,
-                completions_only: false,
-                raw_logprobs: false,
+                ..engine_serve::EngineServeOptions::new(engine_serve::ModelSource::Checkpoint(
+                    root.join("served"),
+                ))
             },
             move |addr, _| tx.send(addr).unwrap(),
             std::future::pending(),

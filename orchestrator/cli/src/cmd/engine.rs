@@ -8,9 +8,10 @@ use std::path::PathBuf;
 
 #[derive(Debug, clap::Subcommand)]
 pub enum EngineCommand {
-    /// Serve a checkpoint on the native engine behind vLLM's HTTP routes (and SGLang's):
-    /// completions, token-in/token-out generation, weight reload, versions, pause/resume,
-    /// health, Prometheus metrics. Rollout pools reach it with `engine: served`.
+    /// Serve a checkpoint on the native engine behind the OpenAI API as vLLM serves it (and
+    /// SGLang's routes): completions and chat completions (streamed with `stream: true`),
+    /// token-in/token-out generation, weight reload, versions, pause/resume, health, Prometheus
+    /// metrics. Rollout pools reach it with `engine: served`.
     Serve {
         /// Checkpoint folder (config.json, model.safetensors, tokenizer.json).
         #[arg(long, required_unless_present = "recipe", conflicts_with = "recipe")]
@@ -35,9 +36,27 @@ pub enum EngineCommand {
         /// Log-probs reported for sampled tokens: of the distribution sampled from
         /// (`processed_logprobs`, what the learner recomputes) or `log_softmax(logits)`
         /// (`raw_logprobs`, vLLM's default).
-        #[arg(long, default_value = "processed_logprobs", value_parser = ["processed_logprobs", "raw_logprobs"])]
-        logprobs_mode: String,
+        #[arg(long, value_enum, default_value_t = LogprobsMode::ProcessedLogprobs)]
+        logprobs_mode: LogprobsMode,
+        /// Require `Authorization: Bearer KEY` on every route but /health, /version and
+        /// /metrics (401 otherwise), as vLLM's --api-key. Also read from TRELLIS_API_KEY.
+        #[arg(long, env = "TRELLIS_API_KEY", hide_env_values = true)]
+        api_key: Option<String>,
+        /// A Jinja chat template for /v1/chat/completions, instead of the checkpoint's
+        /// tokenizer_config.json chat_template (as vLLM's --chat-template).
+        #[arg(long)]
+        chat_template: Option<PathBuf>,
     },
+}
+
+/// What log-prob a served token reports.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+#[value(rename_all = "snake_case")]
+pub enum LogprobsMode {
+    /// Of the distribution sampled from (after temperature, top-k, top-p).
+    ProcessedLogprobs,
+    /// `log_softmax(logits)`.
+    RawLogprobs,
 }
 
 impl EngineCommand {
@@ -50,6 +69,8 @@ impl EngineCommand {
             kv_cache_mib,
             completions_only,
             logprobs_mode,
+            api_key,
+            chat_template,
         } = self;
         let model = match (model, recipe) {
             (Some(dir), _) => ModelSource::Checkpoint(dir),
@@ -57,9 +78,18 @@ impl EngineCommand {
                 // The model a run of the recipe starts from, and its tokenizer.
                 let plan = orchestrator::plan::load(&file, &[])?;
                 let model = orchestrator::jobs::run::initial_model(&plan)?.model;
+                // The checkpoint's chat template, when the workflow starts from one.
+                let chat = match (&plan.model.chat, &plan.spec.model.path) {
+                    (Some(t), _) => Some(t.clone()),
+                    (None, Some(dir)) => {
+                        learner::chat::ChatTemplate::find(dir, None)?.map(std::sync::Arc::new)
+                    }
+                    (None, None) => None,
+                };
                 ModelSource::Loaded(Box::new(engine_serve::Loaded {
                     model,
                     tokenizer: Some(plan.model.tokenizer.clone()),
+                    chat,
                     name: plan.name.clone(),
                 }))
             }
@@ -71,7 +101,9 @@ impl EngineCommand {
             served_model_name,
             kv_cache_bytes: kv_cache_mib << 20,
             completions_only,
-            raw_logprobs: logprobs_mode == "raw_logprobs",
+            raw_logprobs: logprobs_mode == LogprobsMode::RawLogprobs,
+            api_key,
+            chat_template,
         };
         let rt = runtime()?;
         rt.block_on(engine_serve::serve(
