@@ -67,9 +67,8 @@ fn runtime() -> tokio::runtime::Runtime {
 
 fn endpoint(url: &str) -> ExternalConfig {
     ExternalConfig {
-        url: url.to_string(),
-        model: None,
         timeout: Duration::from_secs(60),
+        ..ExternalConfig::new(url)
     }
 }
 
@@ -284,7 +283,8 @@ fn comparable(dir: &Path) -> Vec<Value> {
 }
 
 #[test]
-fn a_grpo_run_on_two_served_engines_trains_like_in_process_and_routes_around_a_killed_one() {
+fn a_grpo_run_on_two_keyed_served_engines_one_over_https_trains_like_in_process_and_routes_around_a_killed_one()
+ {
     let dir = scratch("grpo");
     let recipe = data("tiny-arith.yaml");
     let steps = "stages.rl.trainer.steps=16";
@@ -297,13 +297,27 @@ fn a_grpo_run_on_two_served_engines_trains_like_in_process_and_routes_around_a_k
     );
     let reference = comparable(&dir.join("local"));
     let recipe_arg = recipe.to_str().unwrap();
-    let (_a, url_a) = serve(&["--recipe", recipe_arg], "127.0.0.1:0");
-    let (mut b, url_b) = serve(&["--recipe", recipe_arg], "127.0.0.1:0");
+    // Both engines want an API key; b serves HTTPS (a certificate for 127.0.0.1 that the run
+    // trusts through SSL_CERT_FILE).
+    let keyed = ["--recipe", recipe_arg, "--api-key", "k3y-of-the-engines"];
+    let (_a, url_a) = serve(&keyed, "127.0.0.1:0");
+    let tls = [data("tls/cert.pem"), data("tls/key.pem")];
+    let tls_args = [
+        "--ssl-certfile",
+        tls[0].to_str().unwrap(),
+        "--ssl-keyfile",
+        tls[1].to_str().unwrap(),
+    ];
+    let (mut b, url_b) = serve(&[&keyed[..], &tls_args[..]].concat(), "127.0.0.1:0");
+    assert!(url_b.starts_with("https://"), "{url_b}");
     let run = dir.join("run");
     let mut train = Killed(
         trellis()
             .arg("train")
             .arg(&recipe)
+            .env("SSL_CERT_FILE", &tls[0])
+            .env("TRELLIS_TEST_ENGINE_KEY", "k3y-of-the-engines")
+            .args(["-o", "pools.rollout.api_key_env=TRELLIS_TEST_ENGINE_KEY"])
             // A call the killed engine never answers costs 10 s, not the default 300 (once in
             // CI a call stalled until its timeout after the kill; the run was right all the same).
             .args(["-o", steps, "-o", "pools.rollout.engine=served"])
@@ -528,6 +542,67 @@ fn bad_endpoints_are_named_and_a_run_that_could_not_reach_its_engine_resumes() {
     );
     let (ok, err) = train("raw-sync", &endpoint("served", &raw_url));
     assert!(ok, "{err}");
+
+    // An engine that wants an API key: without one, and with the wrong one, the run stops
+    // before training and says so; an HTTPS engine whose certificate nobody signed is refused
+    // by name.
+    let tls = [data("tls/cert.pem"), data("tls/key.pem")];
+    let (_keyed, keyed_url) = serve(
+        &[
+            "--recipe",
+            recipe.to_str().unwrap(),
+            "--api-key",
+            "right",
+            "--ssl-certfile",
+            tls[0].to_str().unwrap(),
+            "--ssl-keyfile",
+            tls[1].to_str().unwrap(),
+        ],
+        "127.0.0.1:0",
+    );
+    let (ok, err) = train("untrusted", &endpoint("served", &keyed_url));
+    assert!(!ok);
+    assert!(
+        err.contains(&keyed_url) && err.contains("invalid peer certificate"),
+        "{err}"
+    );
+    let keyed_train = |run: &str, key: Option<&str>| {
+        let mut cmd = trellis();
+        cmd.arg("train")
+            .arg(&recipe)
+            .env("SSL_CERT_FILE", &tls[0])
+            .args(["--quiet", "-o", "stages.rl.trainer.steps=2", "--run-dir"])
+            .arg(dir.join(run))
+            .args(
+                endpoint("served", &keyed_url)
+                    .iter()
+                    .flat_map(|o| ["-o", o.as_str()]),
+            );
+        if let Some(key) = key {
+            cmd.env("TRELLIS_TEST_ENGINE_KEY", key)
+                .args(["-o", "pools.rollout.api_key_env=TRELLIS_TEST_ENGINE_KEY"]);
+        }
+        let out = cmd.output().unwrap();
+        (
+            out.status,
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (status, err) = keyed_train("no-key", None);
+    assert!(!status.success());
+    assert!(
+        err.contains("HTTP 401") && err.contains("pools.rollout.api_key_env"),
+        "{err}"
+    );
+    let (status, err) = keyed_train("wrong-key", Some("wrong"));
+    assert!(!status.success());
+    assert!(err.contains("refused the API key"), "{err}");
+    let (status, err) = keyed_train("unset-key", Some(""));
+    assert_eq!(status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("pools.rollout.api_key_env: `TRELLIS_TEST_ENGINE_KEY` is not set"),
+        "{err}"
+    );
 
     // Validation: an external engine without endpoints.
     let (ok, err) = train("no-endpoints", &["pools.rollout.engine=sglang".to_string()]);

@@ -120,11 +120,9 @@ pub fn run(model: Model, repeats: usize) -> Result<EngineBenchReport, BenchError
         .recv_timeout(Duration::from_secs(60))
         .map_err(|_| fail("the engine server did not start"))?;
     let remote = rt
-        .block_on(VllmEngine::connect(ExternalConfig {
-            url: format!("http://{addr}"),
-            model: None,
-            timeout: Duration::from_secs(600),
-        }))
+        .block_on(VllmEngine::connect(ExternalConfig::new(format!(
+            "http://{addr}"
+        ))))
         .map_err(fail)?;
     rt.block_on(remote.generate_all(reqs.clone()))
         .map_err(fail)?;

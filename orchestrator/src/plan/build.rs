@@ -285,16 +285,31 @@ fn rollout(p: &schema::Pool, e: &Errs<'_>) -> Result<RolloutPlan, PlanError> {
                 ),
             ));
         }
-        if let Some(url) = p
-            .endpoints
-            .iter()
-            .find(|u| !u.starts_with("http://") || u.trim_end_matches('/').len() <= "http://".len())
-        {
+        if let Some(url) = p.endpoints.iter().find(|u| {
+            let rest = u
+                .strip_prefix("http://")
+                .or_else(|| u.strip_prefix("https://"));
+            rest.is_none_or(|r| r.trim_end_matches('/').is_empty())
+        }) {
             return Err(e.at(
                 "pools.rollout.endpoints",
-                format!("`{url}` is not a URL like http://10.0.0.5:8000"),
+                format!("`{url}` is not a URL like http://10.0.0.5:8000 or https://host:8443"),
             ));
         }
+        let api_key = match &p.api_key_env {
+            None => None,
+            Some(var) => {
+                let key = std::env::var(var).unwrap_or_default();
+                Some(rollout::external::ApiKey::new(key).ok_or_else(|| {
+                    e.at(
+                        "pools.rollout.api_key_env",
+                        format!(
+                            "`{var}` is not set (or empty): it must hold the endpoints' API key"
+                        ),
+                    )
+                })?)
+            }
+        };
         if p.placement != schema::Placement::Local {
             return Err(e.at(
                 "pools.rollout.placement",
@@ -339,9 +354,19 @@ fn rollout(p: &schema::Pool, e: &Errs<'_>) -> Result<RolloutPlan, PlanError> {
                 weights_dir: p.weights_dir.clone(),
                 timeout: Duration::from_secs_f64(p.timeout_s),
                 tolerance: p.verify_tolerance,
+                api_key,
             }),
             placement: Placement::Local,
         });
+    }
+    if p.api_key_env.is_some() {
+        return Err(e.at(
+            "pools.rollout.api_key_env",
+            format!(
+                "is for external engines (engine: vllm, sglang or served), not `{}`",
+                engine_name(p.engine)
+            ),
+        ));
     }
     if !p.endpoints.is_empty() {
         return Err(e.at(
@@ -402,6 +427,12 @@ fn learner(p: &schema::Pool, e: &Errs<'_>) -> Result<LearnerPlan, PlanError> {
         return Err(e.at(
             "pools.learner.endpoints",
             "are for external rollout engines; the learner trains on native or pjrt",
+        ));
+    }
+    if p.api_key_env.is_some() {
+        return Err(e.at(
+            "pools.learner.api_key_env",
+            "is for external rollout engines; the learner trains on native or pjrt",
         ));
     }
     let engine = match p.engine {

@@ -142,6 +142,8 @@ pub struct ExternalPlan {
     pub timeout: Duration,
     /// Largest log-prob difference the push probe allows.
     pub tolerance: f64,
+    /// The key the endpoints want (read from `api_key_env` when the plan is built).
+    pub api_key: Option<rollout::external::ApiKey>,
 }
 
 /// The learner.

@@ -115,9 +115,15 @@ pub struct Pool {
     /// agents) or `spread` (one per agent first). Agents need `trellis train --listen`.
     #[serde(default = "default_placement")]
     pub placement: Placement,
-    /// Base URLs of the external engines (`http://host:port`), one engine each.
+    /// Base URLs of the external engines (`http://host:port` or `https://host:port`), one
+    /// engine each. `https://` endpoints are checked against the system's CA certificates
+    /// (or `SSL_CERT_FILE`).
     #[serde(default)]
     pub endpoints: Vec<String>,
+    /// The environment variable holding the API key the endpoints want (sent as `Authorization:
+    /// Bearer KEY`); the key itself never goes in a workflow.
+    #[serde(default)]
+    pub api_key_env: Option<String>,
     /// The model the endpoints must serve (vLLM's model id, SGLang's model path); unset:
     /// whatever they serve.
     #[serde(default)]
@@ -151,6 +157,7 @@ impl Default for Pool {
             engine: default_engine(),
             placement: default_placement(),
             endpoints: Vec::new(),
+            api_key_env: None,
             model: None,
             weights_dir: None,
             timeout_s: default_timeout(),

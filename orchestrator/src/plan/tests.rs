@@ -237,6 +237,21 @@ fn bad_workflows_get_messages_that_say_where_and_why() {
         ),
         (
             "stages:\n",
+            "pools: {rollout: {engine: vllm, endpoints: [10.0.0.5:8000]}}\nstages:\n",
+            "t.yaml: pools.rollout.endpoints: `10.0.0.5:8000` is not a URL like http://10.0.0.5:8000 or https://host:8443",
+        ),
+        (
+            "stages:\n",
+            "pools: {rollout: {engine: vllm, endpoints: ['https://e:8443'], api_key_env: TRELLIS_NO_SUCH_KEY_VAR}}\nstages:\n",
+            "t.yaml: pools.rollout.api_key_env: `TRELLIS_NO_SUCH_KEY_VAR` is not set (or empty): it must hold the endpoints' API key",
+        ),
+        (
+            "stages:\n",
+            "pools: {rollout: {api_key_env: KEY}}\nstages:\n",
+            "t.yaml: pools.rollout.api_key_env: is for external engines (engine: vllm, sglang or served), not `native`",
+        ),
+        (
+            "stages:\n",
             "pools: {learner: {engine: vllm}}\nstages:\n",
             "t.yaml: pools.learner.engine: `vllm` serves rollouts only; the learner trains on native or pjrt",
         ),

@@ -104,6 +104,7 @@ impl RolloutPool {
                             url: url.clone(),
                             model: x.model.clone(),
                             timeout: x.timeout,
+                            api_key: x.api_key.clone(),
                         };
                         let (api, name) = api(x.api);
                         let e = rollout::external::connect(api, cfg)
@@ -538,9 +539,8 @@ mod tests {
         ));
         let addr = rx.recv().unwrap();
         let config = ExternalConfig {
-            url: format!("http://{addr}"),
-            model: None,
             timeout: Duration::from_secs(30),
+            ..ExternalConfig::new(format!("http://{addr}"))
         };
         let engine = rt
             .block_on(rollout::external::connect(Api::Vllm, config))

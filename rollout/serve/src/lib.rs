@@ -32,7 +32,10 @@ mod control;
 mod generate;
 mod openai;
 mod text;
+mod tls;
 mod tokens;
+
+pub use tls::TlsFiles;
 
 use axum::Router;
 use axum::extract::{DefaultBodyLimit, Request, State as With};
@@ -107,6 +110,8 @@ pub struct EngineServeOptions {
     pub api_key: Option<String>,
     /// A Jinja chat template file, instead of the checkpoint's (vLLM's `--chat-template`).
     pub chat_template: Option<PathBuf>,
+    /// Serve HTTPS with this certificate and key.
+    pub tls: Option<TlsFiles>,
 }
 
 impl EngineServeOptions {
@@ -121,6 +126,7 @@ impl EngineServeOptions {
             raw_logprobs: false,
             api_key: None,
             chat_template: None,
+            tls: None,
         }
     }
 }
@@ -137,6 +143,14 @@ pub enum EngineServeError {
     /// The address cannot be bound.
     #[error("cannot listen on {0}: {1}")]
     Listen(SocketAddr, std::io::Error),
+    /// A TLS file does not load.
+    #[error("{}: {message}", file.display())]
+    Tls {
+        /// The certificate or key file.
+        file: PathBuf,
+        /// What is wrong with it.
+        message: String,
+    },
 }
 
 /// The server's state, shared by every request.
@@ -236,6 +250,7 @@ pub async fn serve(
     ready: impl FnOnce(SocketAddr, &str),
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), EngineServeError> {
+    let tls = opts.tls.as_ref().map(tls::acceptor).transpose()?;
     let (model, tokenizer, chat, path) = match &opts.model {
         ModelSource::Checkpoint(dir) => {
             let ckpt = Checkpoint::load(dir)?;
@@ -285,13 +300,22 @@ pub async fn serve(
         .local_addr()
         .map_err(|e| EngineServeError::Listen(opts.listen, e))?;
     ready(addr, &state.name);
-    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
-        let _ = tcp.set_nodelay(true);
-    });
-    axum::serve(listener, router(state))
-        .with_graceful_shutdown(shutdown)
-        .await
-        .map_err(|e| EngineServeError::Listen(addr, e))
+    let served = match tls {
+        Some(acceptor) => {
+            axum::serve(tls::TlsListener::new(listener, acceptor), router(state))
+                .with_graceful_shutdown(shutdown)
+                .await
+        }
+        None => {
+            let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+                let _ = tcp.set_nodelay(true);
+            });
+            axum::serve(listener, router(state))
+                .with_graceful_shutdown(shutdown)
+                .await
+        }
+    };
+    served.map_err(|e| EngineServeError::Listen(addr, e))
 }
 
 fn router(state: Shared) -> Router {

@@ -2,7 +2,7 @@
 //! the Prometheus parsing behind it, vLLM-style sampling parameters, and the fan-out of one call
 //! per request.
 
-use super::http::HttpClient;
+use super::http::{ApiKey, HttpClient};
 use crate::{Completion, EngineError, GenerateRequest, SamplingParams};
 use serde_json::{Value, json};
 use std::time::Duration;
@@ -10,18 +10,31 @@ use std::time::Duration;
 /// How to reach an external engine.
 #[derive(Clone, Debug)]
 pub struct ExternalConfig {
-    /// Base URL (`http://host:port`).
+    /// Base URL (`http://host:port` or `https://host:port`).
     pub url: String,
     /// The model the recipe expects the server to serve (its served name or path); `None`:
     /// whatever it serves.
     pub model: Option<String>,
     /// Deadline of one HTTP request (a generation call included).
     pub timeout: Duration,
+    /// Sent as `Authorization: Bearer KEY` (vLLM's and `trellis engine serve`'s `--api-key`,
+    /// SGLang's `--api-key`).
+    pub api_key: Option<ApiKey>,
 }
 
 impl ExternalConfig {
+    /// A config for `url` with the default deadline (10 minutes), any model, no API key.
+    pub fn new(url: impl Into<String>) -> Self {
+        Self {
+            url: url.into(),
+            model: None,
+            timeout: Duration::from_secs(600),
+            api_key: None,
+        }
+    }
+
     pub(crate) fn client(&self) -> Result<HttpClient, EngineError> {
-        HttpClient::new(&self.url, self.timeout)
+        Ok(HttpClient::new(&self.url, self.timeout)?.with_api_key(self.api_key.as_ref()))
     }
 }
 

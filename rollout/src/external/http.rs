@@ -1,20 +1,43 @@
 //! A small JSON-over-HTTP/1.1 client for the external engine adapters (hyper, already in the
-//! build through tonic, so no new HTTP stack).
+//! build through tonic, so no new HTTP stack), over TLS for `https://` endpoints (rustls, as
+//! tonic's, trusting the system's certificates or `SSL_CERT_FILE`), with an API key as a
+//! bearer token when the engine wants one.
 //!
 //! Owns: requests with a deadline, and turning every failure into an [`EngineError`] that names
 //! the URL: `Unavailable` when the engine does not answer (refused, reset, timeout, 5xx) so a
 //! router can take it out of service, `Protocol` when it answers wrongly (4xx, malformed JSON).
-//! Never: retries (the router decides), or speaks TLS (engines sit on the cluster network).
+//! Never: retries (the router decides).
 
 use crate::EngineError;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::{Method, Request, StatusCode};
+use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use serde_json::Value;
+use std::sync::Arc;
 use std::time::Duration;
+
+/// An engine's API key: sent as `Authorization: Bearer KEY`, never shown (`Debug` prints
+/// `ApiKey(…)`).
+#[derive(Clone, PartialEq, Eq)]
+pub struct ApiKey(String);
+
+impl ApiKey {
+    /// A key; `None` when empty.
+    pub fn new(key: impl Into<String>) -> Option<Self> {
+        let key = key.into();
+        (!key.trim().is_empty()).then(|| Self(key.trim().to_string()))
+    }
+}
+
+impl std::fmt::Debug for ApiKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ApiKey(…)")
+    }
+}
 
 /// What a response that is not 2xx looked like.
 #[derive(Debug, Clone, PartialEq)]
@@ -25,12 +48,14 @@ pub struct Status {
     pub body: String,
 }
 
-/// A client for one engine's base URL (`http://host:port`).
+/// A client for one engine's base URL (`http://host:port` or `https://host:port`).
 #[derive(Clone)]
 pub struct HttpClient {
     base: String,
-    client: Client<HttpConnector, Full<Bytes>>,
+    client: Client<HttpsConnector<HttpConnector>, Full<Bytes>>,
     timeout: Duration,
+    /// `Bearer KEY`.
+    authorization: Option<hyper::header::HeaderValue>,
 }
 
 impl std::fmt::Debug for HttpClient {
@@ -41,13 +66,18 @@ impl std::fmt::Debug for HttpClient {
 
 impl HttpClient {
     /// A client for `base`; every request gives up after `timeout`. Refuses URLs that are not
-    /// `http://host[:port][/prefix]`.
+    /// `http[s]://host[:port][/prefix]`, and `https://` ones when no CA certificate can be
+    /// read.
     pub fn new(base: &str, timeout: Duration) -> Result<Self, EngineError> {
-        let rest = base.strip_prefix("http://").ok_or_else(|| {
-            EngineError::Protocol(format!(
-                "endpoint `{base}`: only http:// URLs are supported (engines sit on the cluster network; put a TLS proxy in front otherwise)"
-            ))
-        })?;
+        let (rest, tls) = match (base.strip_prefix("http://"), base.strip_prefix("https://")) {
+            (Some(rest), _) => (rest, false),
+            (None, Some(rest)) => (rest, true),
+            (None, None) => {
+                return Err(EngineError::Protocol(format!(
+                    "endpoint `{base}` is not an http:// or https:// URL"
+                )));
+            }
+        };
         let base = base.trim_end_matches('/');
         if rest.trim_end_matches('/').is_empty() || base.parse::<hyper::Uri>().is_err() {
             return Err(EngineError::Protocol(format!(
@@ -56,7 +86,13 @@ impl HttpClient {
         }
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
+        connector.enforce_http(false);
         connector.set_connect_timeout(Some(timeout.min(Duration::from_secs(10))));
+        let connector = hyper_rustls::HttpsConnectorBuilder::new()
+            .with_tls_config(tls_config(base, tls)?)
+            .https_or_http()
+            .enable_http1()
+            .wrap_connector(connector);
         let client = Client::builder(TokioExecutor::new())
             .pool_idle_timeout(Duration::from_secs(30))
             .build(connector);
@@ -64,7 +100,18 @@ impl HttpClient {
             base: base.to_string(),
             client,
             timeout,
+            authorization: None,
         })
+    }
+
+    /// Sends `key` as a bearer token with every request.
+    pub fn with_api_key(mut self, key: Option<&ApiKey>) -> Self {
+        self.authorization = key.and_then(|k| {
+            let mut v = hyper::header::HeaderValue::from_str(&format!("Bearer {}", k.0)).ok()?;
+            v.set_sensitive(true);
+            Some(v)
+        });
+        self
     }
 
     /// The base URL.
@@ -119,11 +166,19 @@ impl HttpClient {
         if (200..300).contains(&code) {
             return Ok(bytes);
         }
-        let msg = format!(
+        let mut msg = format!(
             "{method} {}{path}: HTTP {code}: {}",
             self.base,
             snippet(&bytes)
         );
+        if code == 401 {
+            msg.push_str(match self.authorization {
+                None => {
+                    "; the engine wants an API key and none was sent (a workflow names the variable holding it in pools.rollout.api_key_env)"
+                }
+                Some(_) => "; the engine refused the API key sent",
+            });
+        }
         Err(if code >= 500 {
             EngineError::Unavailable(msg)
         } else {
@@ -142,10 +197,14 @@ impl HttpClient {
             Some(v) => Bytes::from(serde_json::to_vec(v).expect("JSON values serialise")),
             None => Bytes::new(),
         };
-        let req = Request::builder()
+        let mut req = Request::builder()
             .method(method)
             .uri(&url)
-            .header("content-type", "application/json")
+            .header("content-type", "application/json");
+        if let Some(auth) = &self.authorization {
+            req = req.header(hyper::header::AUTHORIZATION, auth.clone());
+        }
+        let req = req
             .body(Full::new(payload))
             .map_err(|e| EngineError::Protocol(format!("{url}: {e}")))?;
         let work = async {
@@ -170,6 +229,31 @@ impl HttpClient {
             })??;
         Ok((status_code(status), bytes))
     }
+}
+
+/// rustls with the system's CA certificates (and `SSL_CERT_FILE` / `SSL_CERT_DIR`) for an
+/// `https://` endpoint; an empty trust store for `http://` ones, which never use it.
+fn tls_config(base: &str, tls: bool) -> Result<rustls::ClientConfig, EngineError> {
+    let mut roots = rustls::RootCertStore::empty();
+    if tls {
+        let found = rustls_native_certs::load_native_certs();
+        let (added, _) = roots.add_parsable_certificates(found.certs);
+        if added == 0 {
+            return Err(EngineError::Protocol(format!(
+                "endpoint `{base}`: no CA certificate to check its TLS certificate against ({}); install the system's CA bundle or point SSL_CERT_FILE at a PEM file",
+                found
+                    .errors
+                    .first()
+                    .map_or("none found".to_string(), |e| e.to_string())
+            )));
+        }
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    Ok(rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| EngineError::Protocol(format!("endpoint `{base}`: TLS: {e}")))?
+        .with_root_certificates(roots)
+        .with_no_client_auth())
 }
 
 fn status_code(s: StatusCode) -> u16 {
@@ -212,8 +296,10 @@ mod tests {
     fn urls_are_checked() {
         let t = Duration::from_secs(1);
         assert!(HttpClient::new("http://127.0.0.1:8000/", t).is_ok());
-        let e = HttpClient::new("https://a:1", t).unwrap_err().to_string();
-        assert!(e.contains("only http://"), "{e}");
+        let e = HttpClient::new("ftp://a:1", t).unwrap_err().to_string();
+        assert!(e.contains("not an http:// or https:// URL"), "{e}");
+        assert!(format!("{:?}", ApiKey::new("s3cret").unwrap()) == "ApiKey(…)");
+        assert!(ApiKey::new("  ").is_none());
         let e = HttpClient::new("http://", t).unwrap_err().to_string();
         assert!(e.contains("is not a URL"), "{e}");
     }

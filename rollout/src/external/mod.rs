@@ -14,6 +14,7 @@ pub mod vllm;
 
 pub use common::{ExternalConfig, Load, prometheus_sum};
 pub use folders::WeightFolders;
+pub use http::ApiKey;
 
 use crate::{BoxFuture, EngineError, InferenceEngine};
 use std::path::Path;

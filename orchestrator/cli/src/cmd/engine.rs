@@ -46,6 +46,12 @@ pub enum EngineCommand {
         /// tokenizer_config.json chat_template (as vLLM's --chat-template).
         #[arg(long)]
         chat_template: Option<PathBuf>,
+        /// Serve HTTPS with this PEM certificate chain (needs --ssl-keyfile), as vLLM's flag.
+        #[arg(long, requires = "ssl_keyfile")]
+        ssl_certfile: Option<PathBuf>,
+        /// The PEM private key of --ssl-certfile.
+        #[arg(long, requires = "ssl_certfile")]
+        ssl_keyfile: Option<PathBuf>,
     },
 }
 
@@ -71,7 +77,14 @@ impl EngineCommand {
             logprobs_mode,
             api_key,
             chat_template,
+            ssl_certfile,
+            ssl_keyfile,
         } = self;
+        let tls = match (ssl_certfile, ssl_keyfile) {
+            (Some(cert), Some(key)) => Some(engine_serve::TlsFiles { cert, key }),
+            _ => None,
+        };
+        let scheme = if tls.is_some() { "https" } else { "http" };
         let model = match (model, recipe) {
             (Some(dir), _) => ModelSource::Checkpoint(dir),
             (None, Some(file)) => {
@@ -104,14 +117,15 @@ impl EngineCommand {
             raw_logprobs: logprobs_mode == LogprobsMode::RawLogprobs,
             api_key,
             chat_template,
+            tls,
         };
         let rt = runtime()?;
         rt.block_on(engine_serve::serve(
             opts,
             |address, name| {
                 // One line a script can read.
-                println!("listening on http://{address}");
-                eprintln!("serving `{name}`: curl http://{address}/v1/models");
+                println!("listening on {scheme}://{address}");
+                eprintln!("serving `{name}`: curl {scheme}://{address}/v1/models");
             },
             terminated(),
         ))?;
