@@ -109,3 +109,50 @@ pub fn metric_rows(dir: &std::path::Path) -> Vec<serde_json::Value> {
         .map(|l| without_timings(serde_json::from_str(l).expect("a JSON metric row")))
         .collect()
 }
+
+/// The workspace's root folder.
+pub fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// The Python interpreter of the Python tests, with grpcio, grpcio-tools, flit_core and `openai`:
+/// `TRELLIS_PYTHON`, or the venv `.ci/setup python` makes (`target/pyenv`), made here the first
+/// time. `None` (the test is skipped, saying so) only when `TRELLIS_SKIP_PYTHON=1` asks for it;
+/// a venv that cannot be made fails the test with the command that makes it.
+pub fn python() -> Option<PathBuf> {
+    static PYTHON: OnceLock<Option<PathBuf>> = OnceLock::new();
+    PYTHON
+        .get_or_init(|| {
+            #[allow(clippy::print_stderr)]
+            if std::env::var_os("TRELLIS_SKIP_PYTHON").is_some_and(|v| v == "1") {
+                eprintln!("*** SKIPPED: TRELLIS_SKIP_PYTHON=1 skips the Python tests ***");
+                return None;
+            }
+            let usable = |p: &std::path::Path| {
+                Command::new(p)
+                    .args(["-c", "import grpc, grpc_tools, flit_core, openai"])
+                    .output()
+                    .is_ok_and(|o| o.status.success())
+            };
+            if let Some(p) = std::env::var_os("TRELLIS_PYTHON").map(PathBuf::from) {
+                assert!(
+                    usable(&p),
+                    "TRELLIS_PYTHON {} lacks grpcio, grpcio-tools, flit_core or openai (pip install -r clients/python/requirements-test.txt)",
+                    p.display()
+                );
+                return Some(p);
+            }
+            let venv = root().join("target/pyenv/bin/python");
+            if !usable(&venv) {
+                let setup = root().join(".ci/setup");
+                let ran = Command::new(&setup).arg("python").status();
+                assert!(
+                    usable(&venv),
+                    "no Python with the test requirements and `{} python` could not make one ({ran:?}): run it by hand (python3 with venv and pip, and PyPI), or set TRELLIS_SKIP_PYTHON=1 to skip the Python tests",
+                    setup.display()
+                );
+            }
+            Some(venv)
+        })
+        .clone()
+}

@@ -2,7 +2,8 @@
 //! routes, driven by Trellis's own `vllm` and `sglang` adapters and by `trellis train` with
 //! `engine: served | vllm | sglang` — outputs equal to the in-process engine's, a GRPO run whose
 //! metrics equal an in-process run's even with an engine killed -9 mid-RL, and the errors for an
-//! unreachable URL (then resumed), a wrong model and a malformed response.
+//! unreachable URL (then resumed), a wrong model and a malformed response; engines behind an API
+//! key and HTTPS; the `openai` Python package streaming chat completions.
 
 use kernels::tensor::WeightSnapshot;
 use learner::checkpoint::Checkpoint;
@@ -18,7 +19,7 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use trellis_tests::{Killed, metric_rows, run_ok, trellis};
+use trellis_tests::{Killed, metric_rows, python, run_ok, trellis};
 
 fn data(p: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -608,5 +609,122 @@ fn bad_endpoints_are_named_and_a_run_that_could_not_reach_its_engine_resumes() {
     let (ok, err) = train("no-endpoints", &["pools.rollout.engine=sglang".to_string()]);
     assert!(!ok);
     assert!(err.contains("pools.rollout.endpoints: is empty"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A Qwen-style chat template (the tiny checkpoint has the tokens but ships no template).
+const CHAT_TEMPLATE: &str = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+
+/// What the test asks of `trellis engine serve` through the `openai` package (argv: base URL,
+/// model id). Prints one JSON object.
+const OPENAI_CLIENT: &str = r#"
+import json, sys
+import openai
+
+base, model = sys.argv[1:3]
+out = {}
+try:
+    openai.OpenAI(base_url=base, api_key="wrong").models.list()
+except openai.AuthenticationError as e:
+    out["wrong_key"] = e.status_code
+c = openai.OpenAI(base_url=base, api_key="sk-test")
+msgs = [{"role": "system", "content": "You add."}, {"role": "user", "content": "1+2="}]
+kw = dict(model=model, messages=msgs, max_tokens=24, temperature=1.0, seed=7)
+full = c.chat.completions.create(**kw)
+out["full"] = [full.choices[0].message.role, full.choices[0].message.content,
+               full.choices[0].finish_reason, full.usage.prompt_tokens, full.usage.completion_tokens]
+chunks = list(c.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
+out["stream"] = [deltas[0].role, "".join(d.content or "" for d in deltas),
+                 [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason],
+                 chunks[-1].usage.completion_tokens if chunks[-1].usage else None,
+                 sum(1 for d in deltas if d.content)]
+# The same conversation as a text completion of the rendered template.
+rendered = "<|im_start|>system\nYou add.<|im_end|>\n<|im_start|>user\n1+2=<|im_end|>\n<|im_start|>assistant\n"
+text = c.completions.create(model=model, prompt=rendered, max_tokens=24, temperature=1.0, seed=7)
+out["completion"] = text.choices[0].text
+streamed = c.completions.create(model=model, prompt=rendered, max_tokens=24, temperature=1.0, seed=7, stream=True)
+out["completion_stream"] = "".join(ch.choices[0].text for ch in streamed if ch.choices)
+# A stop string from the middle of the text ends it there.
+content = full.choices[0].message.content
+stop = content[len(content) // 2:][:2]
+cut = c.chat.completions.create(stop=[stop], **kw)
+out["stop"] = [stop, cut.choices[0].message.content, cut.choices[0].finish_reason]
+cut_stream = c.chat.completions.create(stop=[stop], stream=True, **kw)
+out["stop_stream"] = "".join(ch.choices[0].delta.content or "" for ch in cut_stream if ch.choices)
+# What the server does not do is refused by name, not ignored.
+for name, extra in [("presence_penalty", {"presence_penalty": 0.5}), ("no_such_field", {"extra_body": {"no_such_field": 1}})]:
+    try:
+        c.chat.completions.create(**kw, **extra)
+    except openai.BadRequestError as e:
+        out[name] = [e.status_code, name in str(e)]
+print(json.dumps(out))
+"#;
+
+#[test]
+fn the_openai_python_package_streams_chat_completions_from_engine_serve() {
+    let Some(python) = python() else { return };
+    let dir = scratch("openai");
+    let template = dir.join("chat.jinja");
+    std::fs::write(&template, CHAT_TEMPLATE).unwrap();
+    let model_dir = data("tiny-qwen2/checkpoint");
+    let (_server, url) = serve(
+        &[
+            "--model",
+            model_dir.to_str().unwrap(),
+            "--served-model-name",
+            "tiny",
+            "--chat-template",
+            template.to_str().unwrap(),
+            "--api-key",
+            "sk-test",
+        ],
+        "127.0.0.1:0",
+    );
+    // Health stays open; everything else wants the key.
+    let rt = runtime();
+    let http = HttpClient::new(&url, Duration::from_secs(30)).unwrap();
+    assert!(rt.block_on(http.get_text("/health")).is_ok());
+    let (code, _) = rt
+        .block_on(http.post_raw("/v1/completions", &json!({"prompt": "1", "max_tokens": 1})))
+        .unwrap();
+    assert_eq!(code, 401);
+
+    let out = std::process::Command::new(&python)
+        .args(["-c", OPENAI_CLIENT, &format!("{url}/v1"), "tiny"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let got: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(got["wrong_key"], 401, "{got}");
+    let full = &got["full"];
+    assert_eq!(full[0], "assistant", "{got}");
+    let content = full[1].as_str().unwrap();
+    assert!(content.chars().count() >= 4, "too short to cut: {got}");
+    // Streamed: a role chunk first, pieces that add up to the same text, one finish reason, the
+    // usage chunk last.
+    let stream = &got["stream"];
+    assert_eq!(stream[0], "assistant", "{got}");
+    assert_eq!(stream[1], full[1], "{got}");
+    assert_eq!(stream[2], json!([full[2]]), "{got}");
+    assert_eq!(stream[3], full[4], "{got}");
+    assert!(
+        stream[4].as_u64().unwrap() > 1,
+        "one chunk is not a stream: {got}"
+    );
+    // The chat template was applied: the same text as completing the rendered conversation.
+    assert_eq!(got["completion"], full[1], "{got}");
+    assert_eq!(got["completion_stream"], full[1], "{got}");
+    let stop = got["stop"][0].as_str().unwrap();
+    let want = &content[..content.find(stop).unwrap()];
+    assert_eq!(got["stop"][1], want, "{got}");
+    assert_eq!(got["stop"][2], "stop", "{got}");
+    assert_eq!(got["stop_stream"], want, "{got}");
+    assert_eq!(got["presence_penalty"], json!([400, true]), "{got}");
+    assert_eq!(got["no_such_field"], json!([400, true]), "{got}");
     std::fs::remove_dir_all(&dir).unwrap();
 }

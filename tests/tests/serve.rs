@@ -1,5 +1,5 @@
-//! `trellis serve` and its clients, with real processes on loopback: the CLI and a Python client
-//! submit and watch jobs that run on an agent's pool; a running job is cancelled and resumed; a
+//! `trellis serve` and its clients, with real processes on loopback: the CLI and the Python
+//! client package (pip-installed) submit and watch jobs that run on an agent's pool; a running job is cancelled and resumed; a
 //! server killed with -9 mid-job is restarted and finishes it with every step recorded once;
 //! calls without the token are refused off loopback; TLS; health and reflection answer; 50
 //! concurrent submissions all finish.
@@ -9,7 +9,7 @@ use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
-use trellis_tests::{Killed, metric_rows, run_ok, trellis, without_timings};
+use trellis_tests::{Killed, metric_rows, python, run_ok, trellis, without_timings};
 
 fn recipe() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data/tiny-arith.yaml")
@@ -498,60 +498,146 @@ fn fifty_concurrent_submissions_all_get_ids_and_all_finish() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// The Python interpreter with grpcio: `TRELLIS_PYTHON`, or the venv `.ci/setup python` makes
-/// (`target/pyenv`), made here the first time. `None` (the test is skipped, saying so) only when
-/// `TRELLIS_SKIP_PYTHON=1` asks for it; a venv that cannot be made fails the test with the
-/// command that makes it.
-fn python() -> Option<PathBuf> {
-    if std::env::var_os("TRELLIS_SKIP_PYTHON").is_some_and(|v| v == "1") {
-        eprintln!("*** SKIPPED: TRELLIS_SKIP_PYTHON=1 skips the Python client test ***");
-        return None;
-    }
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
-    let usable = |p: &Path| {
-        Command::new(p)
-            .args(["-c", "import grpc, grpc_tools"])
-            .output()
-            .is_ok_and(|o| o.status.success())
-    };
-    if let Some(p) = std::env::var_os("TRELLIS_PYTHON").map(PathBuf::from) {
-        assert!(usable(&p), "TRELLIS_PYTHON {} has no grpcio", p.display());
-        return Some(p);
-    }
-    let venv = root.join("target/pyenv/bin/python");
-    if !usable(&venv) {
-        let setup = root.join(".ci/setup");
-        let ran = Command::new(&setup).arg("python").status();
-        assert!(
-            usable(&venv),
-            "no Python with grpcio and `{} python` could not make one ({ran:?}): run it by hand (python3 with venv and pip, and PyPI), or set TRELLIS_SKIP_PYTHON=1 to skip this test",
-            setup.display()
-        );
-    }
-    Some(venv)
-}
+/// What the test drives through the package's Python API (argv: server URL, recipe, bad
+/// workflow): a bad workflow refused with its field; a long job cancelled once it runs, resumed
+/// and waited for; its events and metrics. Prints one JSON object.
+const PYTHON_API: &str = r#"
+import json, sys
+from trellis_client import Client, Job, JobState, LogLine, MetricRow, TrellisError
+
+server, recipe, bad = sys.argv[1:4]
+out = {}
+with Client(server) as c:
+    try:
+        c.submit(bad)
+    except TrellisError as e:
+        out["bad"] = [e.code, e.details]
+    job = c.submit(recipe, ["stages.rl.trainer.steps=40"])
+    out["submitted"] = [job.id, job.name, job.state.value]
+    events = c.watch(job.id)
+    for ev in events:
+        if isinstance(ev, MetricRow) and ev.stage == "rl":
+            break
+    c.cancel(job.id)
+    kinds = set()
+    for ev in events:
+        kinds.add(type(ev).__name__)
+        last = ev
+    out["cancelled"] = [last.state.value, c.job(job.id).state.value]
+    c.resume(job.id)
+    done = c.wait(job.id)
+    out["resumed"] = [done.state.value, done.stages_completed, done.step]
+    rows = c.metrics(job.id)
+    out["rows"] = [len(rows), rows[-1].stage, sorted(rows[-1].values)[:3]]
+    out["kinds"] = sorted(kinds)
+    out["jobs"] = [(j.id, j.state.value) for j in c.jobs()]
+print(json.dumps(out))
+"#;
 
 #[test]
-fn a_python_grpcio_client_submits_and_watches_a_job() {
+fn the_python_client_installs_with_pip_and_submits_watches_cancels_and_resumes() {
     let Some(python) = python() else { return };
+    let root = trellis_tests::root();
+    // The stubs it ships are what proto/ gives.
+    let check = Command::new(&python)
+        .arg(root.join("clients/python/generate.py"))
+        .arg("--check")
+        .output()
+        .unwrap();
+    assert!(check.status.success(), "{}", text(&check));
+    // Installed as a user would (a wheel built by pip; no network: the build backend is in the
+    // venv), then run from elsewhere so the source tree cannot stand in for it.
+    let install = Command::new(&python)
+        .args([
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+        ])
+        .args(["--no-deps", "--no-build-isolation", "--force-reinstall"])
+        .arg(root.join("clients/python"))
+        .output()
+        .unwrap();
+    assert!(install.status.success(), "{}", text(&install));
     let dir = scratch("python");
     let server = Server::start(&dir.join("data"), &[]);
-    let client =
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../examples/python/trellis_client.py");
-    let out = Command::new(python)
-        .arg(&client)
-        .args(["--server", &format!("127.0.0.1:{}", server.port())])
-        .arg("submit")
+    let cli = python.with_file_name("trellis-client");
+
+    // The command line: submit and watch to the end, then the job list as JSON.
+    let out = Command::new(&cli)
+        .args(["--server", &server.url, "submit"])
         .arg(recipe())
         .args(["-o", "stages.rl.trainer.steps=2", "--watch"])
+        .current_dir(&dir)
         .output()
         .unwrap();
     let log = text(&out);
     assert!(out.status.success(), "{log}");
-    assert!(log.contains("submitted job 1"), "{log}");
+    assert!(log.contains("submitted job 1 (tiny-arith)"), "{log}");
     assert!(log.contains("metrics rl step 2"), "{log}");
     assert!(log.contains("job 1: succeeded"), "{log}");
     assert_eq!(server.job(1)["state"], "succeeded");
+    let out = Command::new(&cli)
+        .env("TRELLIS_SERVER", &server.url)
+        .args(["--json", "jobs"])
+        .current_dir(&dir)
+        .output()
+        .unwrap();
+    let line: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(line["state"], "succeeded", "{line}");
+    assert_eq!(line["id"], 1, "{line}");
+    let out = Command::new(&cli)
+        .args(["--server", &server.url, "watch", "99"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert!(text(&out).contains("NOT_FOUND"), "{}", text(&out));
+
+    // The Python API.
+    let bad = dir.join("bad.yaml");
+    std::fs::write(
+        &bad,
+        "name: bad\nmodel: {init: {hidden_size: 8}, tokenizer: builtin:arith}\nstages:\n  - id: a\n    kind: sft\n    trainer: {stepz: 3}\n",
+    )
+    .unwrap();
+    let out = Command::new(&python)
+        .args(["-c", PYTHON_API, &server.url])
+        .arg(recipe())
+        .arg(&bad)
+        .current_dir(&dir)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let got: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(got["bad"][0], "INVALID_ARGUMENT", "{got}");
+    let why = got["bad"][1].as_str().unwrap();
+    assert!(
+        why.contains("bad.yaml:6:") && why.contains("steps"),
+        "{why}"
+    );
+    assert_eq!(got["submitted"][0], 2, "{got}");
+    assert_eq!(got["submitted"][1], "tiny-arith", "{got}");
+    assert_eq!(
+        got["cancelled"],
+        serde_json::json!(["cancelled", "cancelled"])
+    );
+    assert_eq!(got["resumed"][0], "succeeded", "{got}");
+    assert_eq!(
+        got["resumed"][1],
+        serde_json::json!(["warmup", "rl", "final-eval"])
+    );
+    assert_eq!(
+        got["kinds"],
+        serde_json::json!(["Job", "LogLine", "MetricRow"]),
+        "{got}"
+    );
+    assert_eq!(
+        got["jobs"],
+        serde_json::json!([[1, "succeeded"], [2, "succeeded"]])
+    );
+    let rows = server.metrics(2);
+    assert_eq!(got["rows"][0], rows.len(), "{got}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 
