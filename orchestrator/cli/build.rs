@@ -1,5 +1,6 @@
-//! Puts the git commit the binary is built from into `trellis --version` (`unknown` outside a
-//! git checkout, as in a source tarball). Rebuilds when HEAD moves.
+//! Puts the git commit the binary is built from into `trellis --version`: `TRELLIS_GIT_COMMIT`
+//! when the build sets it (the Docker images, built without `.git`), else git's, else `unknown`
+//! (a source tarball). Rebuilds when HEAD moves.
 
 #[allow(clippy::print_stdout)] // cargo reads its directives from stdout
 fn main() {
@@ -14,7 +15,12 @@ fn main() {
             .filter(|o| o.status.success())
             .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
     };
-    let commit = git(&["rev-parse", "--short=12", "HEAD"]).unwrap_or_else(|| "unknown".into());
+    println!("cargo:rerun-if-env-changed=TRELLIS_GIT_COMMIT");
+    let commit = std::env::var("TRELLIS_GIT_COMMIT")
+        .ok()
+        .filter(|c| !c.is_empty())
+        .or_else(|| git(&["rev-parse", "--short=12", "HEAD"]))
+        .unwrap_or_else(|| "unknown".into());
     println!("cargo:rustc-env=TRELLIS_GIT_COMMIT={commit}");
     if let Some(dir) = git(&["rev-parse", "--git-dir"]) {
         let dir = root.join(dir);

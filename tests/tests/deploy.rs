@@ -1,7 +1,9 @@
 //! The deployment files in `deploy/`: every Kubernetes manifest parses and agrees with the
 //! binary (flags `trellis serve`/`trellis agent --help` list, device counts announced equal to
 //! devices requested, Service/probe/Secret/volume names that match), and the Slurm script runs
-//! end to end on this machine with `srun` and `scontrol` stand-ins: head, two agents, a job.
+//! end to end on this machine with `srun` and `scontrol` stand-ins: head, two agents, a job, then
+//! the same allocation requeued (no second copy of the job); the Dockerfile has an image per
+//! accelerator kind with its PJRT plugin.
 
 use serde_json::Value;
 use std::collections::BTreeMap;
@@ -106,6 +108,7 @@ fn kubernetes_manifests_agree_with_the_binary_and_each_other() {
     assert_eq!(head["spec"]["strategy"]["type"], "Recreate");
     let pod = &head["spec"]["template"]["spec"];
     let c = &pod["containers"][0];
+    assert!(c["image"].as_str().unwrap().ends_with("-cpu"), "{c}");
     let args = strings(&c["args"]);
     assert_eq!(args[0], "serve");
     for a in args.iter().filter(|a| a.starts_with("--")) {
@@ -216,6 +219,19 @@ fn kubernetes_manifests_agree_with_the_binary_and_each_other() {
                 devices_seen.insert(kind, n);
             }
         }
+        // The image carries the plugin of the devices the agent announces.
+        let image = c["image"].as_str().unwrap();
+        let want = if announced.contains_key("tpu") {
+            "-tpu"
+        } else if announced.contains_key("gpu") {
+            "-cuda"
+        } else {
+            "-cpu"
+        };
+        assert!(
+            image.ends_with(want),
+            "{name}: image {image} is not the {want} one"
+        );
         assert_eq!(
             announced.get("cpu").and_then(|v| v.parse().ok()),
             quantity(&requests["cpu"]),
@@ -262,6 +278,70 @@ fn kubernetes_manifests_agree_with_the_binary_and_each_other() {
             "README does not mention {file}"
         );
     }
+}
+
+/// The images `deploy/Dockerfile` builds (docker is not run here: CI has no daemon and no
+/// registry): a target per accelerator kind, each pip-installing into the venv `trellis`
+/// searches (VIRTUAL_ENV) the wheel whose plugin `libtpu_sys::locate` finds for its devices,
+/// each with the binary and the recipes; the build context leaves out `target/`.
+#[test]
+fn the_dockerfile_has_an_image_per_accelerator_with_its_plugin() {
+    use libtpu_sys::locate::{Device, wheels};
+    let text = std::fs::read_to_string(root().join("deploy/Dockerfile")).unwrap();
+    // Stages by name: their lines (continuations joined).
+    let mut stages: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    let mut current = String::new();
+    let joined = text.replace("\\\n", " ");
+    for line in joined.lines().map(str::trim) {
+        if let Some(rest) = line.strip_prefix("FROM ") {
+            current = rest
+                .split_once(" AS ")
+                .map(|(_, name)| name.trim().to_string())
+                .unwrap_or_default();
+        }
+        stages
+            .entry(current.clone())
+            .or_default()
+            .push(line.to_string());
+    }
+    for (target, device) in [
+        ("cpu", Device::Cpu),
+        ("cuda", Device::Gpu),
+        ("tpu", Device::Tpu),
+    ] {
+        let lines = stages
+            .get(target)
+            .unwrap_or_else(|| panic!("no `{target}` target in deploy/Dockerfile"));
+        let has = |s: &str| lines.iter().any(|l| l.contains(s));
+        assert!(has("ENV VIRTUAL_ENV=/opt/venv"), "{target}: {lines:#?}");
+        let pip = lines
+            .iter()
+            .find(|l| l.contains("python3 -m venv /opt/venv") && l.contains("pip install"))
+            .unwrap_or_else(|| panic!("{target}: no pip install into /opt/venv"));
+        let wheel = pip
+            .split_whitespace()
+            .last()
+            .unwrap()
+            .split("==")
+            .next()
+            .unwrap();
+        assert!(
+            wheels(device).split([' ', '(', ')']).any(|w| w == wheel),
+            "{target}: {wheel} is not a plugin wheel for {device:?} ({})",
+            wheels(device)
+        );
+        assert!(
+            has("COPY --from=build /src/target/release/trellis /usr/local/bin/trellis"),
+            "{target}"
+        );
+        assert!(has("COPY recipes /opt/trellis/recipes"), "{target}");
+        assert!(has(r#"ENTRYPOINT ["/usr/local/bin/trellis"]"#), "{target}");
+    }
+    let ignore = std::fs::read_to_string(root().join(".dockerignore")).unwrap();
+    assert!(ignore.lines().any(|l| l.trim() == "target/"), "{ignore}");
+    // The README builds each of them.
+    let readme = std::fs::read_to_string(root().join("deploy/kubernetes/README.md")).unwrap();
+    assert!(readme.contains("for kind in cpu cuda tpu"), "{readme}");
 }
 
 fn write_exe(path: &Path, text: &str) {
@@ -313,44 +393,60 @@ wait
         shims.display(),
         std::env::var("PATH").unwrap_or_default()
     );
+    let sbatch = |restart: Option<&str>| {
+        let mut cmd = Command::new("bash");
+        cmd.arg(root().join("deploy/slurm/trellis.sbatch"))
+            .arg(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data/tiny-arith.yaml"))
+            .args([
+                "-o",
+                "pools.rollout.count=2",
+                "-o",
+                "pools.rollout.placement=spread",
+                "-o",
+                "stages.rl.trainer.steps=2",
+            ])
+            .env("PATH", &path)
+            .env("TRELLIS", trellis_bin())
+            .env("TRELLIS_DATA", dir.join("data"))
+            .env("TRELLIS_PORT", port.to_string())
+            .env("TRELLIS_LOG", "warn")
+            .env("SLURM_JOB_ID", "42")
+            .env("SLURM_JOB_NODELIST", "node[0-1]")
+            .env("SLURM_JOB_NUM_NODES", "2")
+            .env("SLURM_CPUS_ON_NODE", "1")
+            .env_remove("TRELLIS_TOKEN_FILE")
+            .env_remove("TRELLIS_SERVER")
+            .stdin(Stdio::null());
+        if let Some(n) = restart {
+            cmd.env("SLURM_RESTART_COUNT", n);
+        }
+        let out = cmd.output().unwrap();
+        let log = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        (out.status.success(), log)
+    };
     let t0 = std::time::Instant::now();
-    let out = Command::new("bash")
-        .arg(root().join("deploy/slurm/trellis.sbatch"))
-        .arg(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data/tiny-arith.yaml"))
-        .args([
-            "-o",
-            "pools.rollout.count=2",
-            "-o",
-            "pools.rollout.placement=spread",
-            "-o",
-            "stages.rl.trainer.steps=2",
-        ])
-        .env("PATH", path)
-        .env("TRELLIS", trellis_bin())
-        .env("TRELLIS_DATA", dir.join("data"))
-        .env("TRELLIS_PORT", port.to_string())
-        .env("TRELLIS_LOG", "warn")
-        .env("SLURM_JOB_ID", "42")
-        .env("SLURM_JOB_NODELIST", "node[0-1]")
-        .env("SLURM_JOB_NUM_NODES", "2")
-        .env("SLURM_CPUS_ON_NODE", "1")
-        .env_remove("TRELLIS_TOKEN_FILE")
-        .env_remove("TRELLIS_SERVER")
-        .stdin(Stdio::null())
-        .output()
-        .unwrap();
-    let log = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let (ok, log) = sbatch(None);
     eprintln!("the script ran {:.1} s", t0.elapsed().as_secs_f64());
-    assert!(out.status.success(), "{log}");
+    assert!(ok, "{log}");
     assert!(log.contains("2 agents registered"), "{log}");
     assert!(
         log.contains("rollout pool: node0, node1") || log.contains("rollout pool: node1, node0"),
         "{log}"
     );
     assert!(log.contains("job 1 succeeded"), "{log}");
+    // Slurm requeues the allocation (same job id, same data dir): the script follows the job the
+    // head already holds instead of submitting a second copy.
+    let (ok, log) = sbatch(Some("1"));
+    assert!(ok, "{log}");
+    assert!(
+        log.contains("restart 1 of this allocation: following job 1"),
+        "{log}"
+    );
+    assert!(log.contains("job 1 succeeded"), "{log}");
+    assert!(!log.contains("job 2"), "{log}");
     let _ = std::fs::remove_dir_all(&dir);
 }

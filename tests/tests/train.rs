@@ -275,24 +275,28 @@ fn bad_workflows_are_refused_before_anything_runs() {
     // Every check and its message is a unit test of the plan (`orchestrator::plan::tests`);
     // here, that the binary refuses before it makes anything, with exit status 2.
     let base = std::fs::read_to_string(recipe()).unwrap();
-    let cases: Vec<(String, &str)> = vec![
+    let dir = run_dir("bad");
+    let cases: Vec<(String, String)> = vec![
         (
             base.replace("seed: 3", "seed: 3\nsede: 4"),
-            "tiny.yaml:4:1: unknown field `sede` (did you mean `seed`?)",
+            "tiny.yaml:4:1: unknown field `sede` (did you mean `seed`?)".into(),
         ),
         (
             base.replace("rollout_n: 4", "rollout_n: four"),
-            "stages[1].algorithm.rollout_n: invalid u64",
+            "stages[1].algorithm.rollout_n: invalid u64".into(),
         ),
         (
             base.replace(
                 "tokenizer: builtin:arith",
                 "tokenizer: no-such-tokenizer.json",
             ),
-            "model.tokenizer: no-such-tokenizer.json: No such file or directory",
+            // Relative to the workflow file, as every path in it.
+            format!(
+                "model.tokenizer: {}: No such file or directory",
+                dir.join("no-such-tokenizer.json").display()
+            ),
         ),
     ];
-    let dir = run_dir("bad");
     std::fs::create_dir_all(&dir).unwrap();
     for (text, want) in cases {
         let f = dir.join("tiny.yaml");
@@ -306,7 +310,7 @@ fn bad_workflows_are_refused_before_anything_runs() {
             .unwrap();
         let err = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(2), "{want:?}: {err}");
-        assert!(err.contains(want), "error for {want:?} was: {err}");
+        assert!(err.contains(&want), "error for {want:?} was: {err}");
         assert!(
             !dir.join("run").exists(),
             "nothing may run before validation passes"
@@ -602,24 +606,25 @@ fn async_mode_overlaps_generation_and_bounds_staleness() {
 #[test]
 fn workflow_nodes_add_a_reward_program_and_a_filter() {
     let dir = run_dir("nodes");
-    let scorer = dir.with_extension("scorer.sh");
+    // The workflow in a folder of its own with its scorer beside it: a program runs in the
+    // workflow's folder, so `[sh, score.sh]` finds it whatever the current directory.
+    let folder = dir.with_extension("workflow");
+    std::fs::create_dir_all(&folder).unwrap();
+    std::fs::copy(recipe(), folder.join("tiny.yaml")).unwrap();
     // Scores 1 when the response is one character long, else 0; fails on the word "crash".
     std::fs::write(
-        &scorer,
+        folder.join("score.sh"),
         "while read -r l; do case \"$l\" in *'\"response\":\"'?'\"'*) echo 1;; *) echo 0;; esac; done\n",
     )
     .unwrap();
     run_ok(
         trellis()
             .arg("train")
-            .arg(recipe())
+            .arg(folder.join("tiny.yaml"))
             .arg("--quiet")
             .args([
                 "-o",
-                &format!(
-                    "stages.rl.nodes=[{{program: {{name: short, command: [sh, {}], weight: 0.5}}}}, {{filter: {{name: informative, min_group_std: 0.01, after: [short]}}}}]",
-                    scorer.display()
-                ),
+                "stages.rl.nodes=[{program: {name: short, command: [sh, score.sh], weight: 0.5}}, {filter: {name: informative, min_group_std: 0.01, after: [short]}}]",
             ])
             .arg("--run-dir")
             .arg(&dir),
@@ -658,8 +663,8 @@ fn workflow_nodes_add_a_reward_program_and_a_filter() {
     assert_eq!(rl.len(), 2);
     assert!(rl[0]["reward/broken/failed"].as_f64().unwrap() > 0.0);
     std::fs::remove_dir_all(&dir).unwrap();
+    std::fs::remove_dir_all(&folder).unwrap();
     std::fs::remove_dir_all(&dir2).unwrap();
-    let _ = std::fs::remove_file(&scorer);
 }
 
 #[test]

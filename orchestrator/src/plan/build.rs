@@ -925,7 +925,11 @@ fn user_nodes(s: &schema::Stage, i: usize, e: &Errs<'_>) -> Result<Vec<GraphNode
                         ),
                     ));
                 }
-                let program = find_program(cmd).ok_or_else(|| {
+                let dir = Path::new(e.0)
+                    .parent()
+                    .filter(|d| !d.as_os_str().is_empty())
+                    .map(Path::to_path_buf);
+                let program = find_program(cmd, dir.as_deref()).ok_or_else(|| {
                     e.at(
                         format!("{at}.command"),
                         format!(
@@ -943,6 +947,7 @@ fn user_nodes(s: &schema::Stage, i: usize, e: &Errs<'_>) -> Result<Vec<GraphNode
                     name: p.name.clone(),
                     program,
                     args: args.to_vec(),
+                    dir,
                     timeout: Duration::from_secs_f64(p.timeout_s),
                     memory_bytes: p.memory_mb.saturating_mul(1 << 20),
                     weight: p.weight,
@@ -975,16 +980,19 @@ fn user_nodes(s: &schema::Stage, i: usize, e: &Errs<'_>) -> Result<Vec<GraphNode
     Ok(out)
 }
 
-/// The program `cmd` names: a path (with a `/`) to an executable file, or an executable file
-/// in a folder of `PATH`.
-fn find_program(cmd: &str) -> Option<PathBuf> {
+/// The program `cmd` names: a path (with a `/`; relative ones start at `dir`) to an executable
+/// file, or an executable file in a folder of `PATH`.
+fn find_program(cmd: &str, dir: Option<&Path>) -> Option<PathBuf> {
     use std::os::unix::fs::PermissionsExt;
     let executable = |p: &Path| {
         p.metadata()
             .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
     };
     if cmd.contains('/') {
-        let p = PathBuf::from(cmd);
+        let p = match dir {
+            Some(d) => d.join(cmd),
+            None => PathBuf::from(cmd),
+        };
         return executable(&p).then_some(p);
     }
     std::env::split_paths(&std::env::var_os("PATH")?)

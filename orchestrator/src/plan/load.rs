@@ -48,15 +48,27 @@ pub(super) fn resolve(
             }
         })?;
     }
-    // Model, weight-folder and dataset paths are relative to the workflow file.
+    // Every path a workflow names (the model, its tokenizer file, weight folders, plugins,
+    // datasets) is relative to the workflow file.
     if let Some(base) = Path::new(origin).parent() {
-        for p in [&mut wf.model.path, &mut wf.pools.rollout.weights_dir]
-            .into_iter()
-            .flatten()
+        for p in [
+            &mut wf.model.path,
+            &mut wf.pools.rollout.weights_dir,
+            &mut wf.pools.rollout.plugin,
+            &mut wf.pools.learner.plugin,
+        ]
+        .into_iter()
+        .flatten()
         {
             if p.is_relative() {
                 *p = base.join(&*p);
             }
+        }
+        if let Some(t) = &mut wf.model.tokenizer
+            && !t.starts_with("builtin:")
+            && Path::new(t.as_str()).is_relative()
+        {
+            *t = base.join(t.as_str()).display().to_string();
         }
         for s in &mut wf.stages {
             if let Some(d) = &mut s.data {

@@ -315,6 +315,9 @@ pub struct ProgramPlan {
     pub program: PathBuf,
     /// Its arguments.
     pub args: Vec<String>,
+    /// Where it runs: the workflow file's folder (so `[python3, score.py]` finds a `score.py`
+    /// beside the workflow); `None`: the current directory (a workflow given as text).
+    pub dir: Option<PathBuf>,
     /// How long it may run.
     pub timeout: Duration,
     /// Its address-space limit in bytes.

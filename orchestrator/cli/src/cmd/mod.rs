@@ -125,7 +125,8 @@ pub struct ClusterArgs {
     /// Listen for agents on this address (port 0: any free port; the address is printed).
     #[arg(long)]
     pub listen: Option<std::net::SocketAddr>,
-    /// The cluster token agents must present (created, mode 0600, when the file is missing).
+    /// With --listen: the cluster token agents must present (created, mode 0600, when the file
+    /// is missing). For `trellis resume JOB`: the server's token (its DATA_DIR/token).
     #[arg(long, env = "TRELLIS_TOKEN_FILE")]
     pub token_file: Option<PathBuf>,
     /// Seconds to wait for agents that can take the pool.

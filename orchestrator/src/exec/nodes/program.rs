@@ -73,6 +73,9 @@ fn scores(p: &ProgramPlan, groups: &[Group], m: &mut learner::rl::Metrics) -> Ve
 /// line expected (`None` for a line that is not a finite number).
 fn run(p: &ProgramPlan, input: Vec<u8>, expect: usize) -> Result<Vec<Option<f64>>, String> {
     let mut cmd = Command::new(&p.program);
+    if let Some(dir) = &p.dir {
+        cmd.current_dir(dir);
+    }
     cmd.args(&p.args)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
@@ -159,6 +162,7 @@ mod tests {
             name: "p".into(),
             program: cmd[0].into(),
             args: cmd[1..].iter().map(|s| s.to_string()).collect(),
+            dir: None,
             timeout: Duration::from_secs_f64(timeout_s),
             memory_bytes: 512 << 20,
             weight: 1.0,
