@@ -491,13 +491,57 @@ fn from_json<T: for<'de> Deserialize<'de>>(b: &[u8]) -> Result<T, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use serde_json::json;
+    use serde_json::{Value, json};
 
     fn tmp(tag: &str) -> PathBuf {
         let d = std::env::temp_dir().join(format!("trellis-store-{tag}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&d);
         std::fs::create_dir_all(&d).unwrap();
         d.join("store.redb")
+    }
+
+    /// Metric values come back bit for bit: JSON parsing that is not correctly rounded changed
+    /// the last bit of some (`actor/lr` 1e-4 as an f32 came back as …512 instead of …513).
+    #[test]
+    fn metric_values_survive_the_store_bit_for_bit() {
+        let p = tmp("bits");
+        let s = Store::open(&p).unwrap();
+        let id = s.create_job("a", json!({}), JobState::Running).unwrap();
+        // Seeded values across magnitudes, and f32s widened to f64 (what learning rates are).
+        let mut x = 0x9e37_79b9_7f4a_7c15_u64;
+        let mut want = vec![f64::from(1.0e-4_f32), f64::from(3.0e-3_f32), 0.1 + 0.2];
+        for _ in 0..2000 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let v = f64::from_bits(x >> 2);
+            if v.is_finite() {
+                want.push(v);
+                want.push(f64::from(v as f32));
+            }
+        }
+        let row: serde_json::Map<String, Value> = want
+            .iter()
+            .enumerate()
+            .map(|(i, v)| (format!("v{i}"), json!(v)))
+            .collect();
+        s.append_metrics(id, &Value::Object(row)).unwrap();
+        let got = &s.metrics(id, 0).unwrap()[0].1;
+        let wrong: Vec<String> = want
+            .iter()
+            .enumerate()
+            .filter_map(|(i, v)| {
+                let g = got[format!("v{i}")].as_f64().unwrap();
+                (g.to_bits() != v.to_bits()).then(|| format!("{v:e} came back as {g:e}"))
+            })
+            .collect();
+        assert!(
+            wrong.is_empty(),
+            "{} of {}: {:?}",
+            wrong.len(),
+            want.len(),
+            &wrong[..wrong.len().min(5)]
+        );
     }
 
     #[test]
