@@ -330,23 +330,32 @@ impl<A: Actor> ActorRef<A> {
     }
 }
 
-/// How often, and how soon, a dead actor is started again.
+/// How often, and how soon, a dead actor is started again: a budget of deaths per time window
+/// (as Kubernetes' crash-loop backoff: a long job on machines that come and go does not die of
+/// its fourth agent loss over days), and how long a restart on agents waits for one with room.
 #[derive(Clone, Debug, PartialEq)]
 pub struct RestartPolicy {
-    /// Restarts allowed over the actor's life; 0 means a death is final.
+    /// Restarts allowed within `window`; 0 means a death is final.
     pub max_restarts: u32,
-    /// Wait before the first restart; doubles with each further one.
+    /// Deaths older than this no longer count (nor lengthen the backoff).
+    pub window: Duration,
+    /// Wait before the first restart in a window; doubles with each further one.
     pub backoff: Duration,
     /// Longest wait between restarts.
     pub max_backoff: Duration,
+    /// How long a restart on agents waits for an agent with room (one coming back, one joining)
+    /// before it counts as a failed start.
+    pub place_wait: Duration,
 }
 
 impl Default for RestartPolicy {
     fn default() -> Self {
         RestartPolicy {
             max_restarts: 3,
+            window: Duration::from_secs(600),
             backoff: Duration::from_millis(100),
             max_backoff: Duration::from_secs(5),
+            place_wait: Duration::from_secs(120),
         }
     }
 }
@@ -435,7 +444,9 @@ async fn supervisor_loop<A: Actor>(
     starter: Starter<A>,
     options: SpawnOptions<A>,
 ) {
-    let mut deaths = 0u32;
+    // When each death that still counts happened (within the policy's window).
+    let mut recent: std::collections::VecDeque<tokio::time::Instant> = Default::default();
+    let mut incarnation = 0u32;
     loop {
         let reason = tokio::select! {
             reason = &mut death => reason.unwrap_or_else(|_| "its watcher ended".to_string()),
@@ -447,7 +458,15 @@ async fn supervisor_loop<A: Actor>(
                 return;
             }
         };
-        deaths += 1;
+        let now = tokio::time::Instant::now();
+        recent.push_back(now);
+        while recent
+            .front()
+            .is_some_and(|&t| now.duration_since(t) > options.restart.window)
+        {
+            recent.pop_front();
+        }
+        let deaths = recent.len() as u32;
         let max = options.restart.max_restarts;
         if deaths > max {
             tracing::error!(actor = %name, %reason, deaths, "actor died; no restarts left");
@@ -455,6 +474,7 @@ async fn supervisor_loop<A: Actor>(
                 actor: name.to_string(),
                 deaths,
                 max_restarts: max,
+                window: options.restart.window,
                 reason,
             }));
             return;
@@ -462,7 +482,8 @@ async fn supervisor_loop<A: Actor>(
         tracing::warn!(actor = %name, %reason, restart = deaths, max, "actor died; restarting");
         link_tx.send_replace(Link::Restarting);
         tokio::time::sleep(options.restart.delay(deaths)).await;
-        match starter(deaths).await {
+        incarnation += 1;
+        match starter(incarnation).await {
             Ok(next) => {
                 if let Some(hook) = &options.on_restart {
                     let pinned = ActorRef::pinned(name.clone(), next.link.clone());
@@ -472,7 +493,7 @@ async fn supervisor_loop<A: Actor>(
                         continue;
                     }
                 }
-                tracing::info!(actor = %name, restart = deaths, "actor restarted");
+                tracing::info!(actor = %name, restart = incarnation, "actor restarted");
                 link_tx.send_replace(next.link);
                 death = next.death;
             }
@@ -531,6 +552,7 @@ mod tests {
             max_restarts,
             backoff: Duration::from_millis(1),
             max_backoff: Duration::from_millis(10),
+            ..Default::default()
         }
     }
 
@@ -593,8 +615,42 @@ mod tests {
         let e = ping.call(PingRequest::Echo("x".into())).await.unwrap_err();
         assert_eq!(
             e.to_string(),
-            "actor `ping` died 2 times and its restart policy allows 1 restarts; last failure: panicked: boom twice"
+            "actor `ping` died 2 times within 600s and its restart policy allows 1 restarts in that time; last failure: panicked: boom twice"
         );
+    }
+
+    #[tokio::test]
+    async fn deaths_older_than_the_window_no_longer_count() {
+        let options = SpawnOptions {
+            restart: RestartPolicy {
+                window: Duration::from_millis(300),
+                ..fast(1)
+            },
+            ..SpawnOptions::default()
+        };
+        let ping = spawn_local::<Ping>("ping", (), options)
+            .await
+            .expect("starts");
+        // Three deaths, each after the one before has left the window: never exhausted.
+        for i in 0..3 {
+            let _ = ping.call(PingRequest::Panic(format!("death {i}"))).await;
+            let r = ping.call(PingRequest::Echo("up".into())).await;
+            assert_eq!(
+                r.expect("restarted"),
+                PingResponse::Echo("up".into()),
+                "death {i}"
+            );
+            tokio::time::sleep(Duration::from_millis(400)).await;
+        }
+        // Two within the window: the budget of one restart is spent.
+        let _ = ping.call(PingRequest::Panic("a".into())).await;
+        let _ = ping
+            .call(PingRequest::Echo("up".into()))
+            .await
+            .expect("restarted");
+        let _ = ping.call(PingRequest::Panic("b".into())).await;
+        let e = ping.call(PingRequest::Echo("x".into())).await.unwrap_err();
+        assert!(e.to_string().contains("died 2 times within 300ms"), "{e}");
     }
 
     #[tokio::test]
@@ -651,6 +707,7 @@ mod tests {
             max_restarts: 9,
             backoff: Duration::from_millis(100),
             max_backoff: Duration::from_millis(500),
+            ..Default::default()
         };
         let d: Vec<u128> = (1..=5).map(|n| p.delay(n).as_millis()).collect();
         assert_eq!(d, [100, 200, 400, 500, 500]);

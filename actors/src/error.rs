@@ -18,12 +18,13 @@ pub enum ActorError {
     Died { actor: String, reason: String },
     /// Restarts ran out: the actor stays down and every later call fails with this.
     #[error(
-        "actor `{actor}` died {deaths} times and its restart policy allows {max_restarts} restarts; last failure: {reason}"
+        "actor `{actor}` died {deaths} times within {window:.0?} and its restart policy allows {max_restarts} restarts in that time; last failure: {reason}"
     )]
     Exhausted {
         actor: String,
         deaths: u32,
         max_restarts: u32,
+        window: std::time::Duration,
         reason: String,
     },
     /// The actor was stopped on purpose.

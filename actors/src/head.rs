@@ -245,6 +245,48 @@ impl Head {
         v
     }
 
+    /// An agent with room for `demand`, waiting up to `wait` for one (agents registering, actors
+    /// releasing what they held).
+    async fn pick_waiting(
+        &self,
+        name: &str,
+        demand: &Demand,
+        wait: Duration,
+    ) -> Result<String, ActorError> {
+        let what = format!("actor `{name}`");
+        let mut changes = self.inner.membership.subscribe();
+        let deadline = tokio::time::Instant::now() + wait;
+        let mut waited = false;
+        loop {
+            match placement::pick(&what, demand, &self.offers()) {
+                Ok(agent) => {
+                    if waited {
+                        tracing::info!(actor = %name, %agent, "room found for the restart");
+                    }
+                    return Ok(agent);
+                }
+                Err(e) if tokio::time::Instant::now() >= deadline => return Err(e.into()),
+                Err(e) => {
+                    if !waited {
+                        tracing::warn!(actor = %name, "restart waits up to {wait:.0?} for room: {e}");
+                        waited = true;
+                    }
+                    // Registrations wake it at once; released capacity within a poll.
+                    let nap = Duration::from_millis(100)
+                        .min(deadline.saturating_duration_since(tokio::time::Instant::now()));
+                    tokio::select! {
+                        changed = changes.changed() => {
+                            if changed.is_err() {
+                                tokio::time::sleep(nap).await;
+                            }
+                        }
+                        _ = tokio::time::sleep(nap) => {}
+                    }
+                }
+            }
+        }
+    }
+
     /// Places `pools` on the live agents without starting anything.
     pub fn place(&self, pools: &[PoolSpec]) -> Result<Vec<Assignment>, ActorError> {
         Ok(placement::place(pools, &self.offers())?)
@@ -319,6 +361,7 @@ impl Head {
         // Ids name one incarnation of one spawn of one head: a late death notice of an actor of
         // an earlier job (same name) or an earlier head never names this one.
         let serial = self.inner.next_actor.fetch_add(1, Ordering::Relaxed);
+        let place_wait = options.restart.place_wait;
         let starter: Starter<A> = Arc::new(move |n| {
             let (head, demand, config, name) = (
                 head.clone(),
@@ -330,7 +373,12 @@ impl Head {
             Box::pin(async move {
                 let agent = match first {
                     Some(a) => a,
-                    None => placement::pick(&format!("actor `{name}`"), &demand, &head.offers())?,
+                    None if n == 0 => {
+                        placement::pick(&format!("actor `{name}`"), &demand, &head.offers())?
+                    }
+                    // A restart waits for room: the agent that died may be coming back, or
+                    // another joining; only a start that fails counts as a death.
+                    None => head.pick_waiting(&name, &demand, place_wait).await?,
                 };
                 let (remote, death) = head
                     .start_remote(
@@ -695,6 +743,7 @@ mod tests {
             max_restarts: 2,
             backoff: Duration::from_millis(10),
             max_backoff: Duration::from_millis(50),
+            ..Default::default()
         };
         let weights = snapshot(7, 2500);
         let pushed = weights.clone();
@@ -785,6 +834,62 @@ mod tests {
             e.to_string().contains("died 3 times") && e.to_string().contains("panicked: drill"),
             "{e}"
         );
+        head.shutdown(true).await;
+    }
+
+    /// Found by a chaos run: an agent killed while it was the only one with room had its actor's
+    /// restarts all spent in under a second on "cannot place", and the job failed. A restart now
+    /// waits for room, and waiting is not dying.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_restart_waits_for_an_agent_with_room_without_spending_its_budget() {
+        let token = Token::generate().expect("urandom");
+        let head = Head::serve(
+            "127.0.0.1:0".parse().expect("addr"),
+            token.clone(),
+            config(),
+        )
+        .await
+        .expect("binds");
+        let (stop_a, task_a) = agent(&head, "a", &token);
+        head.wait_for_agents(1, Duration::from_secs(10))
+            .await
+            .expect("registers");
+        let options = SpawnOptions {
+            restart: RestartPolicy {
+                max_restarts: 1,
+                backoff: Duration::from_millis(10),
+                place_wait: Duration::from_secs(20),
+                ..Default::default()
+            },
+            ..SpawnOptions::default()
+        };
+        let demand = Demand {
+            kind: String::new(),
+            devices: BTreeMap::from([(Device::Cpu, 1)]),
+            labels: BTreeMap::new(),
+        };
+        let ping = head
+            .spawn::<Ping>("ping", (), demand, options)
+            .await
+            .expect("starts on a");
+        assert_eq!(ping.location(), "a");
+        drop(stop_a);
+        task_a.await.expect("joins").expect("agent a stops cleanly");
+        // Nobody has room for a while; then an agent joins.
+        tokio::time::sleep(Duration::from_millis(800)).await;
+        assert_eq!(ping.location(), "restarting");
+        let (_stop_b, _task_b) = agent(&head, "b", &token);
+        let answer = until_up(&ping, PingRequest::Echo("back".into()))
+            .await
+            .expect("restarted on b once it joined");
+        assert_eq!(answer, PingResponse::Echo("back".into()));
+        assert_eq!(ping.location(), "b");
+        // One real death in the budget still allows none more: the next one is final.
+        let _ = ping.call(PingRequest::Panic("drill".into())).await;
+        let e = until_up(&ping, PingRequest::Echo("x".into()))
+            .await
+            .unwrap_err();
+        assert!(e.to_string().contains("died 2 times"), "{e}");
         head.shutdown(true).await;
     }
 

@@ -54,10 +54,14 @@ impl<A: Actor> ActorPool<A> {
             let snap = lock(&for_hook).clone();
             Box::pin(async move { actor.load_weights(snap).await })
         });
-        let options = SpawnOptions {
+        let mut options = SpawnOptions {
             on_restart: Some(Arc::clone(&hook)),
             ..Default::default()
         };
+        // A restart on agents waits for room as long as the job waits for agents at its start.
+        if let Some(cluster) = shape.cluster {
+            options.restart.place_wait = cluster.wait;
+        }
         let count = shape.count.max(1);
         let (head, actors) = match shape.placement {
             Placement::Local => {
