@@ -51,9 +51,10 @@ impl Tokenizer {
         self.encode_with(text, true)
     }
 
-    /// Token ids of text a chat template rendered: without the post-processing's special
-    /// tokens (the template wrote its own), as `apply_chat_template(tokenize=True)` and VeRL's
-    /// datasets (`add_special_tokens=False`) do.
+    /// Token ids of text a chat template rendered, or of text that continues a sequence (an
+    /// answer after its prompt): without the post-processing's special tokens (the template
+    /// wrote its own), as `apply_chat_template(tokenize=True)` and VeRL's datasets
+    /// (`add_special_tokens=False`) do.
     pub fn encode_rendered(&self, text: &str) -> Result<Vec<u32>> {
         self.encode_with(text, false)
     }

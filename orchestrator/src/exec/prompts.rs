@@ -1,5 +1,7 @@
 //! Problems to token ids: the prompt (through the chat template when the stage asks for it) and
-//! the answer followed by end-of-sequence.
+//! the answer followed by end-of-sequence. Only a plain prompt, which starts a sequence, gets the
+//! tokenizer's special tokens (Llama's BOS); a rendered prompt has the template's own, and an
+//! answer continues the prompt.
 
 use super::ExecError;
 use learner::chat::ChatTemplate;
@@ -24,7 +26,7 @@ impl Prompts<'_> {
             (Some(t), true) => self.tokenizer.encode_rendered(&t.render_user(&p.prompt)?)?,
             _ => self.tokenizer.encode(&p.prompt)?,
         };
-        let mut answer = self.tokenizer.encode(&p.answer)?;
+        let mut answer = self.tokenizer.encode_rendered(&p.answer)?;
         answer.push(self.eos);
         Ok((prompt, answer))
     }
@@ -32,5 +34,55 @@ impl Prompts<'_> {
     /// Decoded text of `ids`.
     pub fn decode(&self, ids: &[u32]) -> Result<String, ExecError> {
         Ok(self.tokenizer.decode(ids)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::Path;
+
+    /// Llama-3's shape: the post-processor puts `<|begin_of_text|>` first.
+    const LLAMA_LIKE: &str = r#"{
+      "version": "1.0", "truncation": null, "padding": null,
+      "added_tokens": [{"id": 0, "content": "<|begin_of_text|>", "single_word": false,
+                        "lstrip": false, "rstrip": false, "normalized": false, "special": true}],
+      "normalizer": null, "pre_tokenizer": {"type": "Whitespace"},
+      "post_processor": {"type": "TemplateProcessing",
+        "single": [{"SpecialToken": {"id": "<|begin_of_text|>", "type_id": 0}},
+                   {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {"<|begin_of_text|>": {"id": "<|begin_of_text|>", "ids": [0],
+                                                  "tokens": ["<|begin_of_text|>"]}}},
+      "decoder": null,
+      "model": {"type": "WordLevel", "unk_token": "?",
+                "vocab": {"<|begin_of_text|>": 0, "1": 1, "+": 2, "=": 3, "2": 4, "?": 5, "</s>": 6}}
+    }"#;
+
+    #[test]
+    fn only_a_plain_prompt_starts_with_bos_and_answers_never_do() {
+        let tokenizer = Tokenizer::from_json(LLAMA_LIKE, Path::new("t.json")).unwrap();
+        let chat = ChatTemplate::new(
+            "{{ bos_token }}{% for m in messages %}{{ m.content }}{% endfor %}",
+            "<|begin_of_text|>",
+            "</s>",
+        )
+        .unwrap();
+        let prompts = Prompts {
+            tokenizer: &tokenizer,
+            chat: Some(&chat),
+            eos: 6,
+        };
+        let p = Problem {
+            prompt: "1 + 1 =".into(),
+            answer: "2".into(),
+        };
+        // (chat, prompt ids): one BOS either way, the template's or the tokenizer's.
+        let cases = [(false, vec![0, 1, 2, 1, 3]), (true, vec![0, 1, 2, 1, 3])];
+        for (chat, want) in cases {
+            let (prompt, answer) = prompts.encode(&p, chat).unwrap();
+            assert_eq!(prompt, want, "chat: {chat}");
+            assert_eq!(answer, [4, 6], "chat: {chat}");
+        }
     }
 }
