@@ -14,6 +14,7 @@ pub mod config;
 pub mod critic;
 pub mod engine;
 pub mod error;
+pub mod hub;
 pub mod model;
 pub mod optim;
 pub mod params;

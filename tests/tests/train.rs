@@ -904,6 +904,49 @@ fn every_recipe_resolves_and_the_gsm8k_one_finds_its_files() {
             .starts_with("{prompt} Let's think step by step")
     );
     assert_eq!(v["stages"][0]["reward"]["type"], "gsm8k");
+
+    // The model as a Hub id, VeRL's way: found in the Hugging Face cache where transformers put
+    // it (HF_HUB_CACHE here), or refused with how to download it.
+    let hub = dir.join("hub");
+    let by_id = |cache: &Path| {
+        trellis()
+            .args([
+                "config",
+                "show",
+                "-o",
+                "model.path=Qwen/Qwen2.5-0.5B-Instruct",
+            ])
+            .arg(&recipe)
+            .env("HF_HUB_CACHE", cache)
+            .output()
+            .unwrap()
+    };
+    let out = by_id(&hub);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("model.path: `Qwen/Qwen2.5-0.5B-Instruct` is not a folder beside the workflow and is not in the Hugging Face cache")
+            && err.contains("hf download Qwen/Qwen2.5-0.5B-Instruct"),
+        "{err}"
+    );
+    let repo = hub.join("models--Qwen--Qwen2.5-0.5B-Instruct");
+    let snapshot = repo.join("snapshots/7ae557604adf67be50417f59c2c2f167def9a775");
+    std::fs::create_dir_all(snapshot.parent().unwrap()).unwrap();
+    std::os::unix::fs::symlink(&model, &snapshot).unwrap();
+    std::fs::create_dir_all(repo.join("refs")).unwrap();
+    std::fs::write(
+        repo.join("refs/main"),
+        "7ae557604adf67be50417f59c2c2f167def9a775",
+    )
+    .unwrap();
+    let out = by_id(&hub);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["model"]["path"], snapshot.display().to_string());
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

@@ -1,6 +1,7 @@
 //! From text to the resolved [`Workflow`]: YAML with `file:line:column` errors that name the
 //! field, did-you-mean for misspelt names, hints for VeRL's names, `-o dotted.key=value`
-//! overrides, and paths made relative to the workflow file's folder.
+//! overrides, paths made relative to the workflow file's folder, and a `model.path` given as a
+//! Hugging Face Hub id found in the local Hub cache.
 //!
 //! Owns: reading the schema. Never: opens a file the workflow names (the plan does).
 
@@ -51,6 +52,23 @@ pub(super) fn resolve(
     // Every path a workflow names (the model, its tokenizer file, weight folders, plugins,
     // datasets) is relative to the workflow file.
     if let Some(base) = Path::new(origin).parent() {
+        // A Hub id (`Qwen/Qwen2.5-0.5B-Instruct`) that is not a folder beside the workflow is
+        // the snapshot the Hub cache holds, as transformers' from_pretrained finds it.
+        if let Some(p) = &mut wf.model.path
+            && let Some(id) = p.to_str().filter(|s| learner::hub::is_repo_id(s))
+            && !base.join(&*p).exists()
+        {
+            *p = learner::hub::find(id).ok_or_else(|| {
+                PlanError::field(
+                    origin,
+                    "model.path",
+                    format!(
+                        "`{id}` is not a folder beside the workflow and is {}",
+                        learner::hub::download_hint(id)
+                    ),
+                )
+            })?;
+        }
         for p in [
             &mut wf.model.path,
             &mut wf.pools.rollout.weights_dir,
