@@ -10,6 +10,7 @@
 //! (the engines do), or prints (it tells its [`Records`]).
 
 mod board;
+mod data_metrics;
 mod eval;
 mod nodes;
 mod prompts;

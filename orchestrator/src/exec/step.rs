@@ -4,6 +4,7 @@
 //! the graph was checked in, and a node may write only what the graph says it writes.
 
 use super::board::{Board, Pending, StepCx};
+use super::data_metrics::data_metrics;
 use super::nodes::{self, Runnable};
 use super::{ExecError, Executor};
 use crate::plan::{Artifact, RlPlan, StagePlan};
@@ -146,16 +147,20 @@ impl<'a> Executor<'a> {
             return Ok(m);
         }
         let n = rows.shape.rows as f64;
-        let scores: f64 = board
+        let scores: Vec<f32> = board
             .groups
             .iter()
-            .flat_map(|g| &g.scores)
-            .map(|&s| s as f64)
-            .sum();
+            .flat_map(|g| g.scores.iter().copied())
+            .collect();
         let resp_tokens = rows.response_tokens();
         let total = t0.elapsed().as_secs_f64();
-        m.insert("critic/score/mean".into(), scores / n);
-        m.insert("response_length/mean".into(), resp_tokens / n);
+        m.extend(data_metrics(
+            &rows,
+            &scores,
+            board.advantages.as_deref(),
+            board.returns.as_deref(),
+            board.values.as_deref(),
+        ));
         let clipped = board
             .groups
             .iter()
@@ -163,10 +168,6 @@ impl<'a> Executor<'a> {
             .filter(|c| c.finish_reason == FinishReason::Length)
             .count();
         m.insert("response_length/clip_ratio".into(), clipped as f64 / n);
-        if let Some(v) = &board.values {
-            let vs: f64 = v.iter().zip(&rows.mask).map(|(v, k)| (v * k) as f64).sum();
-            m.insert("critic/values/mean".into(), vs / resp_tokens.max(1.0));
-        }
         m.insert("timing_s/step".into(), total);
         m.insert("perf/throughput".into(), resp_tokens / total);
         m.insert("weight_version".into(), self.version as f64);
