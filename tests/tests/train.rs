@@ -334,8 +334,10 @@ fn runs_are_reproducible() {
             .collect()
     };
     // A rollout pool of three engines samples the same tokens as one (a prompt's seed decides
-    // its samples, whichever engine serves it), so the run is the same too.
+    // its samples, whichever engine serves it), so the run is the same too. The eval samples
+    // the RL stage writes out (`log_generations`) are the same as well.
     let mut runs = Vec::new();
+    let mut samples = Vec::new();
     for (tag, engines) in [("repro-a", 1), ("repro-b", 1), ("repro-pool", 3)] {
         let dir = run_dir(tag);
         run_ok(
@@ -344,8 +346,25 @@ fn runs_are_reproducible() {
                 .arg(recipe())
                 .args(["--quiet", "-o", "stages.rl.trainer.steps=4", "--run-dir"])
                 .arg(&dir)
-                .args(["-o", &format!("pools.rollout.count={engines}")]),
+                .args(["-o", &format!("pools.rollout.count={engines}")])
+                .args(["-o", "stages.rl.trainer.log_generations=3"]),
         );
+        let logged = std::fs::read_to_string(dir.join("generations/rl/step_000004.jsonl")).unwrap();
+        let lines: Vec<Value> = logged
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        assert_eq!(lines.len(), 3, "{logged}");
+        for l in &lines {
+            for k in ["prompt", "response", "answer", "score"] {
+                assert!(l.get(k).is_some(), "{k} missing: {l}");
+            }
+        }
+        assert!(
+            !dir.join("generations/warmup").exists(),
+            "only the stage that asked logs"
+        );
+        samples.push(logged);
         let mut rows = strip(&dir);
         for v in &mut rows {
             if let Some(n) = v.as_object_mut().unwrap().remove("rollout/engines") {
@@ -357,6 +376,8 @@ fn runs_are_reproducible() {
     }
     assert_eq!(runs[0], runs[1]);
     assert_eq!(runs[0], runs[2], "a pool of 3 engines changed the run");
+    assert_eq!(samples[0], samples[1]);
+    assert_eq!(samples[0], samples[2]);
 }
 
 /// The SFT stage of `recipes/grpo-arith.yaml` as shipped, then its RL stage with 30 GRPO steps

@@ -1,17 +1,57 @@
-//! Greedy evaluation on a stage's held-out problems.
+//! Greedy evaluation on a stage's held-out problems, and the samples it writes out
+//! (`trainer.log_generations`).
 
 use super::{ExecError, Prompts};
 use crate::plan::StagePlan;
 use crate::roles::Rollouts;
 use rollout::{GenerateRequest, SamplingParams};
+use serde::Serialize;
+use std::path::Path;
 
-/// Greedy accuracy (full marks and an answer that ended) and mean reward on `stage`'s held-out
-/// problems.
+/// One evaluated sample, as `generations/<stage>/step_<N>.jsonl` holds it.
+#[derive(Debug, Serialize)]
+pub(super) struct Sample {
+    pub prompt: String,
+    pub response: String,
+    pub answer: String,
+    pub score: f64,
+}
+
+/// What an evaluation measured.
+pub(super) struct Evaluation {
+    /// Full marks with an answer that ended, over the held-out problems.
+    pub accuracy: f64,
+    /// The mean reward.
+    pub reward_mean: f64,
+    /// The first `stage.log_generations` samples.
+    pub samples: Vec<Sample>,
+}
+
+impl Evaluation {
+    /// Writes the samples (when there are some) to `run/generations/<stage>/step_<step>.jsonl`.
+    pub fn write_samples(&self, run: &Path, stage: &str, step: u64) -> Result<(), ExecError> {
+        if self.samples.is_empty() {
+            return Ok(());
+        }
+        let dir = run.join("generations").join(stage);
+        let mut text = String::new();
+        for s in &self.samples {
+            text.push_str(&serde_json::to_string(s).unwrap_or_default());
+            text.push('\n');
+        }
+        std::fs::create_dir_all(&dir)
+            .and_then(|()| std::fs::write(dir.join(format!("step_{step:06}.jsonl")), text))
+            .map_err(|source| ExecError::Io { path: dir, source })
+    }
+}
+
+/// Greedy accuracy (full marks and an answer that ended), mean reward and the first samples on
+/// `stage`'s held-out problems.
 pub(super) fn evaluate(
     stage: &StagePlan,
     prompts: &Prompts<'_>,
     rollouts: &dyn Rollouts,
-) -> Result<(f64, f64), ExecError> {
+) -> Result<Evaluation, ExecError> {
     let set = &stage.data.eval_set;
     let mut reqs = Vec::with_capacity(set.len());
     for p in set {
@@ -26,15 +66,29 @@ pub(super) fn evaluate(
     let out = rollouts.generate(reqs)?;
     let mut correct = 0.0;
     let mut total = 0.0;
+    let mut samples = Vec::new();
     for c in &out {
         let text = prompts.decode(&c.token_ids)?;
-        let s = stage.reward.score(&text, &set[c.request].answer) as f64;
+        let problem = &set[c.request];
+        let s = stage.reward.score(&text, &problem.answer) as f64;
         total += s;
         // Correct: full marks, and the answer ended (not cut at the token budget).
         if s >= 1.0 && c.token_ids.last() == Some(&prompts.eos) {
             correct += 1.0;
         }
+        if samples.len() < stage.log_generations {
+            samples.push(Sample {
+                prompt: problem.prompt.clone(),
+                response: text,
+                answer: problem.answer.clone(),
+                score: s,
+            });
+        }
     }
     let n = set.len().max(1) as f64;
-    Ok((correct / n, total / n))
+    Ok(Evaluation {
+        accuracy: correct / n,
+        reward_mean: total / n,
+        samples,
+    })
 }

@@ -75,10 +75,12 @@ impl<'a> Executor<'a> {
         let total = stage.steps;
         let mut rl = match &stage.work {
             Work::Eval => {
-                let (acc, reward) = eval::evaluate(stage, &self.prompts, &*self.roles.rollouts)?;
+                let ev = eval::evaluate(stage, &self.prompts, &*self.roles.rollouts)?;
+                ev.write_samples(self.job.dir, &stage.id, 0)?;
+                let acc = ev.accuracy;
                 let m: Metrics = [
                     ("eval/accuracy".to_string(), acc),
-                    ("eval/reward_mean".to_string(), reward),
+                    ("eval/reward_mean".to_string(), ev.reward_mean),
                 ]
                 .into();
                 self.job.records.row(&stage.id, 0, &m)?;
@@ -106,10 +108,13 @@ impl<'a> Executor<'a> {
             };
             let freq = stage.eval_freq;
             if (freq > 0 && step % freq == 0) || step == total {
-                let (acc, reward) = eval::evaluate(stage, &self.prompts, &*self.roles.rollouts)?;
-                m.insert("eval/accuracy".into(), acc);
-                m.insert("eval/reward_mean".into(), reward);
-                self.summary.eval_accuracy.insert(stage.id.clone(), acc);
+                let ev = eval::evaluate(stage, &self.prompts, &*self.roles.rollouts)?;
+                ev.write_samples(self.job.dir, &stage.id, step)?;
+                m.insert("eval/accuracy".into(), ev.accuracy);
+                m.insert("eval/reward_mean".into(), ev.reward_mean);
+                self.summary
+                    .eval_accuracy
+                    .insert(stage.id.clone(), ev.accuracy);
             }
             self.job.records.row(&stage.id, step, &m)?;
             self.summary.steps_run += 1;

@@ -688,6 +688,7 @@ fn stage(
         save_freq: s.trainer.save_freq,
         keep: s.trainer.max_ckpt_to_keep,
         eval_tokens,
+        log_generations: s.trainer.log_generations,
     })
 }
 

@@ -161,6 +161,11 @@ const VERL_NAMES: &[(&str, &str, &str)] = &[
         "`eval_freq` in a stage's `trainer`",
     ),
     (
+        "log_val_generations",
+        "trainer.log_val_generations",
+        "`log_generations` in a stage's `trainer`",
+    ),
+    (
         "total_training_steps",
         "trainer.total_training_steps",
         "`steps` in a stage's `trainer`",

@@ -187,6 +187,8 @@ pub struct StagePlan {
     pub keep: usize,
     /// Tokens a greedy eval answer may take.
     pub eval_tokens: usize,
+    /// Eval samples written out at each evaluation.
+    pub log_generations: usize,
 }
 
 /// What a stage does.

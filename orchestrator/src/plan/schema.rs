@@ -428,6 +428,9 @@ pub struct Trainer {
     pub stale_samples: Stale,
     /// Checkpoints kept on disk (older ones are deleted once a newer one is recorded).
     pub max_ckpt_to_keep: usize,
+    /// At every evaluation, write this many of its samples (prompt, response, answer, score) to
+    /// `RUN_DIR/generations/<stage>/step_<N>.jsonl` (VeRL's `log_val_generations`); 0: none.
+    pub log_generations: usize,
 }
 
 impl Default for Trainer {
@@ -441,6 +444,7 @@ impl Default for Trainer {
             max_staleness: 1,
             stale_samples: Stale::Drop,
             max_ckpt_to_keep: 1,
+            log_generations: 0,
         }
     }
 }
