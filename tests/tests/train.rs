@@ -754,18 +754,19 @@ fn parquet_datasets_train_with_a_prompt_template() {
     let dir = run_dir("parquet");
     std::fs::create_dir_all(&dir).unwrap();
     let data = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data");
-    let workflow = |answer_key: &str| {
+    let workflow_with = |answer_key: &str, reward: &str| {
         format!(
             "name: parquet\nseed: 1\nmodel: {{path: {model}}}\nstages:\n  - id: rl\n    kind: rl\n    \
              data: {{task: parquet, path: {train}, eval_path: {eval}, prompt_key: question,\n           \
              answer_key: {answer_key}, prompt_template: \"{{prompt}} Answer after ####.\"}}\n    \
              algorithm: {{rollout_n: 2, train_batch_size: 4, ppo_mini_batch_size: 4, lr: 1.0e-5,\n                \
-             max_response_length: 6}}\n    reward: {{type: gsm8k}}\n    trainer: {{steps: 2, eval_freq: 2}}\n",
+             max_response_length: 6}}\n    reward: {reward}\n    trainer: {{steps: 2, eval_freq: 2}}\n",
             model = data.join("tiny-qwen2/checkpoint").display(),
             train = data.join("parquet/snappy.parquet").display(),
             eval = data.join("parquet/plain-v2.parquet").display(),
         )
     };
+    let workflow = |answer_key: &str| workflow_with(answer_key, "{type: gsm8k}");
     let file = dir.join("parquet.yaml");
     std::fs::write(&file, workflow("answer")).unwrap();
     run_ok(
@@ -793,6 +794,87 @@ fn parquet_datasets_train_with_a_prompt_template() {
         err.contains("snappy.parquet: no column `solution` (columns: question, answer, id"),
         "{err}"
     );
+
+    // The same reward as a VeRL user's Python `compute_score`, beside the workflow and used
+    // unchanged: the run equals the built-in reward's row for row.
+    std::fs::copy(
+        data.join("rewards/gsm8k_reward.py"),
+        dir.join("gsm8k_reward.py"),
+    )
+    .unwrap();
+    std::fs::write(
+        &file,
+        workflow_with(
+            "answer",
+            "{type: python, path: gsm8k_reward.py, workers: 2}",
+        ),
+    )
+    .unwrap();
+    run_ok(
+        trellis()
+            .arg("train")
+            .arg(&file)
+            .args(["--quiet", "--run-dir"])
+            .arg(dir.join("python")),
+    );
+    let comparable = |run: &str| -> Vec<Value> {
+        metrics(&dir.join(run))
+            .into_iter()
+            .map(|mut v| {
+                let o = v.as_object_mut().unwrap();
+                o.retain(|k, _| !k.starts_with("timing_s/") && !k.starts_with("perf/"));
+                o.remove("reward/failed");
+                v
+            })
+            .collect()
+    };
+    assert_eq!(comparable("python"), comparable("run"));
+    assert!(
+        metrics(&dir.join("python"))
+            .iter()
+            .filter(|v| v["stage"] == "rl")
+            .all(|v| v["reward/failed"] == 0.0)
+    );
+    // A reward that fails on every sample stops the run with Python's traceback (resumable),
+    // instead of training on zeros; one that does not import is refused before anything runs.
+    std::fs::write(
+        dir.join("broken.py"),
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1 / 0\n",
+    )
+    .unwrap();
+    std::fs::write(
+        &file,
+        workflow_with("answer", "{type: python, path: broken.py}"),
+    )
+    .unwrap();
+    let out = trellis()
+        .arg("train")
+        .arg(&file)
+        .arg("--run-dir")
+        .arg(dir.join("broken"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("failed on all 8 samples") && err.contains("ZeroDivisionError"),
+        "{err}"
+    );
+    std::fs::write(dir.join("broken.py"), "def compute_score(:\n").unwrap();
+    let out = trellis()
+        .arg("train")
+        .arg(&file)
+        .arg("--run-dir")
+        .arg(dir.join("broken-import"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("stages[0].reward") && err.contains("SyntaxError"),
+        "{err}"
+    );
+    assert!(!dir.join("broken-import").exists());
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

@@ -64,13 +64,22 @@ pub(super) fn evaluate(
         reqs.push(GenerateRequest { prompt, params });
     }
     let out = rollouts.generate(reqs)?;
+    let texts = out
+        .iter()
+        .map(|c| prompts.decode(&c.token_ids))
+        .collect::<Result<Vec<_>, _>>()?;
+    let items: Vec<(&str, &str)> = out
+        .iter()
+        .zip(&texts)
+        .map(|(c, t)| (t.as_str(), set[c.request].answer.as_str()))
+        .collect();
+    let scored = stage.reward.score_all(&items)?;
     let mut correct = 0.0;
     let mut total = 0.0;
     let mut samples = Vec::new();
-    for c in &out {
-        let text = prompts.decode(&c.token_ids)?;
+    for ((c, text), s) in out.iter().zip(texts).zip(scored.scores) {
         let problem = &set[c.request];
-        let s = stage.reward.score(&text, &problem.answer) as f64;
+        let s = f64::from(s);
         total += s;
         // Correct: full marks, and the answer ended (not cut at the token budget).
         if s >= 1.0 && c.token_ids.last() == Some(&prompts.eos) {

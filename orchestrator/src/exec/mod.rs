@@ -57,6 +57,9 @@ pub enum ExecError {
     /// A prompt the chat template cannot render.
     #[error(transparent)]
     Chat(#[from] learner::chat::ChatError),
+    /// The reward could not score (a Python reward that fails on every sample).
+    #[error(transparent)]
+    Reward(#[from] rollout::reward::RewardError),
     /// Stopped on request after a step, with a checkpoint of it.
     #[error("stopped on request after {stage} step {step} (checkpointed)")]
     Stopped {

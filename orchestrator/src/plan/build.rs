@@ -7,6 +7,7 @@ use learner::optim::ScheduleKind;
 use learner::rl::agg::LossAgg;
 use learner::rl::kl::Kl;
 use learner::rl::loss::{PolicyLoss, PolicyLossConfig};
+use rollout::reward::Scorer;
 use rollout::task::Dataset;
 
 /// Errors of one workflow file.
@@ -630,7 +631,7 @@ fn stage(
     e: &Errs<'_>,
 ) -> Result<StagePlan, PlanError> {
     let at = |field: &str| format!("stages[{i}].{field}");
-    s.reward.validate().map_err(|m| e.at(at("reward"), m))?;
+    let reward = Scorer::open(s.reward.clone()).map_err(|m| e.at(at("reward"), m))?;
     if s.trainer.max_ckpt_to_keep == 0 {
         return Err(e.at(
             at("trainer.max_ckpt_to_keep"),
@@ -683,7 +684,7 @@ fn stage(
         },
         work,
         data,
-        reward: s.reward.clone(),
+        reward,
         eval_freq: s.trainer.eval_freq,
         save_freq: s.trainer.save_freq,
         keep: s.trainer.max_ckpt_to_keep,

@@ -89,6 +89,15 @@ pub(super) fn resolve(
             *t = base.join(t.as_str()).display().to_string();
         }
         for s in &mut wf.stages {
+            if let rollout::reward::Reward::Python { path, python, .. } = &mut s.reward {
+                if path.is_relative() {
+                    *path = base.join(&*path);
+                }
+                // An interpreter named by a path (a venv's bin/python), not looked up on PATH.
+                if python.is_relative() && python.components().count() > 1 {
+                    *python = base.join(&*python);
+                }
+            }
             if let Some(d) = &mut s.data {
                 for p in [&mut d.path, &mut d.eval_path].into_iter().flatten() {
                     if p.is_relative() {

@@ -29,7 +29,7 @@ use learner::chat::ChatTemplate;
 use learner::optim::LrSchedule;
 use learner::rl::advantage::AdvEstimator;
 use learner::tokenizer::Tokenizer;
-use rollout::reward::Reward;
+use rollout::reward::Scorer;
 use rollout::task::{Problem, Source};
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
@@ -175,8 +175,8 @@ pub struct StagePlan {
     pub work: Work,
     /// Its problems (an eval stage without data of its own shares the previous stage's).
     pub data: Arc<DataPlan>,
-    /// The reward (RL) and the eval's scorer.
-    pub reward: Reward,
+    /// The reward (RL) and the eval's scorer (a Python reward's workers start on first use).
+    pub reward: Scorer,
     /// Steps (0 for an eval stage).
     pub steps: u64,
     /// Evaluate every this many steps (0: only at the end).

@@ -119,11 +119,12 @@ fn now(cx: &StepCx<'_, '_>, m: &mut Metrics) -> Result<Vec<Group>, ExecError> {
         for g in groups_of(cx, problems, &reqs, out)? {
             generated += 1;
             let keep = !filter || {
-                let s: Vec<f32> = g
+                let items: Vec<(&str, &str)> = g
                     .texts
                     .iter()
-                    .map(|t| cx.stage.reward.score(t, &g.problem.answer))
+                    .map(|t| (t.as_str(), g.problem.answer.as_str()))
                     .collect();
+                let s = cx.stage.reward.score_all(&items)?.scores;
                 keep_informative_groups(&vec![0; s.len()], &s)[0]
             };
             if keep {

@@ -1,4 +1,5 @@
-//! `reward`: the stage's reward of every response, with DAPO's overlong shaping.
+//! `reward`: the stage's reward of every response, with DAPO's overlong shaping; a Python
+//! reward's failed calls are counted in `reward/failed`.
 
 use super::{Board, Compute, ExecError, StepCx, Update};
 use crate::exec::board::Write;
@@ -8,15 +9,26 @@ pub(crate) struct Reward;
 
 impl Compute for Reward {
     fn compute(&self, cx: &StepCx<'_, '_>, board: &Board) -> Result<Update, ExecError> {
+        // Every response of the step at once (a Python reward spreads them over its workers).
+        let items: Vec<(&str, &str)> = board
+            .groups
+            .iter()
+            .flat_map(|g| {
+                g.texts
+                    .iter()
+                    .map(|t| (t.as_str(), g.problem.answer.as_str()))
+            })
+            .collect();
+        let scored = cx.stage.reward.score_all(&items)?;
+        let mut flat = scored.scores.into_iter();
         let scores = board
             .groups
             .iter()
             .map(|g| {
-                g.texts
+                g.completions
                     .iter()
-                    .zip(&g.completions)
-                    .map(|(t, c)| {
-                        let mut s = cx.stage.reward.score(t, &g.problem.answer);
+                    .map(|c| {
+                        let mut s = flat.next().unwrap_or(0.0);
                         if let Some(o) = cx.rl.overlong {
                             s += overlong_penalty(
                                 c.token_ids.len(),
@@ -30,6 +42,15 @@ impl Compute for Reward {
                     .collect()
             })
             .collect();
-        Ok(Update::write(Write::Scores(scores)))
+        let mut update = Update::write(Write::Scores(scores));
+        if matches!(
+            cx.stage.reward.reward(),
+            rollout::reward::Reward::Python { .. }
+        ) {
+            update
+                .metrics
+                .insert("reward/failed".into(), scored.failed as f64);
+        }
+        Ok(update)
     }
 }

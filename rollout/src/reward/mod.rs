@@ -12,10 +12,19 @@
 //! - `regex`: the first capture group of `pattern` (the whole match without groups), searched in
 //!   the response, equals the answer; `format_score` when the pattern matches but the text differs.
 //! - `format`: `score` when the whole response matches `pattern`, else 0 (a format-only reward).
+//! - `python`: a Python function with VeRL's signature, `compute_score(data_source,
+//!   solution_str, ground_truth, extra_info)`, called unchanged in a pool of worker processes
+//!   ([`python`]).
 //!
-//! Owns: scoring one response. Never: runs programs (a workflow's `program` node does).
+//! Owns: scoring responses ([`Scorer`]: built-in rewards in this process, Python ones on their
+//! workers). Never: runs a workflow's `program` nodes (the orchestrator does).
 
+pub mod python;
+
+use python::{PythonPool, PythonSpec};
 use serde::{Deserialize, Serialize};
+use std::path::PathBuf;
+use std::time::Duration;
 
 /// Which reward.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -51,10 +60,177 @@ pub enum Reward {
         #[serde(default = "one")]
         score: f32,
     },
+    /// A Python function with VeRL's `compute_score` signature, returning a number (or a dict
+    /// with `score`).
+    Python {
+        /// The file that defines it (relative to the workflow file).
+        path: PathBuf,
+        /// The function.
+        #[serde(default = "compute_score")]
+        function: String,
+        /// The interpreter (a venv's `bin/python` for a reward with its own packages).
+        #[serde(default = "python3")]
+        python: PathBuf,
+        /// Worker processes (each imports the file once).
+        #[serde(default = "two")]
+        workers: usize,
+        /// Seconds one call may take; past it the sample scores 0 and its worker is replaced.
+        #[serde(default = "thirty")]
+        timeout_s: f64,
+        /// Address-space limit of a worker, in MiB.
+        #[serde(default = "four_gib")]
+        memory_mb: u64,
+        /// The `data_source` the function is given (VeRL's dataset column; unset: `None`).
+        #[serde(default)]
+        data_source: Option<String>,
+    },
 }
 
 fn one() -> f32 {
     1.0
+}
+
+fn compute_score() -> String {
+    "compute_score".into()
+}
+
+fn python3() -> PathBuf {
+    "python3".into()
+}
+
+fn two() -> usize {
+    2
+}
+
+fn thirty() -> f64 {
+    30.0
+}
+
+fn four_gib() -> u64 {
+    4096
+}
+
+/// Why responses could not be scored.
+#[derive(Debug, thiserror::Error)]
+pub enum RewardError {
+    /// The interpreter does not start.
+    #[error("cannot start `{}` for the reward: {message}", python.display())]
+    Start {
+        /// The interpreter.
+        python: PathBuf,
+        /// What the OS said.
+        message: String,
+    },
+    /// The reward's file does not import, or has no such function.
+    #[error("the reward in {} does not load:\n{traceback}", path.display())]
+    Import {
+        /// Its file.
+        path: PathBuf,
+        /// Python's traceback.
+        traceback: String,
+    },
+    /// Every sample of a batch failed: the reward is broken, not the samples.
+    #[error("the reward in {} failed on all {count} samples of the batch; the first:\n{first}", path.display())]
+    AllFailed {
+        /// Its file.
+        path: PathBuf,
+        /// Samples.
+        count: usize,
+        /// The first sample's traceback (or timeout).
+        first: String,
+    },
+    /// A bug.
+    #[error("reward: {0}")]
+    Internal(String),
+}
+
+/// Scores of a batch, and how many samples scored 0 because their reward call failed.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Scored {
+    /// One per item, in order.
+    pub scores: Vec<f32>,
+    /// Samples whose call raised, timed out or crashed its worker (scored 0).
+    pub failed: usize,
+}
+
+/// What scores a stage's responses: a built-in reward, or a Python one with its workers
+/// (started on first use, stopped when the scorer is dropped).
+#[derive(Debug)]
+pub struct Scorer {
+    reward: Reward,
+    python: Option<PythonPool>,
+}
+
+impl Scorer {
+    /// A scorer for `reward`, checked: a pattern compiles; a Python function imports (in a
+    /// worker that then ends).
+    pub fn open(reward: Reward) -> Result<Self, String> {
+        reward.validate()?;
+        let python = match &reward {
+            Reward::Python {
+                path,
+                function,
+                python,
+                workers,
+                timeout_s,
+                memory_mb,
+                data_source,
+            } => {
+                let spec = PythonSpec {
+                    python: python.clone(),
+                    path: path.clone(),
+                    function: function.clone(),
+                    workers: *workers,
+                    timeout: Duration::from_secs_f64(*timeout_s),
+                    memory_bytes: memory_mb.saturating_mul(1 << 20),
+                    data_source: data_source.clone(),
+                };
+                PythonPool::check(&spec).map_err(|e| e.to_string())?;
+                Some(PythonPool::new(spec))
+            }
+            _ => None,
+        };
+        Ok(Self { reward, python })
+    }
+
+    /// The reward it scores.
+    pub fn reward(&self) -> &Reward {
+        &self.reward
+    }
+
+    /// Scores `(response, answer)` pairs. A Python call that fails scores its sample 0 and is
+    /// counted (its traceback logged); a batch whose every call failed is an error.
+    pub fn score_all(&self, items: &[(&str, &str)]) -> Result<Scored, RewardError> {
+        let Some(pool) = &self.python else {
+            return Ok(Scored {
+                scores: items.iter().map(|(r, a)| self.reward.score(r, a)).collect(),
+                failed: 0,
+            });
+        };
+        let outcomes = pool.score(items)?;
+        let failed: Vec<&String> = outcomes.iter().filter_map(|o| o.as_ref().err()).collect();
+        if let Some(first) = failed.first() {
+            if failed.len() == items.len() {
+                return Err(RewardError::AllFailed {
+                    path: pool.spec().path.clone(),
+                    count: items.len(),
+                    first: (*first).clone(),
+                });
+            }
+            tracing::warn!(
+                failed = failed.len(),
+                of = items.len(),
+                "reward calls failed (scored 0); the first: {first}"
+            );
+        }
+        Ok(Scored {
+            scores: outcomes
+                .iter()
+                .map(|o| *o.as_ref().unwrap_or(&0.0))
+                .collect(),
+            failed: failed.len(),
+        })
+    }
 }
 
 impl Reward {
@@ -66,12 +242,27 @@ impl Reward {
                     .map(|_| ())
                     .map_err(|e| format!("reward pattern `{pattern}`: {e}"))
             }
+            Reward::Python {
+                workers,
+                timeout_s,
+                memory_mb,
+                ..
+            } => {
+                if *workers == 0 || *memory_mb == 0 || !(*timeout_s > 0.0 && timeout_s.is_finite())
+                {
+                    return Err(format!(
+                        "workers, timeout_s and memory_mb must be positive (got {workers}, {timeout_s}, {memory_mb})"
+                    ));
+                }
+                Ok(())
+            }
             _ => Ok(()),
         }
     }
 
-    /// Scores one response against its answer.
-    pub fn score(&self, response: &str, answer: &str) -> f32 {
+    /// Scores one response against its answer (a built-in reward; a Python one scores through
+    /// a [`Scorer`], and here gives 0).
+    fn score(&self, response: &str, answer: &str) -> f32 {
         let graded = |got: Option<String>, want: String, format_score: f32| match got {
             Some(g) if g == want => 1.0,
             Some(_) => format_score,
@@ -114,6 +305,7 @@ impl Reward {
                     _ => 0.0,
                 }
             }
+            Reward::Python { .. } => 0.0,
         }
     }
 }
