@@ -77,13 +77,27 @@ impl Checkpoint {
     }
 }
 
+/// Shards above this size, as transformers' `save_pretrained(max_shard_size="5GB")`.
+pub const MAX_SHARD_BYTES: u64 = 5_000_000_000;
+
 /// Writes `model` with its side files `assets` (and `optimizer`'s state, when given) to `dir`
-/// as a checkpoint folder, atomically.
+/// as a checkpoint folder, atomically; weights past [`MAX_SHARD_BYTES`] are sharded.
 pub fn save(
     model: &Model,
     assets: &[(String, Vec<u8>)],
     dir: &Path,
     optimizer: Option<&Optimizer>,
+) -> Result<()> {
+    save_with(model, assets, dir, optimizer, MAX_SHARD_BYTES)
+}
+
+/// [`save`] with another shard size.
+pub fn save_with(
+    model: &Model,
+    assets: &[(String, Vec<u8>)],
+    dir: &Path,
+    optimizer: Option<&Optimizer>,
+    max_shard_bytes: u64,
 ) -> Result<()> {
     let tmp = sibling(dir, ".tmp");
     if tmp.exists() {
@@ -94,7 +108,7 @@ pub fn save(
     let text =
         serde_json::to_string_pretty(&model.config.to_hf_json()).expect("JSON value serialises");
     std::fs::write(&cfg, text).map_err(|e| Error::io(&cfg, e))?;
-    model.params.save(&tmp.join("model.safetensors"))?;
+    model.params.save_sharded(&tmp, max_shard_bytes)?;
     for (name, bytes) in assets {
         let p = tmp.join(name);
         std::fs::write(&p, bytes).map_err(|e| Error::io(&p, e))?;
@@ -121,4 +135,58 @@ fn sibling(dir: &Path, suffix: &str) -> PathBuf {
         .unwrap_or_default();
     name.push(suffix);
     dir.with_file_name(name)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::params::{Params, ParamsIo};
+
+    #[test]
+    fn weights_past_the_shard_size_are_sharded_with_an_index_and_load_back() {
+        let config = ModelConfig::from_json(
+            serde_json::json!({"arch": "qwen2", "vocab_size": 64, "hidden_size": 32,
+                "intermediate_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
+                "num_key_value_heads": 2, "max_position_embeddings": 32}),
+            Path::new("config.json"),
+        )
+        .unwrap();
+        let (_, specs) = crate::params::Layout::new(&config);
+        let model = Model::new(config, Params::init(&specs, 0.02, 7)).unwrap();
+        let dir = std::env::temp_dir().join(format!("trellis-shards-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        // 40 KB a shard: a few shards for this model.
+        save_with(&model, &[], &dir, None, 40_000).unwrap();
+        let index: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(dir.join("model.safetensors.index.json")).unwrap(),
+        )
+        .unwrap();
+        let files: std::collections::BTreeSet<&str> = index["weight_map"]
+            .as_object()
+            .unwrap()
+            .values()
+            .map(|v| v.as_str().unwrap())
+            .collect();
+        assert!(files.len() > 1, "{files:?}");
+        let n = files.len();
+        for (i, f) in files.iter().enumerate() {
+            assert_eq!(*f, format!("model-{:05}-of-{n:05}.safetensors", i + 1));
+            assert!(dir.join(f).is_file());
+        }
+        let total: u64 = model
+            .params
+            .tensors
+            .iter()
+            .map(|t| 4 * t.data.len() as u64)
+            .sum();
+        assert_eq!(index["metadata"]["total_size"], total);
+        assert!(!dir.join("model.safetensors").exists());
+        let back = Checkpoint::load(&dir).unwrap();
+        assert_eq!(back.model.params, model.params);
+        // Below the limit: one file, no index.
+        save(&model, &[], &dir, None).unwrap();
+        assert!(dir.join("model.safetensors").is_file());
+        assert!(!dir.join("model.safetensors.index.json").exists());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }

@@ -26,6 +26,12 @@ pub trait ParamsIo: Sized {
     /// shards listed in `model.safetensors.index.json`), converting bf16/f16 to f32.
     fn load(dir: &Path, specs: &[(String, Vec<usize>)]) -> Result<Self>;
 
+    /// Writes all tensors as f32 into the checkpoint folder `dir`: `model.safetensors`, or,
+    /// past `max_shard_bytes`, shards `model-0000i-of-0000n.safetensors` with the
+    /// `model.safetensors.index.json` that lists them (as transformers' `save_pretrained`).
+    /// Returns the files written.
+    fn save_sharded(&self, dir: &Path, max_shard_bytes: u64) -> Result<Vec<PathBuf>>;
+
     /// Writes all tensors as f32 into one safetensors file at `path`.
     fn save(&self, path: &Path) -> Result<()> {
         self.save_prefixed(path, "")
@@ -164,29 +170,80 @@ impl ParamsIo for Params {
         load_files(dir, &files, specs)
     }
 
-    fn save_prefixed(&self, path: &Path, prefix: &str) -> Result<()> {
-        let bytes: Vec<Vec<u8>> = self
-            .tensors
-            .iter()
-            .map(|t| t.data.iter().flat_map(|v| v.to_le_bytes()).collect())
-            .collect();
-        let mut views = BTreeMap::new();
-        for (t, b) in self.tensors.iter().zip(&bytes) {
-            let view =
-                TensorView::new(Dtype::F32, t.shape.clone(), b).map_err(|e| Error::BadTensor {
-                    path: path.to_path_buf(),
-                    name: t.name.clone(),
-                    msg: e.to_string(),
-                })?;
-            views.insert(format!("{prefix}{}", t.name), view);
+    fn save_sharded(&self, dir: &Path, max_shard_bytes: u64) -> Result<Vec<PathBuf>> {
+        // Tensors in order, a new shard when the next one would pass the limit (a tensor
+        // larger than the limit gets a shard of its own).
+        let mut shards: Vec<Vec<&Tensor>> = vec![Vec::new()];
+        let mut size = 0u64;
+        for t in &self.tensors {
+            let bytes = 4 * t.data.len() as u64;
+            let last = shards.last().map_or(0, Vec::len);
+            if last > 0 && size + bytes > max_shard_bytes {
+                shards.push(Vec::new());
+                size = 0;
+            }
+            size += bytes;
+            if let Some(s) = shards.last_mut() {
+                s.push(t);
+            }
         }
-        let mut meta = HashMap::new();
-        meta.insert("format".to_string(), "pt".to_string());
-        safetensors::serialize_to_file(views, Some(meta), path).map_err(|e| Error::Safetensors {
-            path: path.to_path_buf(),
-            msg: e.to_string(),
-        })
+        if shards.len() == 1 {
+            let path = dir.join("model.safetensors");
+            write_tensors(&path, &shards[0], "")?;
+            return Ok(vec![path]);
+        }
+        let n = shards.len();
+        let mut weight_map = serde_json::Map::new();
+        let mut files = Vec::with_capacity(n + 1);
+        for (i, shard) in shards.iter().enumerate() {
+            let name = format!("model-{:05}-of-{n:05}.safetensors", i + 1);
+            let path = dir.join(&name);
+            write_tensors(&path, shard, "")?;
+            for t in shard {
+                weight_map.insert(t.name.clone(), name.clone().into());
+            }
+            files.push(path);
+        }
+        let total: u64 = self.tensors.iter().map(|t| 4 * t.data.len() as u64).sum();
+        let index = serde_json::json!({
+            "metadata": {"total_size": total},
+            "weight_map": weight_map,
+        });
+        let path = dir.join("model.safetensors.index.json");
+        let text = serde_json::to_string_pretty(&index).unwrap_or_default();
+        std::fs::write(&path, text).map_err(|e| Error::io(&path, e))?;
+        files.push(path);
+        Ok(files)
     }
+
+    fn save_prefixed(&self, path: &Path, prefix: &str) -> Result<()> {
+        let all: Vec<&Tensor> = self.tensors.iter().collect();
+        write_tensors(path, &all, prefix)
+    }
+}
+
+/// Writes `tensors` as f32, each named `prefix` + its name, into the safetensors file `path`.
+fn write_tensors(path: &Path, tensors: &[&Tensor], prefix: &str) -> Result<()> {
+    let bytes: Vec<Vec<u8>> = tensors
+        .iter()
+        .map(|t| t.data.iter().flat_map(|v| v.to_le_bytes()).collect())
+        .collect();
+    let mut views = BTreeMap::new();
+    for (t, b) in tensors.iter().zip(&bytes) {
+        let view =
+            TensorView::new(Dtype::F32, t.shape.clone(), b).map_err(|e| Error::BadTensor {
+                path: path.to_path_buf(),
+                name: t.name.clone(),
+                msg: e.to_string(),
+            })?;
+        views.insert(format!("{prefix}{}", t.name), view);
+    }
+    let mut meta = HashMap::new();
+    meta.insert("format".to_string(), "pt".to_string());
+    safetensors::serialize_to_file(views, Some(meta), path).map_err(|e| Error::Safetensors {
+        path: path.to_path_buf(),
+        msg: e.to_string(),
+    })
 }
 
 /// Loads `specs` from one safetensors file.
