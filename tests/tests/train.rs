@@ -744,6 +744,60 @@ fn jsonl_datasets_train_and_bad_rows_are_named() {
     assert!(!out.status.success());
     assert!(err.contains("sums.jsonl:2: no key `a` (keys: q)"), "{err}");
     assert!(!dir.join("run2").exists(), "nothing ran");
+
+    // VeRL's max_prompt_length: an over-long prompt is refused before the run starts, naming
+    // its row; with filter_overlong_prompts its rows are dropped, eval rows too (the logged
+    // eval samples hold only the short prompts).
+    let long = "1+1+1+1+1+1+1+1+1+1=";
+    let mixed: Vec<String> = (0..40)
+        .map(|i| match i % 4 {
+            3 => format!("{{\"q\": \"{long}\", \"a\": 10}}"),
+            _ => format!(
+                "{{\"q\": \"{}+{}=\", \"a\": {}}}",
+                i % 10,
+                i % 7,
+                i % 10 + i % 7
+            ),
+        })
+        .collect();
+    std::fs::write(&data, mixed.join("\n")).unwrap();
+    let bounded = |filter: bool| {
+        format!(
+            "{{task: jsonl, path: {}, prompt_key: q, answer_key: a, eval_size: 8, max_prompt_length: 8, filter_overlong_prompts: {filter}}}",
+            data.display()
+        )
+    };
+    let out = trellis()
+        .arg("train")
+        .arg(recipe())
+        .args(["-o", &format!("stages.rl.data={}", bounded(false))])
+        .arg("--run-dir")
+        .arg(dir.join("run3"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("stages[1].data.max_prompt_length")
+            && err.contains("sums.jsonl: row 4: the prompt is 20 tokens, over 8")
+            && err.contains("filter_overlong_prompts: true"),
+        "{err}"
+    );
+    run_ok(
+        trellis()
+            .arg("train")
+            .arg(recipe())
+            .args(["--quiet", "-o", "stages.warmup.trainer.steps=2"])
+            .args(["-o", "stages.rl.trainer.steps=2"])
+            .args(["-o", "stages.rl.trainer.log_generations=8"])
+            .args(["-o", &format!("stages.rl.data={}", bounded(true))])
+            .arg("--run-dir")
+            .arg(dir.join("run4")),
+    );
+    let logged =
+        std::fs::read_to_string(dir.join("run4/generations/rl/step_000002.jsonl")).unwrap();
+    assert_eq!(logged.lines().count(), 8, "{logged}");
+    assert!(!logged.contains(long), "{logged}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

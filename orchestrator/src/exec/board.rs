@@ -3,7 +3,7 @@
 //! makes, and the [`StepCx`] of roles and settings a node runs with.
 
 use super::ExecError;
-use super::prompts::Prompts;
+use crate::plan::Prompts;
 use crate::plan::{Artifact, RlPlan, StagePlan};
 use crate::roles::{Critic, Policy, Reference, Rollouts};
 use learner::algo::TokenRows;

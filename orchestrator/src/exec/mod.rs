@@ -13,11 +13,10 @@ mod board;
 mod data_metrics;
 mod eval;
 mod nodes;
-mod prompts;
 mod stage;
 mod step;
 
-pub use prompts::Prompts;
+pub use crate::plan::Prompts;
 
 use crate::plan::Plan;
 use crate::record::{RecordError, Records};
@@ -57,6 +56,9 @@ pub enum ExecError {
     /// A prompt the chat template cannot render.
     #[error(transparent)]
     Chat(#[from] learner::chat::ChatError),
+    /// A problem that cannot become tokens.
+    #[error(transparent)]
+    Prompt(#[from] crate::plan::PromptError),
     /// The reward could not score (a Python reward that fails on every sample).
     #[error(transparent)]
     Reward(#[from] rollout::reward::RewardError),

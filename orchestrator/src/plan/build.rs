@@ -75,7 +75,12 @@ pub(super) fn plan(mut spec: Workflow, origin: &str) -> Result<Plan, PlanError> 
                 let plan = match shared {
                     Some(p) => p,
                     None => {
-                        let p = Arc::new(data_plan(d, spec.seed, &at("data"), &e)?);
+                        let prompts = Prompts {
+                            tokenizer: &tokenizer,
+                            chat: chat.as_deref(),
+                            eos: 0,
+                        };
+                        let p = Arc::new(data_plan(d, spec.seed, &prompts, &at("data"), &e)?);
                         read.push((d.clone(), p.clone()));
                         p
                     }
@@ -503,7 +508,13 @@ fn placement_name(p: schema::Placement) -> &'static str {
     }
 }
 
-fn data_plan(d: &schema::Data, seed: u64, at: &str, e: &Errs<'_>) -> Result<DataPlan, PlanError> {
+fn data_plan(
+    d: &schema::Data,
+    seed: u64,
+    prompts: &Prompts<'_>,
+    at: &str,
+    e: &Errs<'_>,
+) -> Result<DataPlan, PlanError> {
     if let Some(t) = &d.prompt_template
         && !t.contains("{prompt}")
     {
@@ -543,14 +554,51 @@ fn data_plan(d: &schema::Data, seed: u64, at: &str, e: &Errs<'_>) -> Result<Data
                 }
                 Ok(rows)
             };
-            let train = read(path)?;
-            let eval = match &d.eval_path {
+            let mut train = read(path)?;
+            let mut eval = match &d.eval_path {
                 Some(p) => Some(read(p)?),
                 None => None,
             };
+            if let Some(max) = d.max_prompt_length {
+                let mut dropped = 0;
+                for (file, rows) in [
+                    (Some(path), Some(&mut train)),
+                    (d.eval_path.as_ref(), eval.as_mut()),
+                ] {
+                    let (Some(file), Some(rows)) = (file, rows) else {
+                        continue;
+                    };
+                    let before = rows.len();
+                    overlong(rows, max, d, prompts, file, at, e)?;
+                    dropped += before - rows.len();
+                    if rows.is_empty() {
+                        return Err(e.at(
+                            format!("{at}.max_prompt_length"),
+                            format!("{}: every prompt is over {max} tokens", file.display()),
+                        ));
+                    }
+                }
+                if dropped > 0 {
+                    tracing::info!(
+                        "{at}: dropped {dropped} rows whose prompt is over {max} tokens"
+                    );
+                }
+            }
             Source::Dataset(Dataset::split(train, eval, d.eval_size, seed))
         }
     };
+    if d.filter_overlong_prompts && d.max_prompt_length.is_none() {
+        return Err(e.at(
+            format!("{at}.filter_overlong_prompts"),
+            "needs max_prompt_length (the length over which prompts are dropped)",
+        ));
+    }
+    if d.task == Task::Arith && (d.max_prompt_length.is_some() || d.filter_overlong_prompts) {
+        return Err(e.at(
+            format!("{at}.max_prompt_length"),
+            "is for jsonl and parquet datasets (arith prompts are a few tokens)",
+        ));
+    }
     let eval_set = source.eval_set(seed, d.eval_size);
     Ok(DataPlan {
         exclude: eval_set.iter().cloned().collect(),
@@ -558,6 +606,41 @@ fn data_plan(d: &schema::Data, seed: u64, at: &str, e: &Errs<'_>) -> Result<Data
         source,
         chat_template: d.chat_template,
     })
+}
+
+/// Drops (`filter_overlong_prompts`) or refuses the rows of `file` whose prompt is over `max`
+/// tokens.
+fn overlong(
+    rows: &mut Vec<Problem>,
+    max: usize,
+    d: &schema::Data,
+    prompts: &Prompts<'_>,
+    file: &Path,
+    at: &str,
+    e: &Errs<'_>,
+) -> Result<(), PlanError> {
+    let mut keep = Vec::with_capacity(rows.len());
+    for (i, r) in rows.iter().enumerate() {
+        let n = prompts
+            .prompt(&r.prompt, d.chat_template)
+            .map_err(|m| e.at(at, format!("{}: row {}: {m}", file.display(), i + 1)))?
+            .len();
+        if n > max && !d.filter_overlong_prompts {
+            let head: String = r.prompt.chars().take(60).collect();
+            return Err(e.at(
+                format!("{at}.max_prompt_length"),
+                format!(
+                    "{}: row {}: the prompt is {n} tokens, over {max} (`{head}…`); set filter_overlong_prompts: true to drop such rows",
+                    file.display(),
+                    i + 1
+                ),
+            ));
+        }
+        keep.push(n <= max);
+    }
+    let mut it = keep.into_iter();
+    rows.retain(|_| it.next().unwrap_or(false));
+    Ok(())
 }
 
 fn steps_of_epochs(

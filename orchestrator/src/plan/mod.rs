@@ -13,12 +13,14 @@ mod build;
 pub mod error;
 pub mod graph;
 mod load;
+mod prompts;
 pub mod schema;
 #[cfg(test)]
 mod tests;
 
 pub use error::PlanError;
 pub use graph::{Artifact, Op, StepGraph};
+pub use prompts::{PromptError, Prompts};
 pub use schema::{Device, Workflow};
 
 use actors::Strategy;

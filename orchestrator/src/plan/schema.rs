@@ -253,6 +253,15 @@ pub struct Data {
     /// (`tokenizer_config.json` of `model.path`).
     #[serde(default)]
     pub chat_template: bool,
+    /// `jsonl`, `parquet`: the longest prompt, in tokens (after the template and the chat
+    /// template), as VeRL's `data.max_prompt_length`; a longer one is refused before the run
+    /// starts, naming it, unless `filter_overlong_prompts`.
+    #[serde(default)]
+    pub max_prompt_length: Option<usize>,
+    /// Drop the rows whose prompt is over `max_prompt_length` instead (VeRL's
+    /// `data.filter_overlong_prompts`), train and eval rows alike.
+    #[serde(default)]
+    pub filter_overlong_prompts: bool,
 }
 
 fn default_prompt_key() -> String {

@@ -206,6 +206,16 @@ fn bad_workflows_get_messages_that_say_where_and_why() {
         ),
         (
             "data: {task: arith, digits: 1, eval_size: 4}\n    sft",
+            "data: {task: arith, digits: 1, eval_size: 4, max_prompt_length: 8}\n    sft",
+            "t.yaml: stages[0].data.max_prompt_length: is for jsonl and parquet datasets (arith prompts are a few tokens)",
+        ),
+        (
+            "data: {task: arith, digits: 1, eval_size: 4}\n    sft",
+            "data: {task: arith, digits: 1, eval_size: 4, filter_overlong_prompts: true}\n    sft",
+            "t.yaml: stages[0].data.filter_overlong_prompts: needs max_prompt_length (the length over which prompts are dropped)",
+        ),
+        (
+            "data: {task: arith, digits: 1, eval_size: 4}\n    sft",
             "data: {task: jsonl, path: /no/such/rows.jsonl}\n    sft",
             "t.yaml: stages[0].data: /no/such/rows.jsonl: No such file or directory (os error 2)",
         ),

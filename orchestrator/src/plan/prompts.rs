@@ -3,12 +3,23 @@
 //! tokenizer's special tokens (Llama's BOS); a rendered prompt has the template's own, and an
 //! answer continues the prompt.
 
-use super::ExecError;
-use learner::chat::ChatTemplate;
+use learner::chat::{ChatError, ChatTemplate};
 use learner::tokenizer::Tokenizer;
 use rollout::task::Problem;
 
-/// How a job's problems become tokens.
+/// Why a problem could not become tokens.
+#[derive(Debug, thiserror::Error)]
+pub enum PromptError {
+    /// The tokenizer refused the text.
+    #[error(transparent)]
+    Tokenizer(#[from] learner::Error),
+    /// The chat template could not render it.
+    #[error(transparent)]
+    Chat(#[from] ChatError),
+}
+
+/// How a job's problems become tokens (the plan checks prompt lengths with it; the executor
+/// encodes every problem with it).
 pub struct Prompts<'a> {
     /// The tokenizer.
     pub tokenizer: &'a Tokenizer,
@@ -21,18 +32,23 @@ pub struct Prompts<'a> {
 impl Prompts<'_> {
     /// Token ids of `p`'s prompt (rendered as a user message when `chat`), and of its answer
     /// followed by end-of-sequence.
-    pub fn encode(&self, p: &Problem, chat: bool) -> Result<(Vec<u32>, Vec<u32>), ExecError> {
-        let prompt = match (self.chat, chat) {
-            (Some(t), true) => self.tokenizer.encode_rendered(&t.render_user(&p.prompt)?)?,
-            _ => self.tokenizer.encode(&p.prompt)?,
-        };
+    pub fn encode(&self, p: &Problem, chat: bool) -> Result<(Vec<u32>, Vec<u32>), PromptError> {
+        let prompt = self.prompt(&p.prompt, chat)?;
         let mut answer = self.tokenizer.encode_rendered(&p.answer)?;
         answer.push(self.eos);
         Ok((prompt, answer))
     }
 
+    /// Token ids of a prompt (rendered as a user message when `chat`).
+    pub fn prompt(&self, prompt: &str, chat: bool) -> Result<Vec<u32>, PromptError> {
+        Ok(match (self.chat, chat) {
+            (Some(t), true) => self.tokenizer.encode_rendered(&t.render_user(prompt)?)?,
+            _ => self.tokenizer.encode(prompt)?,
+        })
+    }
+
     /// Decoded text of `ids`.
-    pub fn decode(&self, ids: &[u32]) -> Result<String, ExecError> {
+    pub fn decode(&self, ids: &[u32]) -> Result<String, PromptError> {
         Ok(self.tokenizer.decode(ids)?)
     }
 }
