@@ -110,6 +110,28 @@ fn four_gib() -> u64 {
     4096
 }
 
+/// Limits the address space of the process `cmd` starts to `bytes` (RLIMIT_AS), so a reward
+/// that allocates without bound fails alone instead of taking the host's memory.
+pub fn limit_address_space(cmd: &mut std::process::Command, bytes: u64) {
+    #[cfg(unix)]
+    {
+        use std::os::unix::process::CommandExt;
+        // SAFETY: between fork and exec only async-signal-safe calls (setrlimit) are made.
+        unsafe {
+            cmd.pre_exec(move || {
+                let r = libc::rlimit {
+                    rlim_cur: bytes as libc::rlim_t,
+                    rlim_max: bytes as libc::rlim_t,
+                };
+                if libc::setrlimit(libc::RLIMIT_AS, &r) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+    }
+}
+
 /// Why responses could not be scored.
 #[derive(Debug, thiserror::Error)]
 pub enum RewardError {

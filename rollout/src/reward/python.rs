@@ -91,24 +91,7 @@ impl Worker {
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::null());
-        let limit = spec.memory_bytes;
-        #[cfg(unix)]
-        {
-            use std::os::unix::process::CommandExt;
-            // SAFETY: between fork and exec only async-signal-safe calls (setrlimit) are made.
-            unsafe {
-                cmd.pre_exec(move || {
-                    let r = libc::rlimit {
-                        rlim_cur: limit as libc::rlim_t,
-                        rlim_max: limit as libc::rlim_t,
-                    };
-                    if libc::setrlimit(libc::RLIMIT_AS, &r) != 0 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                    Ok(())
-                });
-            }
-        }
+        super::limit_address_space(&mut cmd, spec.memory_bytes);
         let mut child = cmd.spawn().map_err(|e| RewardError::Start {
             python: spec.python.clone(),
             message: e.to_string(),

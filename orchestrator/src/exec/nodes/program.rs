@@ -80,24 +80,7 @@ fn run(p: &ProgramPlan, input: Vec<u8>, expect: usize) -> Result<Vec<Option<f64>
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
-    let limit = p.memory_bytes;
-    #[cfg(unix)]
-    {
-        use std::os::unix::process::CommandExt;
-        // SAFETY: between fork and exec only async-signal-safe calls (setrlimit) are made.
-        unsafe {
-            cmd.pre_exec(move || {
-                let r = libc::rlimit {
-                    rlim_cur: limit as libc::rlim_t,
-                    rlim_max: limit as libc::rlim_t,
-                };
-                if libc::setrlimit(libc::RLIMIT_AS, &r) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
-    }
+    rollout::reward::limit_address_space(&mut cmd, p.memory_bytes);
     let mut child = cmd
         .spawn()
         .map_err(|e| format!("cannot start `{}`: {e}", p.program.display()))?;
