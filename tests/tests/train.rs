@@ -80,8 +80,15 @@ fn a_recipe_runs_end_to_end_and_records_everything() {
     ] {
         assert!(rl.get(k).is_some(), "rl step 6 lacks {k}: {rl}");
     }
-    // TensorBoard event files are written beside metrics.jsonl.
-    let tb: Vec<_> = std::fs::read_dir(dir.join("tensorboard"))
+    // TensorBoard event files are written beside metrics.jsonl: a run (folder) per stage, tagged
+    // with VeRL's keys.
+    let mut runs: Vec<String> = std::fs::read_dir(dir.join("tensorboard"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    runs.sort();
+    assert_eq!(runs, ["final-eval", "rl", "warmup"]);
+    let tb: Vec<_> = std::fs::read_dir(dir.join("tensorboard/rl"))
         .unwrap()
         .map(|e| e.unwrap().path())
         .collect();
@@ -93,7 +100,9 @@ fn a_recipe_runs_end_to_end_and_records_everything() {
             .to_string_lossy()
             .starts_with("events.out.tfevents.")
     );
-    assert!(std::fs::metadata(&tb[0]).unwrap().len() > 1000);
+    let events = std::fs::read(&tb[0]).unwrap();
+    let has = |tag: &str| events.windows(tag.len()).any(|w| w == tag.as_bytes());
+    assert!(has("critic/score/mean") && !has("rl/critic"), "tags are the metric keys");
     // ... and the curves as a PNG.
     let png = std::fs::read(dir.join("plot.png")).unwrap();
     assert_eq!(&png[..4], b"\x89PNG");

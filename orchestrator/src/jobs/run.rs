@@ -13,7 +13,7 @@ use crate::exec::{ExecError, Executor, Prompts, Roles, Summary};
 use crate::plan::{LearnerEngine, ModelSource, Plan, PlanError, RolloutEngine};
 use crate::pools::rollout::{PoolStart, RolloutPool};
 use crate::pools::{Cluster, PoolError};
-use crate::record::tensorboard::EventWriter;
+use crate::record::tensorboard::TensorBoard;
 use crate::record::{Event, JsonlSink, LiveStatus, RecordError, Recorder, Records, StoreSink};
 use crate::roles::{LocalPolicy, LocalRoles};
 use crate::store::{Job, JobState, JobStatus, Progress, Store, StoreError};
@@ -469,7 +469,7 @@ fn run(
     rewind_metrics(store, id, &state, &metrics_path)?;
     records.push(Box::new(JsonlSink::open(&metrics_path)?));
     let tb = dir.join("tensorboard");
-    records.push(Box::new(EventWriter::create(&tb).map_err(io(&tb))?));
+    records.push(Box::new(TensorBoard::new(&tb)));
     records.push(Box::new(LiveStatus::new(
         live_status_path(dir),
         JobStatus {

@@ -315,17 +315,19 @@ impl Recorder for JsonlSink {
     }
 }
 
-impl Recorder for tensorboard::EventWriter {
+impl Recorder for tensorboard::TensorBoard {
     fn row(&mut self, row: &Row<'_>) -> Result<(), RecordError> {
         let scalars = row
             .metrics
             .iter()
             .filter(|(_, v)| v.is_finite())
-            .map(|(k, v)| (format!("{}/{k}", row.stage), *v));
-        self.scalars(row.step, scalars)
-            .map_err(|source| RecordError::Io {
-                path: self.path().to_path_buf(),
+            .map(|(k, v)| (k.clone(), *v));
+        match self.scalars(row.stage, row.step, scalars) {
+            Ok(_) => Ok(()),
+            Err(source) => Err(RecordError::Io {
+                path: self.dir().join(row.stage),
                 source,
-            })
+            }),
+        }
     }
 }

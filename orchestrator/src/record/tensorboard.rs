@@ -1,7 +1,8 @@
 //! TensorBoard event files: every logged metric also goes to
-//! `RUN_DIR/tensorboard/events.out.tfevents.*` as a scalar tagged `<stage>/<metric>`, in
-//! TFRecord framing (length and data each guarded by a masked CRC-32C), so `tensorboard
-//! --logdir RUN_DIR` shows the curves with no conversion.
+//! `RUN_DIR/tensorboard/<stage>/events.out.tfevents.*` — one TensorBoard run per stage — as a
+//! scalar tagged with its key (`critic/score/mean`, VeRL's tags, so a stage's curves overlay a
+//! VeRL run's), in TFRecord framing (length and data each guarded by a masked CRC-32C), so
+//! `tensorboard --logdir RUN_DIR` shows the curves with no conversion.
 
 use prost::Message;
 use proto::tensorboard::{Event, Summary, event::What, summary::Value};
@@ -86,6 +87,44 @@ impl EventWriter {
     }
 }
 
+/// The run's event files, one folder (a TensorBoard run) per stage, opened as stages log.
+pub struct TensorBoard {
+    dir: PathBuf,
+    stages: std::collections::BTreeMap<String, EventWriter>,
+}
+
+impl TensorBoard {
+    /// Event files under `dir` (made when the first row comes).
+    pub fn new(dir: &Path) -> Self {
+        Self {
+            dir: dir.to_path_buf(),
+            stages: Default::default(),
+        }
+    }
+
+    /// Writes `values` of `stage` at `step`.
+    pub fn scalars(
+        &mut self,
+        stage: &str,
+        step: u64,
+        values: impl IntoIterator<Item = (String, f64)>,
+    ) -> std::io::Result<&Path> {
+        let w = match self.stages.entry(stage.to_string()) {
+            std::collections::btree_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::btree_map::Entry::Vacant(e) => {
+                e.insert(EventWriter::create(&self.dir.join(stage))?)
+            }
+        };
+        w.scalars(step, values)?;
+        Ok(w.path())
+    }
+
+    /// The folder of the event files.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+}
+
 /// Reads back every event of a file, checking the framing CRCs (for tests and tools).
 pub fn read_events(path: &Path) -> Result<Vec<Event>, String> {
     let bytes = std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))?;
@@ -141,6 +180,39 @@ mod tests {
             ),
             (7, "rl/critic/score/mean", 0.5)
         );
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn each_stage_is_a_run_and_tags_are_the_metric_keys() {
+        let dir = std::env::temp_dir().join(format!("trellis-tb-stages-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let mut tb = TensorBoard::new(&dir);
+        tb.scalars("warmup", 1, [("sft/loss".to_string(), 2.0)])
+            .unwrap();
+        let rl = tb
+            .scalars("rl", 3, [("critic/score/mean".to_string(), 0.25)])
+            .unwrap()
+            .to_path_buf();
+        tb.scalars("rl", 4, [("critic/score/mean".to_string(), 0.5)])
+            .unwrap();
+        assert!(rl.starts_with(dir.join("rl")));
+        let tags: Vec<(i64, String)> = read_events(&rl)
+            .unwrap()
+            .into_iter()
+            .filter_map(|e| match e.what {
+                Some(What::Summary(s)) => Some((e.step, s.value[0].tag.clone())),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            tags,
+            [
+                (3, "critic/score/mean".into()),
+                (4, "critic/score/mean".into())
+            ]
+        );
+        assert_eq!(std::fs::read_dir(dir.join("warmup")).unwrap().count(), 1);
         std::fs::remove_dir_all(dir).unwrap();
     }
 }
