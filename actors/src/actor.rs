@@ -623,7 +623,7 @@ mod tests {
     async fn deaths_older_than_the_window_no_longer_count() {
         let options = SpawnOptions {
             restart: RestartPolicy {
-                window: Duration::from_millis(300),
+                window: Duration::from_millis(600),
                 ..fast(1)
             },
             ..SpawnOptions::default()
@@ -640,7 +640,7 @@ mod tests {
                 PingResponse::Echo("up".into()),
                 "death {i}"
             );
-            tokio::time::sleep(Duration::from_millis(400)).await;
+            tokio::time::sleep(Duration::from_millis(800)).await;
         }
         // Two within the window: the budget of one restart is spent.
         let _ = ping.call(PingRequest::Panic("a".into())).await;
@@ -650,7 +650,7 @@ mod tests {
             .expect("restarted");
         let _ = ping.call(PingRequest::Panic("b".into())).await;
         let e = ping.call(PingRequest::Echo("x".into())).await.unwrap_err();
-        assert!(e.to_string().contains("died 2 times within 300ms"), "{e}");
+        assert!(e.to_string().contains("died 2 times within 600ms"), "{e}");
     }
 
     #[tokio::test]

@@ -875,7 +875,16 @@ mod tests {
         assert_eq!(ping.location(), "a");
         drop(stop_a);
         task_a.await.expect("joins").expect("agent a stops cleanly");
-        // Nobody has room for a while; then an agent joins.
+        // The head notices the loss; then nobody has room for a while (the restart waits, it
+        // does not fail); then an agent joins.
+        let t0 = Instant::now();
+        while ping.location() != "restarting" {
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "the loss went unnoticed"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
         tokio::time::sleep(Duration::from_millis(800)).await;
         assert_eq!(ping.location(), "restarting");
         let (_stop_b, _task_b) = agent(&head, "b", &token);

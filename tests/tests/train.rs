@@ -102,7 +102,10 @@ fn a_recipe_runs_end_to_end_and_records_everything() {
     );
     let events = std::fs::read(&tb[0]).unwrap();
     let has = |tag: &str| events.windows(tag.len()).any(|w| w == tag.as_bytes());
-    assert!(has("critic/score/mean") && !has("rl/critic"), "tags are the metric keys");
+    assert!(
+        has("critic/score/mean") && !has("rl/critic"),
+        "tags are the metric keys"
+    );
     // ... and the curves as a PNG.
     let png = std::fs::read(dir.join("plot.png")).unwrap();
     assert_eq!(&png[..4], b"\x89PNG");
