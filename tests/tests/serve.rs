@@ -515,11 +515,12 @@ with Client(server) as c:
     job = c.submit(recipe, ["stages.rl.trainer.steps=40"])
     out["submitted"] = [job.id, job.name, job.state.value]
     events = c.watch(job.id)
+    kinds = set()
     for ev in events:
+        kinds.add(type(ev).__name__)
         if isinstance(ev, MetricRow) and ev.stage == "rl":
             break
     c.cancel(job.id)
-    kinds = set()
     for ev in events:
         kinds.add(type(ev).__name__)
         last = ev
