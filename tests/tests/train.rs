@@ -80,6 +80,16 @@ fn a_recipe_runs_end_to_end_and_records_everything() {
     ] {
         assert!(rl.get(k).is_some(), "rl step 6 lacks {k}: {rl}");
     }
+    // VeRL's throughput: every token of the batch (8 prompts × 4 samples: prompt and
+    // response) a second.
+    let f = |k: &str| rl[k].as_f64().unwrap();
+    let tokens = 32.0 * (f("prompt_length/mean") + f("response_length/mean"));
+    assert!((f("perf/total_num_tokens") - tokens).abs() < 1e-6, "{rl}");
+    assert!(
+        (f("perf/throughput") - tokens / f("perf/time_per_step")).abs()
+            < 1e-9 * f("perf/throughput"),
+        "{rl}"
+    );
     // TensorBoard event files are written beside metrics.jsonl: a run (folder) per stage, tagged
     // with VeRL's keys.
     let mut runs: Vec<String> = std::fs::read_dir(dir.join("tensorboard"))

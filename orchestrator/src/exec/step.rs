@@ -152,7 +152,6 @@ impl<'a> Executor<'a> {
             .iter()
             .flat_map(|g| g.scores.iter().copied())
             .collect();
-        let resp_tokens = rows.response_tokens();
         let total = t0.elapsed().as_secs_f64();
         m.extend(data_metrics(
             &rows,
@@ -169,7 +168,12 @@ impl<'a> Executor<'a> {
             .count();
         m.insert("response_length/clip_ratio".into(), clipped as f64 / n);
         m.insert("timing_s/step".into(), total);
-        m.insert("perf/throughput".into(), resp_tokens / total);
+        // VeRL's meaning: every token of the batch (prompts and responses) a second, per
+        // training device (one here).
+        let all_tokens: f64 = rows.seqs.iter().map(|(_, s)| s.len() as f64).sum();
+        m.insert("perf/total_num_tokens".into(), all_tokens);
+        m.insert("perf/time_per_step".into(), total);
+        m.insert("perf/throughput".into(), all_tokens / total);
         m.insert("weight_version".into(), self.version as f64);
         let locations = self.roles.rollouts.locations();
         m.insert("rollout/engines".into(), locations.len() as f64);
