@@ -58,11 +58,16 @@ fn token_text(v: Option<&serde_json::Value>) -> String {
     }
 }
 
+/// transformers' file for a checkpoint's chat template (beside `tokenizer_config.json`).
+const JINJA: &str = "chat_template.jinja";
+
 impl ChatTemplate {
     /// Reads `chat_template` (a string, or the `default` of a list of named templates) from a
-    /// `tokenizer_config.json`.
+    /// `tokenizer_config.json`, or from the `chat_template.jinja` beside it (transformers'
+    /// newer layout, which wins when both are there, as in transformers).
     pub fn from_tokenizer_config(path: &Path) -> Result<Self, ChatError> {
-        Self::read_config(path, None)?.ok_or_else(|| ChatError::Config {
+        let jinja = path.parent().map(|d| d.join(JINJA)).filter(|f| f.is_file());
+        Self::read_config(path, jinja.as_deref())?.ok_or_else(|| ChatError::Config {
             path: path.to_path_buf(),
             message: "no chat_template".into(),
         })
@@ -81,9 +86,11 @@ impl ChatTemplate {
     }
 
     /// The template a checkpoint folder serves with: the file `template` when given, else its
-    /// `tokenizer_config.json`'s `chat_template` (its `bos_token` and `eos_token` either way);
-    /// `None` when there is neither.
+    /// `chat_template.jinja`, else its `tokenizer_config.json`'s `chat_template` (its
+    /// `bos_token` and `eos_token` either way); `None` when there is none.
     pub fn find(dir: &Path, template: Option<&Path>) -> Result<Option<Self>, ChatError> {
+        let jinja = dir.join(JINJA);
+        let template = template.or_else(|| jinja.is_file().then_some(jinja.as_path()));
         let config = dir.join("tokenizer_config.json");
         if config.exists() {
             return Self::read_config(&config, template);
@@ -234,6 +241,32 @@ mod tests {
             .unwrap()
             .to_string();
         assert!(e.contains("chat_template: "), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_chat_template_jinja_beside_the_config_is_read_and_wins() {
+        let dir = std::env::temp_dir().join(format!("trellis-jinja-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let f = dir.join("tokenizer_config.json");
+        std::fs::write(
+            &f,
+            r#"{"chat_template": "old {{ messages[0].content }}", "bos_token": "<s>"}"#,
+        )
+        .unwrap();
+        std::fs::write(
+            dir.join(JINJA),
+            "{{ bos_token }}new {{ messages[0].content }}",
+        )
+        .unwrap();
+        let t = ChatTemplate::from_tokenizer_config(&f).unwrap();
+        assert_eq!(t.render_user("q").unwrap(), "<s>new q");
+        let t = ChatTemplate::find(&dir, None).unwrap().unwrap();
+        assert_eq!(t.render_user("q").unwrap(), "<s>new q");
+        // Only the .jinja file: found, without special tokens.
+        std::fs::remove_file(&f).unwrap();
+        let t = ChatTemplate::find(&dir, None).unwrap().unwrap();
+        assert_eq!(t.render_user("q").unwrap(), "new q");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
