@@ -674,6 +674,19 @@ mod tests {
         (tx, task)
     }
 
+    /// A head on a free loopback port with a fresh token.
+    async fn loopback_head() -> (Head, Token) {
+        let token = Token::generate().expect("urandom");
+        let head = Head::serve(
+            "127.0.0.1:0".parse().expect("addr"),
+            token.clone(),
+            config(),
+        )
+        .await
+        .expect("binds");
+        (head, token)
+    }
+
     /// Calls until the answer is not `Died` (a death that the supervisor has not seen yet).
     async fn until_up(
         actor: &crate::ActorRef<Ping>,
@@ -709,14 +722,7 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn agents_host_actors_that_restart_elsewhere_when_their_agent_goes() {
-        let token = Token::generate().expect("urandom");
-        let head = Head::serve(
-            "127.0.0.1:0".parse().expect("addr"),
-            token.clone(),
-            config(),
-        )
-        .await
-        .expect("binds");
+        let (head, token) = loopback_head().await;
         let (stop_a, task_a) = agent(&head, "a", &token);
         let (_stop_b, _task_b) = agent(&head, "b", &token);
         let agents = head
@@ -842,14 +848,7 @@ mod tests {
     /// waits for room, and waiting is not dying.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_restart_waits_for_an_agent_with_room_without_spending_its_budget() {
-        let token = Token::generate().expect("urandom");
-        let head = Head::serve(
-            "127.0.0.1:0".parse().expect("addr"),
-            token.clone(),
-            config(),
-        )
-        .await
-        .expect("binds");
+        let (head, token) = loopback_head().await;
         let (stop_a, task_a) = agent(&head, "a", &token);
         head.wait_for_agents(1, Duration::from_secs(10))
             .await

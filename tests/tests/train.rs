@@ -923,29 +923,28 @@ fn parquet_datasets_train_with_a_prompt_template() {
         workflow_with("answer", "{type: python, path: broken.py}"),
     )
     .unwrap();
-    let out = trellis()
-        .arg("train")
-        .arg(&file)
-        .arg("--run-dir")
-        .arg(dir.join("broken"))
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{err}");
+    let train_into = |run: &str| {
+        let out = trellis()
+            .arg("train")
+            .arg(&file)
+            .arg("--run-dir")
+            .arg(dir.join(run))
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (code, err) = train_into("broken");
+    assert_eq!(code, Some(1), "{err}");
     assert!(
         err.contains("failed on all 8 samples") && err.contains("ZeroDivisionError"),
         "{err}"
     );
     std::fs::write(dir.join("broken.py"), "def compute_score(:\n").unwrap();
-    let out = trellis()
-        .arg("train")
-        .arg(&file)
-        .arg("--run-dir")
-        .arg(dir.join("broken-import"))
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{err}");
+    let (code, err) = train_into("broken-import");
+    assert_eq!(code, Some(2), "{err}");
     assert!(
         err.contains("stages[0].reward") && err.contains("SyntaxError"),
         "{err}"
