@@ -42,16 +42,10 @@ pub(crate) fn data_metrics(
 ) -> Metrics {
     let mut m = Metrics::new();
     stats(&mut m, "critic/score", scores.iter().map(|&s| f64::from(s)));
-    let cols = rows.shape.cols;
     stats(
         &mut m,
         "response_length",
-        (0..rows.shape.rows).map(|r| {
-            rows.mask[r * cols..(r + 1) * cols]
-                .iter()
-                .map(|&k| f64::from(k))
-                .sum()
-        }),
+        rows.seqs.iter().map(|(p, s)| (s.len() - p) as f64),
     );
     stats(
         &mut m,

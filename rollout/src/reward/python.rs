@@ -104,7 +104,7 @@ impl Worker {
             });
         };
         let (tx, lines) = channel();
-        std::thread::Builder::new()
+        let reader = std::thread::Builder::new()
             .name("reward-worker-reader".into())
             .spawn(move || {
                 for line in BufReader::new(stdout).lines() {
@@ -113,11 +113,16 @@ impl Worker {
                         break;
                     }
                 }
-            })
-            .map_err(|e| RewardError::Start {
+            });
+        if let Err(e) = reader {
+            // Not left running without anyone reading it.
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(RewardError::Start {
                 python: spec.python.clone(),
                 message: e.to_string(),
-            })?;
+            });
+        }
         let mut w = Worker {
             child,
             stdin,
