@@ -30,7 +30,7 @@ pub enum ChatError {
 
 /// One message of a conversation, as chat templates read it (`message.role`,
 /// `message['content']`).
-#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub struct Message {
     /// `system`, `user`, `assistant` (the template decides which it accepts).
     pub role: String,

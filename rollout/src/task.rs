@@ -2,18 +2,63 @@
 //! `82`), with a character-level tokenizer (`builtin:arith`) that is written out as a Hugging
 //! Face `tokenizer.json`, so the embedded default needs no download.
 
+use learner::chat::Message;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 use std::collections::HashSet;
 
-/// One problem: the prompt text and the exact answer text.
+/// What the model is asked: text, or a conversation (VeRL's `prompt` column: a list of
+/// `{role, content}` messages), which is always rendered through the chat template.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize)]
+#[serde(untagged)]
+pub enum Prompt {
+    /// Plain text (rendered as one user message when the stage asks for the chat template).
+    Text(String),
+    /// Messages, rendered by the chat template.
+    Chat(Vec<Message>),
+}
+
+impl Prompt {
+    /// The text a person reads in logs and samples: the text, or the last message's content.
+    pub fn display(&self) -> &str {
+        match self {
+            Prompt::Text(t) => t,
+            Prompt::Chat(m) => m.last().map_or("", |m| m.content.as_str()),
+        }
+    }
+}
+
+impl From<&str> for Prompt {
+    fn from(t: &str) -> Self {
+        Prompt::Text(t.into())
+    }
+}
+
+/// One problem: the prompt, the exact answer text, and what a VeRL reward function is also given.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Problem {
     /// What the model sees, e.g. `37+45=`.
-    pub prompt: String,
-    /// What it must produce (before the end-of-sequence token), e.g. `82`.
+    pub prompt: Prompt,
+    /// What it must produce (before the end-of-sequence token), e.g. `82`; VeRL's
+    /// `ground_truth`.
     pub answer: String,
+    /// The row's `data_source` (VeRL's `data.reward_fn_key` column), when the dataset has one.
+    pub data_source: Option<String>,
+    /// The row's `extra_info`, as JSON text, when the dataset has one.
+    pub extra_info: Option<String>,
+}
+
+impl Problem {
+    /// A problem with a text prompt and nothing else.
+    pub fn new(prompt: impl Into<String>, answer: impl Into<String>) -> Self {
+        Self {
+            prompt: Prompt::Text(prompt.into()),
+            answer: answer.into(),
+            data_source: None,
+            extra_info: None,
+        }
+    }
 }
 
 /// Settings of the arithmetic task.
@@ -71,10 +116,7 @@ impl ArithTask {
         if v < 0 {
             answer.insert(0, '-');
         }
-        Problem {
-            prompt: format!("{a}{op}{b}="),
-            answer,
-        }
+        Problem::new(format!("{a}{op}{b}="), answer)
     }
 
     /// The held-out evaluation set: `size` problems from stream 1 of `seed`.
@@ -110,9 +152,8 @@ impl ArithTask {
     }
 }
 
-/// Problems read from a JSON-lines file: one object per line, the prompt and the answer under
-/// configurable keys (an answer that is a JSON number or other value counts by its JSON text).
-/// The held-out set is an eval file, or the last `eval_size` rows of a seeded shuffle.
+/// Problems read from a dataset (JSON lines or Parquet): the training rows and the held-out
+/// ones (an eval file, or the last `eval_size` rows of a seeded shuffle).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Dataset {
     /// Training problems, in file order.
@@ -121,12 +162,24 @@ pub struct Dataset {
     pub eval: Vec<Problem>,
 }
 
-/// Reads the problems of `path` (errors name the file, the line and the key).
-pub fn read_jsonl(
-    path: &std::path::Path,
-    prompt_key: &str,
-    answer_key: &str,
-) -> Result<Vec<Problem>, String> {
+/// Where a row's fields are. A key names a column (a JSON key), or with dots a field inside one
+/// (`reward_model.ground_truth`; a column whose own name has the dots wins).
+#[derive(Clone, Copy, Debug)]
+pub struct Keys<'a> {
+    /// The prompt: text, or a list of `{role, content}` messages.
+    pub prompt: &'a str,
+    /// The answer (text; another value counts by its JSON text).
+    pub answer: &'a str,
+    /// The reward's `data_source` (optional in the data).
+    pub data_source: &'a str,
+}
+
+/// VeRL's column of the reward's extra information (optional in the data).
+pub const EXTRA_INFO: &str = "extra_info";
+
+/// Reads the problems of a JSON-lines file: one object per line (errors name the file, the line
+/// and the key).
+pub fn read_jsonl(path: &std::path::Path, keys: Keys<'_>) -> Result<Vec<Problem>, String> {
     let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
     let mut out = Vec::new();
     for (i, line) in text.lines().enumerate() {
@@ -136,23 +189,10 @@ pub fn read_jsonl(
         let at = || format!("{}:{}", path.display(), i + 1);
         let v: serde_json::Value =
             serde_json::from_str(line).map_err(|e| format!("{}: not JSON: {e}", at()))?;
-        let field = |k: &str| -> Result<String, String> {
-            match v.get(k) {
-                Some(serde_json::Value::String(s)) => Ok(s.clone()),
-                Some(serde_json::Value::Null) | None => Err(format!(
-                    "{}: no key `{k}` (keys: {})",
-                    at(),
-                    v.as_object()
-                        .map(|o| o.keys().cloned().collect::<Vec<_>>().join(", "))
-                        .unwrap_or_default()
-                )),
-                Some(other) => Ok(other.to_string()),
-            }
+        let serde_json::Value::Object(row) = v else {
+            return Err(format!("{}: not a JSON object", at()));
         };
-        out.push(Problem {
-            prompt: field(prompt_key)?,
-            answer: field(answer_key)?,
-        });
+        out.push(problem_of(&row, keys, &at)?);
     }
     if out.is_empty() {
         return Err(format!("{}: no problems in the file", path.display()));
@@ -160,35 +200,127 @@ pub fn read_jsonl(
     Ok(out)
 }
 
-/// Reads the problems of a Parquet file: the columns `prompt_key` and `answer_key` (text, or
-/// numbers and booleans by their JSON text), one problem per row (errors name the file, the row
-/// and the column).
-pub fn read_parquet(
-    path: &std::path::Path,
-    prompt_key: &str,
-    answer_key: &str,
-) -> Result<Vec<Problem>, String> {
-    let rows = crate::parquet::read_columns(path, &[prompt_key, answer_key])?;
+/// Reads the problems of a Parquet file, one per row (errors name the file, the row and the
+/// column).
+pub fn read_parquet(path: &std::path::Path, keys: Keys<'_>) -> Result<Vec<Problem>, String> {
+    let names = crate::parquet::columns(path)?;
+    // The column of a key: its own name, else the part before the first dot.
+    let column = |key: &str| -> String {
+        if names.iter().any(|n| n == key) {
+            return key.into();
+        }
+        key.split('.').next().unwrap_or(key).into()
+    };
+    let mut wanted = vec![column(keys.prompt), column(keys.answer)];
+    for optional in [column(keys.data_source), EXTRA_INFO.into()] {
+        if names.contains(&optional) {
+            wanted.push(optional);
+        }
+    }
+    let wanted: Vec<&str> = wanted.iter().map(String::as_str).collect();
+    let rows = crate::parquet::read_rows(path, &wanted)?;
     let mut out = Vec::with_capacity(rows.len());
-    for (i, row) in rows.into_iter().enumerate() {
-        let mut cells = row.into_iter();
-        let mut next = |key: &str| match cells.next() {
-            Some(crate::parquet::Cell::Null) | None => Err(format!(
-                "{}: row {}: `{key}` is null",
-                path.display(),
-                i + 1
-            )),
-            Some(c) => Ok(c.to_string()),
-        };
-        out.push(Problem {
-            prompt: next(prompt_key)?,
-            answer: next(answer_key)?,
-        });
+    for (i, row) in rows.iter().enumerate() {
+        out.push(problem_of(row, keys, &|| {
+            format!("{}: row {}", path.display(), i + 1)
+        })?);
     }
     if out.is_empty() {
         return Err(format!("{}: no problems in the file", path.display()));
     }
     Ok(out)
+}
+
+/// The value at `key` of `row`: the field of that name, else the dotted path into it.
+fn lookup<'v>(
+    row: &'v serde_json::Map<String, serde_json::Value>,
+    key: &str,
+) -> Option<&'v serde_json::Value> {
+    if let Some(v) = row.get(key) {
+        return Some(v);
+    }
+    let mut parts = key.split('.');
+    let mut v = row.get(parts.next()?)?;
+    for p in parts {
+        v = match v {
+            serde_json::Value::Object(m) => m.get(p)?,
+            serde_json::Value::Array(a) => a.get(p.parse::<usize>().ok()?)?,
+            _ => return None,
+        };
+    }
+    Some(v)
+}
+
+/// One row's problem; `at` names the row in errors.
+fn problem_of(
+    row: &serde_json::Map<String, serde_json::Value>,
+    keys: Keys<'_>,
+    at: &dyn Fn() -> String,
+) -> Result<Problem, String> {
+    use serde_json::Value;
+    let required = |k: &str| -> Result<&Value, String> {
+        match lookup(row, k) {
+            Some(Value::Null) => Err(format!("{}: `{k}` is null", at())),
+            Some(v) => Ok(v),
+            None => Err(format!(
+                "{}: no key `{k}` (keys: {})",
+                at(),
+                row.keys().cloned().collect::<Vec<_>>().join(", ")
+            )),
+        }
+    };
+    let text = |v: &Value| match v {
+        Value::String(s) => s.clone(),
+        other => other.to_string(),
+    };
+    let prompt = match required(keys.prompt)? {
+        Value::String(s) => Prompt::Text(s.clone()),
+        Value::Array(list) => Prompt::Chat(
+            list.iter()
+                .enumerate()
+                .map(|(j, m)| {
+                    let field = |f: &str| m.get(f).and_then(Value::as_str).map(str::to_string);
+                    match (field("role"), field("content")) {
+                        (Some(role), Some(content)) => Ok(Message { role, content }),
+                        _ => Err(format!(
+                            "{}: `{}`[{j}] is not a {{role, content}} message: {m}",
+                            at(),
+                            keys.prompt
+                        )),
+                    }
+                })
+                .collect::<Result<_, _>>()?,
+        ),
+        other => {
+            return Err(format!(
+                "{}: `{}` is neither text nor a list of {{role, content}} messages: {other}",
+                at(),
+                keys.prompt
+            ));
+        }
+    };
+    if matches!(&prompt, Prompt::Chat(m) if m.is_empty()) {
+        return Err(format!(
+            "{}: `{}` is an empty conversation",
+            at(),
+            keys.prompt
+        ));
+    }
+    let answer = text(required(keys.answer)?);
+    let data_source = match lookup(row, keys.data_source) {
+        None | Some(Value::Null) => None,
+        Some(v) => Some(text(v)),
+    };
+    let extra_info = match lookup(row, EXTRA_INFO) {
+        None | Some(Value::Null) => None,
+        Some(v) => Some(v.to_string()),
+    };
+    Ok(Problem {
+        prompt,
+        answer,
+        data_source,
+        extra_info,
+    })
 }
 
 /// A permutation of `0..n` drawn from `seed`.
@@ -331,6 +463,12 @@ pub fn arith_tokenizer_json() -> String {
 mod tests {
     use super::*;
 
+    const KEYS: Keys<'static> = Keys {
+        prompt: "q",
+        answer: "a",
+        data_source: "data_source",
+    };
+
     #[test]
     fn jsonl_datasets_split_shuffle_and_cycle() {
         let dir = std::env::temp_dir().join(format!("trellis-jsonl-{}", std::process::id()));
@@ -340,14 +478,8 @@ mod tests {
             .map(|i| format!("{{\"q\": \"{i}+1=\", \"a\": {}}}", i + 1))
             .collect();
         std::fs::write(&f, lines.join("\n") + "\n\n").unwrap();
-        let rows = read_jsonl(&f, "q", "a").unwrap();
-        assert_eq!(
-            rows[3],
-            Problem {
-                prompt: "3+1=".into(),
-                answer: "4".into()
-            }
-        );
+        let rows = read_jsonl(&f, KEYS).unwrap();
+        assert_eq!(rows[3], Problem::new("3+1=", "4"));
         let d = Dataset::split(rows.clone(), None, 3, 7);
         assert_eq!((d.train.len(), d.eval.len()), (7, 3));
         assert!(d.eval.iter().all(|p| !d.train.contains(p)));
@@ -357,7 +489,7 @@ mod tests {
         let (e0, e1) = (&b[..7], &b[7..]);
         let sorted = |v: &[Problem]| {
             let mut v = v.to_vec();
-            v.sort_by(|a, b| a.prompt.cmp(&b.prompt));
+            v.sort_by(|a, b| a.prompt.display().cmp(b.prompt.display()));
             v
         };
         assert_eq!(sorted(e0), sorted(&d.train));
@@ -369,15 +501,80 @@ mod tests {
             "positions are absolute"
         );
         std::fs::write(&f, "{\"q\": \"1\"}\n").unwrap();
-        let e = read_jsonl(&f, "q", "a").unwrap_err();
+        let e = read_jsonl(&f, KEYS).unwrap_err();
         assert!(e.contains("d.jsonl:1: no key `a` (keys: q)"), "{e}");
         std::fs::write(&f, "{\"q\": \"1\", \"a\": 2}\nnot json\n").unwrap();
         assert!(
-            read_jsonl(&f, "q", "a")
+            read_jsonl(&f, KEYS)
                 .unwrap_err()
                 .contains("d.jsonl:2: not JSON")
         );
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn verl_rows_give_chats_dotted_answers_and_the_rewards_inputs() {
+        use serde_json::json;
+        let keys = Keys {
+            prompt: "prompt",
+            answer: "reward_model.ground_truth",
+            data_source: "data_source",
+        };
+        let row = |v: serde_json::Value| v.as_object().unwrap().clone();
+        let at = || "f.parquet: row 1".to_string();
+        let verl = row(json!({
+            "data_source": "openai/gsm8k",
+            "prompt": [{"role": "user", "content": "1+1?"}],
+            "reward_model": {"style": "rule", "ground_truth": "2"},
+            "extra_info": {"index": 0, "split": "train"},
+        }));
+        let p = problem_of(&verl, keys, &at).unwrap();
+        let user = Message {
+            role: "user".into(),
+            content: "1+1?".into(),
+        };
+        assert_eq!(p.prompt, Prompt::Chat(vec![user]));
+        assert_eq!(p.prompt.display(), "1+1?");
+        assert_eq!(p.answer, "2");
+        assert_eq!(p.data_source.as_deref(), Some("openai/gsm8k"));
+        assert_eq!(
+            p.extra_info.as_deref(),
+            Some(r#"{"index":0,"split":"train"}"#)
+        );
+        // A column named with the dots wins over the path; numbers count by their text; a
+        // missing data_source or extra_info is none.
+        let flat = row(json!({"prompt": "q", "reward_model.ground_truth": 7, "reward_model": {}}));
+        let p = problem_of(&flat, keys, &at).unwrap();
+        assert_eq!(
+            (p.answer.as_str(), p.data_source, p.extra_info),
+            ("7", None, None)
+        );
+        // (row, the error it gives)
+        let cases = [
+            (
+                json!({"prompt": "q"}),
+                "f.parquet: row 1: no key `reward_model.ground_truth` (keys: prompt)",
+            ),
+            (
+                json!({"prompt": "q", "reward_model": {"ground_truth": null}}),
+                "f.parquet: row 1: `reward_model.ground_truth` is null",
+            ),
+            (
+                json!({"prompt": [{"role": "user"}], "reward_model": {"ground_truth": 1}}),
+                "f.parquet: row 1: `prompt`[0] is not a {role, content} message: {\"role\":\"user\"}",
+            ),
+            (
+                json!({"prompt": [], "reward_model": {"ground_truth": 1}}),
+                "f.parquet: row 1: `prompt` is an empty conversation",
+            ),
+            (
+                json!({"prompt": 3, "reward_model": {"ground_truth": 1}}),
+                "f.parquet: row 1: `prompt` is neither text nor a list of {role, content} messages: 3",
+            ),
+        ];
+        for (r, want) in cases {
+            assert_eq!(problem_of(&row(r), keys, &at).unwrap_err(), want);
+        }
     }
 
     #[test]
@@ -390,7 +587,7 @@ mod tests {
         let a = t.eval_set(7, 50);
         assert_eq!(a, t.eval_set(7, 50));
         for p in &a {
-            let body = p.prompt.trim_end_matches('=');
+            let body = p.prompt.display().trim_end_matches('=');
             let op = body.chars().find(|c| "+-*".contains(*c)).unwrap();
             let (x, y) = body.split_once(op).unwrap();
             let (x, y): (i64, i64) = (x.parse().unwrap(), y.parse().unwrap());

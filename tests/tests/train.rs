@@ -954,6 +954,119 @@ fn parquet_datasets_train_with_a_prompt_template() {
 }
 
 #[test]
+fn a_verl_users_gsm8k_setup_trains_as_it_is() {
+    // VeRL's layout: the recipe, data/gsm8k/{train,test}.parquet as VeRL's preprocessing writes
+    // them (a chat `prompt`, `reward_model.ground_truth`, `data_source`, `extra_info`; made by
+    // tests/data/verl-gsm8k/make.py), a Qwen-style checkpoint whose chat template is in
+    // chat_template.jinja, and a custom reward in VeRL's style.
+    let dir = run_dir("verl-gsm8k");
+    let data = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data");
+    for sub in ["recipes", "data/gsm8k", "qwen"] {
+        std::fs::create_dir_all(dir.join(sub)).unwrap();
+    }
+    let recipe = dir.join("recipes/grpo-gsm8k-verl.yaml");
+    std::fs::copy(
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../recipes/grpo-gsm8k-verl.yaml"),
+        &recipe,
+    )
+    .unwrap();
+    for f in ["train.parquet", "test.parquet"] {
+        std::fs::copy(
+            data.join("verl-gsm8k").join(f),
+            dir.join("data/gsm8k").join(f),
+        )
+        .unwrap();
+    }
+    std::fs::copy(data.join("verl-gsm8k/reward.py"), dir.join("reward.py")).unwrap();
+    for f in std::fs::read_dir(data.join("tiny-qwen2/checkpoint")).unwrap() {
+        let f = f.unwrap().path();
+        std::fs::copy(&f, dir.join("qwen").join(f.file_name().unwrap())).unwrap();
+    }
+    std::fs::write(dir.join("qwen/chat_template.jinja"), QWEN25_TEMPLATE).unwrap();
+    // The recipe as it stands, shortened to a tiny model's size.
+    let train = |run: &str, more: &[&str]| {
+        let mut cmd = trellis();
+        cmd.arg("train").arg(&recipe).arg("--quiet");
+        cmd.arg("-o")
+            .arg(format!("model.path={}", dir.join("qwen").display()));
+        for o in [
+            "stages.rl.algorithm.train_batch_size=4",
+            "stages.rl.algorithm.ppo_mini_batch_size=4",
+            "stages.rl.algorithm.rollout_n=2",
+            "stages.rl.algorithm.max_response_length=8",
+            "stages.rl.trainer.total_epochs=0.2",
+            "stages.rl.trainer.eval_freq=2",
+        ]
+        .iter()
+        .chain(more)
+        {
+            cmd.args(["-o", o]);
+        }
+        cmd.arg("--run-dir").arg(dir.join(run)).output().unwrap()
+    };
+    let out = train("builtin", &[]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let m = metrics(&dir.join("builtin"));
+    assert_eq!(steps_of(&m, "rl"), [1, 2]);
+    // The prompt went through the chat template: Qwen's default system message comes first.
+    let prompt_len = m[0]["prompt_length/min"].as_f64().unwrap();
+    assert!(prompt_len > 150.0, "{prompt_len}");
+    let logged =
+        std::fs::read_to_string(dir.join("builtin/generations/rl/step_000002.jsonl")).unwrap();
+    assert!(logged.contains("Let's think step by step"), "{logged}");
+    // The custom reward gets each row's data_source and extra_info (it raises otherwise), and
+    // scores as the built-in rule does: the runs are equal row for row.
+    let out = train(
+        "custom",
+        &["stages.rl.reward={type: python, path: ../reward.py, function: compute_score}"],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let comparable = |run: &str| -> Vec<Value> {
+        metrics(&dir.join(run))
+            .into_iter()
+            .map(|mut v| {
+                let o = v.as_object_mut().unwrap();
+                o.retain(|k, _| !k.starts_with("timing_s/") && !k.starts_with("perf/"));
+                o.remove("reward/failed");
+                v
+            })
+            .collect()
+    };
+    assert_eq!(comparable("custom"), comparable("builtin"));
+    let custom = metrics(&dir.join("custom"));
+    assert!(
+        custom
+            .iter()
+            .filter(|v| v["stage"] == "rl")
+            .all(|v| v["reward/failed"] == 0.0),
+        "{custom:?}"
+    );
+    // A conversation needs a chat template: without one the run is refused before it starts,
+    // naming the file and the row.
+    std::fs::remove_file(dir.join("qwen/chat_template.jinja")).unwrap();
+    let out = train("no-template", &[]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("stages[0].data.prompt_key: ")
+            && err.contains("train.parquet: row 1: the prompt is a conversation"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Qwen2.5-Instruct's chat template, the branch without tools (as shipped).
+const QWEN25_TEMPLATE: &str = "{%- if tools %}{{- '<|im_start|>system\\n' }}{%- else %}{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}{%- else %}{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}{%- endif %}{%- endif %}{%- for message in messages %}{%- if (message.role == \"user\") or (message.role == \"system\" and not loop.first) or (message.role == \"assistant\" and not message.tool_calls) %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}{%- endif %}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}";
+
+#[test]
 fn chat_templates_render_prompts_from_the_checkpoint() {
     let dir = run_dir("chat");
     // A checkpoint to start from: the tiny recipe's SFT stage, briefly.

@@ -4,6 +4,7 @@
 use super::{ExecError, Prompts};
 use crate::plan::StagePlan;
 use crate::roles::Rollouts;
+use rollout::reward::Item;
 use rollout::{GenerateRequest, SamplingParams};
 use serde::Serialize;
 use std::path::Path;
@@ -68,10 +69,10 @@ pub(super) fn evaluate(
         .iter()
         .map(|c| prompts.decode(&c.token_ids))
         .collect::<Result<Vec<_>, _>>()?;
-    let items: Vec<(&str, &str)> = out
+    let items: Vec<Item<'_>> = out
         .iter()
         .zip(&texts)
-        .map(|(c, t)| (t.as_str(), set[c.request].answer.as_str()))
+        .map(|(c, t)| Item::new(t, &set[c.request]))
         .collect();
     let scored = stage.reward.score_all(&items)?;
     let mut correct = 0.0;
@@ -87,7 +88,7 @@ pub(super) fn evaluate(
         }
         if samples.len() < stage.log_generations {
             samples.push(Sample {
-                prompt: problem.prompt.clone(),
+                prompt: problem.prompt.display().to_string(),
                 response: text,
                 answer: problem.answer.clone(),
                 score: s,

@@ -8,7 +8,7 @@ use learner::rl::agg::LossAgg;
 use learner::rl::kl::Kl;
 use learner::rl::loss::{PolicyLoss, PolicyLossConfig};
 use rollout::reward::Scorer;
-use rollout::task::Dataset;
+use rollout::task::{Dataset, Keys, Prompt};
 
 /// Errors of one workflow file.
 struct Errs<'a>(&'a str);
@@ -37,27 +37,35 @@ pub(super) fn plan(mut spec: Workflow, origin: &str) -> Result<Plan, PlanError> 
         .stages
         .iter()
         .any(|s| s.data.as_ref().is_some_and(|d| d.chat_template));
+    // The checkpoint's chat template: required by a stage that asks for it, and read when a
+    // dataset may hold conversations (which only it renders).
+    let chat_field = || {
+        let i = spec
+            .stages
+            .iter()
+            .position(|s| s.data.as_ref().is_some_and(|d| d.chat_template))
+            .unwrap_or(0);
+        format!("stages[{i}].data.chat_template")
+    };
+    let datasets = spec
+        .stages
+        .iter()
+        .any(|s| s.data.as_ref().is_some_and(|d| d.task != Task::Arith));
     let chat = match (&spec.model.path, wants_chat) {
         (Some(p), true) => Some(Arc::new(
-            ChatTemplate::from_tokenizer_config(&p.join("tokenizer_config.json")).map_err(|m| {
-                let i = spec
-                    .stages
-                    .iter()
-                    .position(|s| s.data.as_ref().is_some_and(|d| d.chat_template))
-                    .unwrap_or(0);
-                e.at(format!("stages[{i}].data.chat_template"), m.to_string())
-            })?,
+            ChatTemplate::from_tokenizer_config(&p.join("tokenizer_config.json"))
+                .map_err(|m| e.at(chat_field(), m.to_string()))?,
         )),
         (None, true) => {
-            let i = spec
-                .stages
-                .iter()
-                .position(|s| s.data.as_ref().is_some_and(|d| d.chat_template))
-                .unwrap_or(0);
             return Err(e.at(
-                format!("stages[{i}].data.chat_template"),
+                chat_field(),
                 "needs model.path (a checkpoint whose tokenizer_config.json has a chat_template)",
             ));
+        }
+        (Some(p), false) if datasets && p.join("tokenizer_config.json").is_file() => {
+            ChatTemplate::from_tokenizer_config(&p.join("tokenizer_config.json"))
+                .ok()
+                .map(Arc::new)
         }
         _ => None,
     };
@@ -539,51 +547,58 @@ fn data_plan(
             } else {
                 "parquet"
             };
-            let path = d.path.as_ref().ok_or_else(|| {
+            let keys = Keys {
+                prompt: &d.prompt_key,
+                answer: &d.answer_key,
+                data_source: &d.reward_fn_key,
+            };
+            let files = d.path.as_ref().ok_or_else(|| {
                 e.at(
                     format!("{at}.path"),
                     format!("is required with task: {name}"),
                 )
             })?;
-            let read = |p: &Path| -> Result<Vec<Problem>, PlanError> {
-                let mut rows = read(p, &d.prompt_key, &d.answer_key).map_err(|m| e.at(at, m))?;
-                if let Some(t) = &d.prompt_template {
-                    for r in &mut rows {
-                        r.prompt = t.replace("{prompt}", &r.prompt);
-                    }
+            // Every file's problems (a list is read in order), templated, each checked against
+            // the chat template and `max_prompt_length`.
+            let read = |files: &[PathBuf], field: &str| -> Result<Vec<Problem>, PlanError> {
+                if files.is_empty() {
+                    return Err(e.at(format!("{at}.{field}"), "lists no files"));
                 }
-                Ok(rows)
-            };
-            let mut train = read(path)?;
-            let mut eval = match &d.eval_path {
-                Some(p) => Some(read(p)?),
-                None => None,
-            };
-            if let Some(max) = d.max_prompt_length {
-                let mut dropped = 0;
-                for (file, rows) in [
-                    (Some(path), Some(&mut train)),
-                    (d.eval_path.as_ref(), eval.as_mut()),
-                ] {
-                    let (Some(file), Some(rows)) = (file, rows) else {
-                        continue;
-                    };
+                let (mut all, mut dropped) = (Vec::new(), 0);
+                for file in files {
+                    let mut rows = read(file, keys).map_err(|m| e.at(at, m))?;
+                    if let Some(t) = &d.prompt_template {
+                        for r in &mut rows {
+                            apply_template(&mut r.prompt, t);
+                        }
+                    }
                     let before = rows.len();
-                    overlong(rows, max, d, prompts, file, at, e)?;
+                    prompt_lengths(&mut rows, d, prompts, file, at, e)?;
                     dropped += before - rows.len();
-                    if rows.is_empty() {
+                    all.append(&mut rows);
+                }
+                if let Some(max) = d.max_prompt_length {
+                    if all.is_empty() {
+                        let names: Vec<String> =
+                            files.iter().map(|f| f.display().to_string()).collect();
                         return Err(e.at(
                             format!("{at}.max_prompt_length"),
-                            format!("{}: every prompt is over {max} tokens", file.display()),
+                            format!("{}: every prompt is over {max} tokens", names.join(", ")),
                         ));
                     }
+                    if dropped > 0 {
+                        tracing::info!(
+                            "{at}.{field}: dropped {dropped} rows whose prompt is over {max} tokens"
+                        );
+                    }
                 }
-                if dropped > 0 {
-                    tracing::info!(
-                        "{at}: dropped {dropped} rows whose prompt is over {max} tokens"
-                    );
-                }
-            }
+                Ok(all)
+            };
+            let train = read(files, "path")?;
+            let eval = match &d.eval_path {
+                Some(files) => Some(read(files, "eval_path")?),
+                None => None,
+            };
             Source::Dataset(Dataset::split(train, eval, d.eval_size, seed))
         }
     };
@@ -608,11 +623,23 @@ fn data_plan(
     })
 }
 
-/// Drops (`filter_overlong_prompts`) or refuses the rows of `file` whose prompt is over `max`
-/// tokens.
-fn overlong(
+/// `{prompt}` in `template` replaced by the prompt's text (a conversation's last user message).
+fn apply_template(prompt: &mut Prompt, template: &str) {
+    match prompt {
+        Prompt::Text(t) => *t = template.replace("{prompt}", t),
+        Prompt::Chat(messages) => {
+            if let Some(m) = messages.iter_mut().rev().find(|m| m.role == "user") {
+                m.content = template.replace("{prompt}", &m.content);
+            }
+        }
+    }
+}
+
+/// Checks the prompts of `file`: a conversation needs the chat template, and over
+/// `max_prompt_length` (each prompt rendered once) a row is dropped (`filter_overlong_prompts`)
+/// or refused.
+fn prompt_lengths(
     rows: &mut Vec<Problem>,
-    max: usize,
     d: &schema::Data,
     prompts: &Prompts<'_>,
     file: &Path,
@@ -621,18 +648,31 @@ fn overlong(
 ) -> Result<(), PlanError> {
     let mut keep = Vec::with_capacity(rows.len());
     for (i, r) in rows.iter().enumerate() {
+        let row = || format!("{}: row {}", file.display(), i + 1);
+        if matches!(r.prompt, Prompt::Chat(_)) && prompts.chat.is_none() {
+            return Err(e.at(
+                format!("{at}.prompt_key"),
+                format!(
+                    "{}: the prompt is a conversation (a list of messages), which is rendered by the checkpoint's chat template, and there is none: give model.path a checkpoint whose tokenizer_config.json (or chat_template.jinja) has one",
+                    row()
+                ),
+            ));
+        }
+        let Some(max) = d.max_prompt_length else {
+            keep.push(true);
+            continue;
+        };
         let n = prompts
             .prompt(&r.prompt, d.chat_template)
-            .map_err(|m| e.at(at, format!("{}: row {}: {m}", file.display(), i + 1)))?
+            .map_err(|m| e.at(at, format!("{}: {m}", row())))?
             .len();
         if n > max && !d.filter_overlong_prompts {
-            let head: String = r.prompt.chars().take(60).collect();
+            let head: String = r.prompt.display().chars().take(60).collect();
             return Err(e.at(
                 format!("{at}.max_prompt_length"),
                 format!(
-                    "{}: row {}: the prompt is {n} tokens, over {max} (`{head}…`); set filter_overlong_prompts: true to drop such rows",
-                    file.display(),
-                    i + 1
+                    "{}: the prompt is {n} tokens, over {max} (`{head}…`); set filter_overlong_prompts: true to drop such rows",
+                    row()
                 ),
             ));
         }

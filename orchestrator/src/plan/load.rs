@@ -99,7 +99,11 @@ pub(super) fn resolve(
                 }
             }
             if let Some(d) = &mut s.data {
-                for p in [&mut d.path, &mut d.eval_path].into_iter().flatten() {
+                for p in [&mut d.path, &mut d.eval_path]
+                    .into_iter()
+                    .flatten()
+                    .flatten()
+                {
                     if p.is_relative() {
                         *p = base.join(&*p);
                     }

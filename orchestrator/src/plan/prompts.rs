@@ -5,7 +5,7 @@
 
 use learner::chat::{ChatError, ChatTemplate};
 use learner::tokenizer::Tokenizer;
-use rollout::task::Problem;
+use rollout::task::{Problem, Prompt};
 
 /// Why a problem could not become tokens.
 #[derive(Debug, thiserror::Error)]
@@ -16,6 +16,9 @@ pub enum PromptError {
     /// The chat template could not render it.
     #[error(transparent)]
     Chat(#[from] ChatError),
+    /// A conversation, and no chat template to render it.
+    #[error("the prompt is a conversation and the checkpoint has no chat template")]
+    NoChatTemplate,
 }
 
 /// How a job's problems become tokens (the plan checks prompt lengths with it; the executor
@@ -30,8 +33,8 @@ pub struct Prompts<'a> {
 }
 
 impl Prompts<'_> {
-    /// Token ids of `p`'s prompt (rendered as a user message when `chat`), and of its answer
-    /// followed by end-of-sequence.
+    /// Token ids of `p`'s prompt (see [`Prompts::prompt`]), and of its answer followed by
+    /// end-of-sequence.
     pub fn encode(&self, p: &Problem, chat: bool) -> Result<(Vec<u32>, Vec<u32>), PromptError> {
         let prompt = self.prompt(&p.prompt, chat)?;
         let mut answer = self.tokenizer.encode_rendered(&p.answer)?;
@@ -39,11 +42,18 @@ impl Prompts<'_> {
         Ok((prompt, answer))
     }
 
-    /// Token ids of a prompt (rendered as a user message when `chat`).
-    pub fn prompt(&self, prompt: &str, chat: bool) -> Result<Vec<u32>, PromptError> {
-        Ok(match (self.chat, chat) {
-            (Some(t), true) => self.tokenizer.encode_rendered(&t.render_user(prompt)?)?,
-            _ => self.tokenizer.encode(prompt)?,
+    /// Token ids of a prompt: a conversation through the chat template, text as a user message
+    /// through it when `chat`, else as it is.
+    pub fn prompt(&self, prompt: &Prompt, chat: bool) -> Result<Vec<u32>, PromptError> {
+        Ok(match (prompt, self.chat, chat) {
+            (Prompt::Chat(messages), Some(t), _) => {
+                self.tokenizer.encode_rendered(&t.render(messages, true)?)?
+            }
+            (Prompt::Chat(_), None, _) => return Err(PromptError::NoChatTemplate),
+            (Prompt::Text(text), Some(t), true) => {
+                self.tokenizer.encode_rendered(&t.render_user(text)?)?
+            }
+            (Prompt::Text(text), _, _) => self.tokenizer.encode(text)?,
         })
     }
 
@@ -89,10 +99,7 @@ mod tests {
             chat: Some(&chat),
             eos: 6,
         };
-        let p = Problem {
-            prompt: "1 + 1 =".into(),
-            answer: "2".into(),
-        };
+        let p = Problem::new("1 + 1 =", "2");
         // (chat, prompt ids): one BOS either way, the template's or the tokenizer's.
         let cases = [(false, vec![0, 1, 2, 1, 3]), (true, vec![0, 1, 2, 1, 3])];
         for (chat, want) in cases {

@@ -232,18 +232,27 @@ pub struct Data {
     /// a seeded shuffle).
     #[serde(default = "default_eval_size")]
     pub eval_size: usize,
-    /// `jsonl`, `parquet`: the training file (relative paths start at the workflow file's folder).
-    #[serde(default)]
-    pub path: Option<PathBuf>,
-    /// `jsonl`, `parquet`: a held-out file.
-    #[serde(default)]
-    pub eval_path: Option<PathBuf>,
-    /// `jsonl`, `parquet`: the key (column) of the prompt.
+    /// `jsonl`, `parquet`: the training file, or a list of files read one after the other (as
+    /// VeRL's `data.train_files`; relative paths start at the workflow file's folder).
+    #[serde(default, deserialize_with = "one_or_many")]
+    pub path: Option<Vec<PathBuf>>,
+    /// `jsonl`, `parquet`: a held-out file, or a list of them.
+    #[serde(default, deserialize_with = "one_or_many")]
+    pub eval_path: Option<Vec<PathBuf>>,
+    /// `jsonl`, `parquet`: the key (column) of the prompt: text, or a conversation (a list of
+    /// `{role, content}` messages, as VeRL's preprocessed `prompt`), which is rendered through
+    /// the checkpoint's chat template.
     #[serde(default = "default_prompt_key")]
     pub prompt_key: String,
-    /// `jsonl`, `parquet`: the key (column) of the answer.
+    /// `jsonl`, `parquet`: the key (column) of the answer; dots reach into a struct or object
+    /// (VeRL's `reward_model.ground_truth`).
     #[serde(default = "default_answer_key")]
     pub answer_key: String,
+    /// `jsonl`, `parquet`: the key (column) whose value a Python reward gets as `data_source`
+    /// (VeRL's `data.reward_fn_key`); rows without it get the reward's own `data_source`. A
+    /// row's `extra_info` column, when there is one, is passed as `extra_info`.
+    #[serde(default = "default_reward_fn_key")]
+    pub reward_fn_key: String,
     /// `jsonl`, `parquet`: text around each prompt, `{prompt}` standing for it (e.g. VeRL's
     /// GSM8K instruction: `"{prompt} Let's think step by step and output the final answer after
     /// \"####\"."`); applied before the chat template.
@@ -269,6 +278,24 @@ fn default_prompt_key() -> String {
 }
 fn default_answer_key() -> String {
     "answer".into()
+}
+fn default_reward_fn_key() -> String {
+    "data_source".into()
+}
+
+/// A path or a list of them (null: none).
+fn one_or_many<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Vec<PathBuf>>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged, expecting = "a path or a list of paths")]
+    enum Files {
+        One(PathBuf),
+        Many(Vec<PathBuf>),
+    }
+    Ok(match Option::<Files>::deserialize(d)? {
+        None => None,
+        Some(Files::One(p)) => Some(vec![p]),
+        Some(Files::Many(v)) => Some(v),
+    })
 }
 
 fn default_eval_size() -> usize {

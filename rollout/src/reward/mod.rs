@@ -166,6 +166,41 @@ pub enum RewardError {
     Internal(String),
 }
 
+/// One response to score, with what its problem gives a reward function.
+#[derive(Clone, Copy, Debug)]
+pub struct Item<'a> {
+    /// The decoded response (VeRL's `solution_str`).
+    pub response: &'a str,
+    /// The answer (VeRL's `ground_truth`).
+    pub answer: &'a str,
+    /// The row's `data_source` (a Python reward's own `data_source` setting stands in when none).
+    pub data_source: Option<&'a str>,
+    /// The row's `extra_info`, as JSON text.
+    pub extra_info: Option<&'a str>,
+}
+
+impl<'a> Item<'a> {
+    /// `response` to `problem`.
+    pub fn new(response: &'a str, problem: &'a crate::task::Problem) -> Self {
+        Self {
+            response,
+            answer: &problem.answer,
+            data_source: problem.data_source.as_deref(),
+            extra_info: problem.extra_info.as_deref(),
+        }
+    }
+
+    /// `response` to a problem with only an answer.
+    pub fn plain(response: &'a str, answer: &'a str) -> Self {
+        Self {
+            response,
+            answer,
+            data_source: None,
+            extra_info: None,
+        }
+    }
+}
+
 /// Scores of a batch, and how many samples scored 0 because their reward call failed.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Scored {
@@ -220,12 +255,15 @@ impl Scorer {
         &self.reward
     }
 
-    /// Scores `(response, answer)` pairs. A Python call that fails scores its sample 0 and is
+    /// Scores responses. A Python call that fails scores its sample 0 and is
     /// counted (its traceback logged); a batch whose every call failed is an error.
-    pub fn score_all(&self, items: &[(&str, &str)]) -> Result<Scored, RewardError> {
+    pub fn score_all(&self, items: &[Item<'_>]) -> Result<Scored, RewardError> {
         let Some(pool) = &self.python else {
             return Ok(Scored {
-                scores: items.iter().map(|(r, a)| self.reward.score(r, a)).collect(),
+                scores: items
+                    .iter()
+                    .map(|i| self.reward.score(i.response, i.answer))
+                    .collect(),
                 failed: 0,
             });
         };

@@ -7,7 +7,7 @@
 //! decides what a failed sample scores (the [`super::Scorer`] does) or installs packages (the
 //! reward runs on the `python` the workflow names, with whatever it has).
 
-use super::RewardError;
+use super::{Item, RewardError};
 use serde_json::{Value, json};
 use std::io::{BufRead, BufReader, Write};
 use std::path::PathBuf;
@@ -245,10 +245,10 @@ impl PythonPool {
         Worker::start(spec).map(drop)
     }
 
-    /// Scores `(response, answer)` pairs on every worker at once, in order. A sample whose call
+    /// Scores responses on every worker at once, in order. A sample whose call
     /// raised, timed out or crashed its worker gets its reason; a worker that cannot start
     /// again is an error.
-    pub fn score(&self, items: &[(&str, &str)]) -> Result<Vec<Outcome>, RewardError> {
+    pub fn score(&self, items: &[Item<'_>]) -> Result<Vec<Outcome>, RewardError> {
         let next = AtomicUsize::new(0);
         let results: Vec<Mutex<Option<Outcome>>> = items.iter().map(|_| Mutex::new(None)).collect();
         let failure: Mutex<Option<RewardError>> = Mutex::new(None);
@@ -258,7 +258,7 @@ impl PythonPool {
                     let mut guard = slot.lock().unwrap_or_else(|p| p.into_inner());
                     loop {
                         let i = next.fetch_add(1, Ordering::Relaxed);
-                        let Some(&(response, answer)) = items.get(i) else {
+                        let Some(item) = items.get(i) else {
                             return;
                         };
                         if guard.is_none() {
@@ -270,11 +270,15 @@ impl PythonPool {
                                 }
                             }
                         }
+                        let extra_info = item
+                            .extra_info
+                            .and_then(|t| serde_json::from_str::<Value>(t).ok())
+                            .unwrap_or(Value::Null);
                         let request = json!({
-                            "data_source": self.spec.data_source,
-                            "solution_str": response,
-                            "ground_truth": answer,
-                            "extra_info": Value::Null,
+                            "data_source": item.data_source.or(self.spec.data_source.as_deref()),
+                            "solution_str": item.response,
+                            "ground_truth": item.answer,
+                            "extra_info": extra_info,
                         });
                         let Some(worker) = guard.as_mut() else { return };
                         let (outcome, replace) = worker.call(&request, self.spec.timeout);
@@ -302,7 +306,7 @@ impl PythonPool {
 
 #[cfg(test)]
 mod tests {
-    use super::super::{Reward, RewardError, Scorer};
+    use super::super::{Item, Reward, RewardError, Scorer};
     use std::path::{Path, PathBuf};
 
     /// A reward in VeRL's style with ways to misbehave on request.
@@ -323,6 +327,8 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
         return float(os.getpid())
     if solution_str == "source":
         return 1.0 if data_source == "openai/gsm8k" and extra_info is None else 0.0
+    if solution_str == "row":
+        return 1.0 if data_source == "lighteval/MATH" and extra_info["index"] == 7 else 0.0
     return 1.0 if solution_str.strip() == ground_truth else 0.0
 "#;
 
@@ -333,6 +339,10 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
         let f = dir.join("reward.py");
         std::fs::write(&f, text).unwrap();
         f
+    }
+
+    fn plain<'a>(pairs: &[(&'a str, &'a str)]) -> Vec<Item<'a>> {
+        pairs.iter().map(|&(r, a)| Item::plain(r, a)).collect()
     }
 
     fn reward(path: &Path, workers: usize) -> Reward {
@@ -362,13 +372,23 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
             ("sleep", "x", 0.0, true),
             ("hog", "x", 0.0, true),
         ];
-        let items: Vec<(&str, &str)> = cases.iter().map(|c| (c.0, c.1)).collect();
+        let mut items: Vec<Item<'_>> = cases.iter().map(|c| Item::plain(c.0, c.1)).collect();
+        // A row's own data_source and extra_info reach the function (the setting stands in
+        // only when the row has none).
+        items.push(Item {
+            data_source: Some("lighteval/MATH"),
+            extra_info: Some(r#"{"index": 7, "split": "test"}"#),
+            ..Item::plain("row", "x")
+        });
         let got = scorer.score_all(&items).unwrap();
-        let want: Vec<f32> = cases.iter().map(|c| c.2).collect();
+        let mut want: Vec<f32> = cases.iter().map(|c| c.2).collect();
+        want.push(1.0);
         assert_eq!(got.scores, want);
         assert_eq!(got.failed, cases.iter().filter(|c| c.3).count());
         // The timed-out and crashed workers were replaced: the next batch scores.
-        let again = scorer.score_all(&[("72", "72"), ("1", "2")]).unwrap();
+        let again = scorer
+            .score_all(&plain(&[("72", "72"), ("1", "2")]))
+            .unwrap();
         assert_eq!(again.scores, [1.0, 0.0]);
         std::fs::remove_dir_all(f.parent().unwrap()).unwrap();
     }
@@ -377,9 +397,9 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     fn workers_live_across_batches() {
         let f = file("pid", REWARD);
         let scorer = Scorer::open(reward(&f, 1)).unwrap();
-        let a = scorer.score_all(&[("pid", "")]).unwrap().scores;
+        let a = scorer.score_all(&plain(&[("pid", "")])).unwrap().scores;
         let b = scorer
-            .score_all(&[("pid", ""), ("pid", "")])
+            .score_all(&plain(&[("pid", ""), ("pid", "")]))
             .unwrap()
             .scores;
         assert_eq!(
@@ -395,7 +415,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
         let broken = file("bad", REWARD);
         let scorer = Scorer::open(reward(&broken, 2)).unwrap();
         let e = scorer
-            .score_all(&[("raise", "1"), ("raise", "2")])
+            .score_all(&plain(&[("raise", "1"), ("raise", "2")]))
             .unwrap_err();
         assert!(matches!(e, RewardError::AllFailed { count: 2, .. }), "{e}");
         assert!(e.to_string().contains("ValueError: a broken sample"), "{e}");

@@ -25,8 +25,9 @@ pq.write_table(table, "snappy.parquet", row_group_size=16, data_page_size=256,
 # Uncompressed, no dictionary, v2 data pages.
 pq.write_table(table, "plain-v2.parquet", compression="none", use_dictionary=False,
                data_page_version="2.0", row_group_size=25)
-# A codec Trellis does not read (for the error).
-pq.write_table(table, "zstd.parquet", compression="zstd")
+# The other codecs pyarrow writes.
+for codec in ["zstd", "gzip", "lz4"]:
+    pq.write_table(table, f"{codec}.parquet", compression=codec)
 with open("rows.jsonl", "w") as f:
     for r in rows:
         f.write(json.dumps(r) + "\n")

@@ -9,6 +9,7 @@ use crate::plan::Mode;
 use crate::plan::schema::Stale;
 use learner::rl::Metrics;
 use learner::rl::dapo::keep_informative_groups;
+use rollout::reward::Item;
 use rollout::task::Problem;
 use rollout::{Completion, GenerateRequest, SamplingParams};
 use std::collections::HashSet;
@@ -119,11 +120,8 @@ fn now(cx: &StepCx<'_, '_>, m: &mut Metrics) -> Result<Vec<Group>, ExecError> {
         for g in groups_of(cx, problems, &reqs, out)? {
             generated += 1;
             let keep = !filter || {
-                let items: Vec<(&str, &str)> = g
-                    .texts
-                    .iter()
-                    .map(|t| (t.as_str(), g.problem.answer.as_str()))
-                    .collect();
+                let items: Vec<Item<'_>> =
+                    g.texts.iter().map(|t| Item::new(t, &g.problem)).collect();
                 let s = cx.stage.reward.score_all(&items)?.scores;
                 keep_informative_groups(&vec![0; s.len()], &s)[0]
             };

@@ -4,20 +4,17 @@
 use super::{Board, Compute, ExecError, StepCx, Update};
 use crate::exec::board::Write;
 use learner::rl::dapo::overlong_penalty;
+use rollout::reward::Item;
 
 pub(crate) struct Reward;
 
 impl Compute for Reward {
     fn compute(&self, cx: &StepCx<'_, '_>, board: &Board) -> Result<Update, ExecError> {
         // Every response of the step at once (a Python reward spreads them over its workers).
-        let items: Vec<(&str, &str)> = board
+        let items: Vec<Item<'_>> = board
             .groups
             .iter()
-            .flat_map(|g| {
-                g.texts
-                    .iter()
-                    .map(|t| (t.as_str(), g.problem.answer.as_str()))
-            })
+            .flat_map(|g| g.texts.iter().map(|t| Item::new(t, &g.problem)))
             .collect();
         let scored = cx.stage.reward.score_all(&items)?;
         let mut flat = scored.scores.into_iter();
