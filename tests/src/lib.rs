@@ -123,36 +123,73 @@ pub fn python() -> Option<PathBuf> {
     static PYTHON: OnceLock<Option<PathBuf>> = OnceLock::new();
     PYTHON
         .get_or_init(|| {
-            #[allow(clippy::print_stderr)]
-            if std::env::var_os("TRELLIS_SKIP_PYTHON").is_some_and(|v| v == "1") {
-                eprintln!("*** SKIPPED: TRELLIS_SKIP_PYTHON=1 skips the Python tests ***");
-                return None;
-            }
-            let usable = |p: &std::path::Path| {
-                Command::new(p)
-                    .args(["-c", "import grpc, grpc_tools, flit_core, openai"])
-                    .output()
-                    .is_ok_and(|o| o.status.success())
-            };
-            if let Some(p) = std::env::var_os("TRELLIS_PYTHON").map(PathBuf::from) {
-                assert!(
-                    usable(&p),
-                    "TRELLIS_PYTHON {} lacks grpcio, grpcio-tools, flit_core or openai (pip install -r clients/python/requirements-test.txt)",
-                    p.display()
-                );
-                return Some(p);
-            }
-            let venv = root().join("target/pyenv/bin/python");
-            if !usable(&venv) {
-                let setup = root().join(".ci/setup");
-                let ran = Command::new(&setup).arg("python").status();
-                assert!(
-                    usable(&venv),
-                    "no Python with the test requirements and `{} python` could not make one ({ran:?}): run it by hand (python3 with venv and pip, and PyPI), or set TRELLIS_SKIP_PYTHON=1 to skip the Python tests",
-                    setup.display()
-                );
-            }
-            Some(venv)
+            venv(
+                "python",
+                "pyenv",
+                "import grpc, grpc_tools, flit_core, openai",
+                Some("TRELLIS_PYTHON"),
+                "clients/python/requirements-test.txt",
+            )
         })
         .clone()
+}
+
+/// The Python interpreter with the experiment trackers the tracking tests run (`mlflow`, whose
+/// server they start): the venv `.ci/setup trackers` makes (`target/trackers`), made here the
+/// first time. `None` only when `TRELLIS_SKIP_PYTHON=1` asks for it.
+pub fn trackers() -> Option<PathBuf> {
+    static PYTHON: OnceLock<Option<PathBuf>> = OnceLock::new();
+    PYTHON
+        .get_or_init(|| {
+            venv(
+                "trackers",
+                "trackers",
+                "import mlflow",
+                None,
+                "tests/requirements-trackers.txt",
+            )
+        })
+        .clone()
+}
+
+/// A venv's interpreter that can `check`: `variable`'s, or `target/DIR`'s, made by `.ci/setup
+/// KIND` when it cannot.
+fn venv(
+    kind: &str,
+    dir: &str,
+    check: &str,
+    variable: Option<&str>,
+    requirements: &str,
+) -> Option<PathBuf> {
+    #[allow(clippy::print_stderr)]
+    if std::env::var_os("TRELLIS_SKIP_PYTHON").is_some_and(|v| v == "1") {
+        eprintln!("*** SKIPPED: TRELLIS_SKIP_PYTHON=1 skips the Python tests ***");
+        return None;
+    }
+    let usable = |p: &std::path::Path| {
+        Command::new(p)
+            .args(["-c", check])
+            .output()
+            .is_ok_and(|o| o.status.success())
+    };
+    if let Some(p) = variable.and_then(std::env::var_os).map(PathBuf::from) {
+        assert!(
+            usable(&p),
+            "{} {} cannot `{check}` (pip install -r {requirements})",
+            variable.unwrap_or_default(),
+            p.display()
+        );
+        return Some(p);
+    }
+    let venv = root().join("target").join(dir).join("bin/python");
+    if !usable(&venv) {
+        let setup = root().join(".ci/setup");
+        let ran = Command::new(&setup).arg(kind).status();
+        assert!(
+            usable(&venv),
+            "no Python that can `{check}` and `{} {kind}` could not make one ({ran:?}): run it by hand (python3 with venv and pip, and PyPI), or set TRELLIS_SKIP_PYTHON=1 to skip the Python tests",
+            setup.display()
+        );
+    }
+    Some(venv)
 }

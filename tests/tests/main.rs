@@ -14,5 +14,6 @@ mod pjrt;
 mod score;
 mod serve;
 mod tidy;
+mod tracking;
 mod train;
 mod train_agents;

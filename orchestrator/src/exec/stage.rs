@@ -230,7 +230,7 @@ impl<'a> Executor<'a> {
             ("actor/grad_norm".into(), out.report.grad_norm),
             ("actor/lr".into(), out.report.lr as f64),
             ("timing_s/step".into(), secs),
-            ("timing_s/sync".into(), sync),
+            ("timing_s/update_weights".into(), sync),
             ("perf/throughput".into(), out.positions as f64 / secs),
         ]
         .into())

@@ -52,6 +52,7 @@ fn timer(name: &str) -> String {
         "old_logp" => "old_log_prob",
         "ref_logp" => "ref",
         "advantage" => "adv",
+        "sync_weights" => "update_weights",
         other => other,
     };
     format!("timing_s/{verl}")

@@ -13,6 +13,7 @@ use crate::exec::{ExecError, Executor, Prompts, Roles, Summary};
 use crate::plan::{LearnerEngine, ModelSource, Plan, PlanError, RolloutEngine};
 use crate::pools::rollout::{PoolStart, RolloutPool};
 use crate::pools::{Cluster, PoolError};
+use crate::record::mlflow::Mlflow;
 use crate::record::tensorboard::TensorBoard;
 use crate::record::{Event, JsonlSink, LiveStatus, RecordError, Recorder, Records, StoreSink};
 use crate::roles::{LocalPolicy, LocalRoles};
@@ -470,6 +471,15 @@ fn run(
     records.push(Box::new(JsonlSink::open(&metrics_path)?));
     let tb = dir.join("tensorboard");
     records.push(Box::new(TensorBoard::new(&tb)));
+    if let Some(target) = &plan.mlflow {
+        let mut params = Vec::new();
+        let spec = serde_json::to_value(&plan.spec).unwrap_or_default();
+        crate::record::mlflow::flatten("", &spec, &mut params);
+        let name = dir
+            .file_name()
+            .map_or_else(|| plan.name.clone(), |n| n.to_string_lossy().into_owned());
+        records.push(Box::new(Mlflow::open(target.clone(), dir, &name, &params)?));
+    }
     records.push(Box::new(LiveStatus::new(
         live_status_path(dir),
         JobStatus {

@@ -3,6 +3,7 @@
 use super::graph::{GraphSpec, UserNode as GraphNode, expand};
 use super::schema::{self, Engine, StageKind, Task, Workflow};
 use super::*;
+use crate::record::mlflow::MlflowTarget;
 use learner::optim::ScheduleKind;
 use learner::rl::agg::LossAgg;
 use learner::rl::kl::Kl;
@@ -119,6 +120,7 @@ pub(super) fn plan(mut spec: Workflow, origin: &str) -> Result<Plan, PlanError> 
         }
         stages.push(stage(&spec.stages[i], i, data, &e)?);
     }
+    let mlflow = mlflow_target(&spec, &e)?;
     Ok(Plan {
         name: spec.name.clone(),
         seed: spec.seed,
@@ -131,8 +133,42 @@ pub(super) fn plan(mut spec: Workflow, origin: &str) -> Result<Plan, PlanError> 
         rollout,
         learner,
         stages,
+        mlflow,
         spec,
     })
+}
+
+/// The MLflow server and experiment, when the workflow tracks with MLflow.
+fn mlflow_target(spec: &Workflow, e: &Errs<'_>) -> Result<Option<MlflowTarget>, PlanError> {
+    let Some(m) = &spec.tracking.mlflow else {
+        return Ok(None);
+    };
+    let uri = match &m.uri {
+        Some(u) => u.clone(),
+        None => std::env::var("MLFLOW_TRACKING_URI").map_err(|_| {
+            e.at(
+                "tracking.mlflow.uri",
+                "is not set, and neither is MLFLOW_TRACKING_URI",
+            )
+        })?,
+    };
+    let uri = uri.trim_end_matches('/').to_string();
+    let rest = uri
+        .strip_prefix("http://")
+        .or_else(|| uri.strip_prefix("https://"));
+    if rest.is_none_or(str::is_empty) {
+        return Err(e.at(
+            "tracking.mlflow.uri",
+            format!(
+                "`{uri}` is not an http:// or https:// URL of a tracking server (a local folder or databricks URI is not served over the REST API)"
+            ),
+        ));
+    }
+    let experiment = m.experiment.clone().unwrap_or_else(|| spec.name.clone());
+    if experiment.trim().is_empty() {
+        return Err(e.at("tracking.mlflow.experiment", "is empty"));
+    }
+    Ok(Some(MlflowTarget { uri, experiment }))
 }
 
 /// Stage indices in an order that respects `after` (stable: file order among ready stages).

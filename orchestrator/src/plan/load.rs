@@ -241,7 +241,7 @@ const VERL_NAMES: &[(&str, &str, &str)] = &[
     (
         "logger",
         "trainer.logger",
-        "nothing: every run writes metrics.jsonl and TensorBoard events (leave it out)",
+        "`tracking: {mlflow: {uri: ..., experiment: ...}}` at the top level (every run also writes metrics.jsonl and TensorBoard events)",
     ),
     (
         "adv_estimator_type",
@@ -297,7 +297,8 @@ fn edit_distance(a: &str, b: &str) -> usize {
 }
 
 /// Sets `key` (dots separate fields; a number selects a list item; a stage may also be named by
-/// its id, as in `stages.rl.trainer.steps`).
+/// its id, as in `stages.rl.trainer.steps`; an unset field on the way becomes a map, as
+/// `tracking.mlflow.uri=...` makes `tracking.mlflow`).
 fn set_path(
     tree: &mut serde_json::Value,
     key: &str,
@@ -326,8 +327,14 @@ fn set_path(
                     map.insert(part.to_string(), value);
                     return Ok(());
                 }
-                map.entry(part.to_string())
-                    .or_insert_with(|| serde_json::json!({}))
+                // A field left unset (null) becomes a map the next part goes into.
+                let next = map
+                    .entry(part.to_string())
+                    .or_insert_with(|| serde_json::json!({}));
+                if next.is_null() {
+                    *next = serde_json::json!({});
+                }
+                next
             }
             _ => return Err(format!("`{}` is not a map or list", parts[..i].join("."))),
         };

@@ -52,6 +52,8 @@ pub struct Plan {
     pub learner: LearnerPlan,
     /// Stages in the order they run.
     pub stages: Vec<StagePlan>,
+    /// The MLflow server and experiment the metrics also go to.
+    pub mlflow: Option<crate::record::mlflow::MlflowTarget>,
     /// The workflow it was made from, resolved (overrides applied, paths absolute, steps
     /// counted): what the job store keeps and `trellis config show` prints.
     pub spec: Workflow,

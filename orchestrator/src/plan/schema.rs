@@ -31,6 +31,31 @@ pub struct Workflow {
     pub pools: Pools,
     /// Stages, chained with `after`.
     pub stages: Vec<Stage>,
+    /// Experiment trackers the metrics also go to (besides `metrics.jsonl` and TensorBoard,
+    /// which every run writes).
+    #[serde(default)]
+    pub tracking: Tracking,
+}
+
+/// Experiment trackers (VeRL's `trainer.logger`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct Tracking {
+    /// An MLflow tracking server.
+    #[serde(default)]
+    pub mlflow: Option<Mlflow>,
+}
+
+/// An MLflow tracking server and experiment.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct Mlflow {
+    /// The server (`http[s]://host:port`); default: `MLFLOW_TRACKING_URI`.
+    #[serde(default)]
+    pub uri: Option<String>,
+    /// The experiment (made when it does not exist); default: the workflow's `name`.
+    #[serde(default)]
+    pub experiment: Option<String>,
 }
 
 /// The model: a checkpoint folder, or a config to initialise randomly.

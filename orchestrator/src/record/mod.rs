@@ -1,12 +1,13 @@
 //! The record of a run: every step's metric row and what people follow (progress, notes), sent
 //! to sinks behind one interface, [`Recorder`]. The library's sinks are the job store (rows,
-//! and log lines for server jobs), `metrics.jsonl` and TensorBoard; the command line adds its
+//! and log lines for server jobs), `metrics.jsonl`, TensorBoard and MLflow; the command line adds its
 //! progress bar. A row reaches the store before any other sink, so a watcher that reads it from
 //! the store never sees a row the run lost.
 //!
 //! Owns: the row format and the progress lines. Never: prints (a sink of the binary does), or
 //! decides what is recorded when (the executor does).
 
+pub mod mlflow;
 pub mod tensorboard;
 
 use crate::store::{CheckpointRecord, JobStatus, Progress, Store, StoreError};
@@ -29,6 +30,9 @@ pub enum RecordError {
         /// The OS error.
         source: std::io::Error,
     },
+    /// An experiment tracker that cannot be used.
+    #[error("{0}")]
+    Tracking(String),
 }
 
 /// One step's metrics, as every sink gets them.
