@@ -59,7 +59,7 @@ fn bad_workflows_get_messages_that_say_where_and_why() {
         (
             "seed: 3",
             "seed: 3\nsede: 4",
-            "t.yaml:3:1: unknown field `sede` (did you mean `seed`?); expected one of name, seed, model, pools, stages",
+            "t.yaml:3:1: unknown field `sede` (did you mean `seed`?); expected one of name, seed, model, pools, stages, tracking",
         ),
         (
             "rollout_n: 2,",
@@ -269,6 +269,21 @@ fn bad_workflows_get_messages_that_say_where_and_why() {
             "stages:\n",
             "pools: {learner: {engine: vllm}}\nstages:\n",
             "t.yaml: pools.learner.engine: `vllm` serves rollouts only; the learner trains on native or pjrt",
+        ),
+        (
+            "stages:\n",
+            "tracking: {mlflow: {uri: 'file:///tmp/mlruns'}}\nstages:\n",
+            "t.yaml: tracking.mlflow.uri: `file:///tmp/mlruns` is not an http:// or https:// URL of a tracking server (a local folder or databricks URI is not served over the REST API)",
+        ),
+        (
+            "stages:\n",
+            "tracking: {mlflow: {uri: 'http://m:5000', experiment: ' '}}\nstages:\n",
+            "t.yaml: tracking.mlflow.experiment: is empty",
+        ),
+        (
+            "stages:\n",
+            "tracking: {mlfow: {}}\nstages:\n",
+            "t.yaml:6:12: tracking: unknown field `mlfow` (did you mean `mlflow`?); expected one of mlflow",
         ),
     ];
     let mut wrong = Vec::new();
