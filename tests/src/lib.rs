@@ -135,7 +135,7 @@ pub fn python() -> Option<PathBuf> {
 }
 
 /// The Python interpreter with the experiment trackers the tracking tests run (`mlflow`, whose
-/// server they start): the venv `.ci/setup trackers` makes (`target/trackers`), made here the
+/// server they start; `wandb` and `grpcio` for the trellis-client sidecar): the venv `.ci/setup trackers` makes (`target/trackers`), made here the
 /// first time. `None` only when `TRELLIS_SKIP_PYTHON=1` asks for it.
 pub fn trackers() -> Option<PathBuf> {
     static PYTHON: OnceLock<Option<PathBuf>> = OnceLock::new();
@@ -144,7 +144,7 @@ pub fn trackers() -> Option<PathBuf> {
             venv(
                 "trackers",
                 "trackers",
-                "import mlflow",
+                "import mlflow, wandb, grpc",
                 None,
                 "tests/requirements-trackers.txt",
             )

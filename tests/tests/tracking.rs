@@ -221,3 +221,187 @@ fn metrics_reach_a_real_mlflow_server_once_each_across_a_kill_and_resume() {
     drop(server);
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// The offline runs wandb wrote under `wandb_dir` (what `wandb sync` uploads), read from their
+/// transaction logs (`run-*.wandb`: LevelDB log framing of wandb's protobuf records): each run's
+/// name, group, job type, config and history rows.
+fn wandb_runs(python: &Path, wandb_dir: &Path) -> Vec<Value> {
+    let script = r#"
+import glob, json, struct, sys
+from wandb.proto import wandb_internal_pb2 as pb
+
+def records(path):
+    b = open(path, "rb").read()
+    ident, magic, _ = struct.unpack("<4sHB", b[:7])
+    assert ident == b":W&B" and magic == 0xBEE1, (ident, magic)
+    pos, buf = 7, b""
+    while pos + 7 <= len(b):
+        left = 32768 - pos % 32768
+        if left < 7:
+            pos += left
+            continue
+        _, n, kind = struct.unpack("<IHB", b[pos:pos + 7])
+        if n == 0 and kind == 0:
+            break
+        data = b[pos + 7:pos + 7 + n]
+        pos += 7 + n
+        if kind == 1:
+            yield data
+        elif kind == 2:
+            buf = data
+        elif kind == 3:
+            buf += data
+        elif kind == 4:
+            yield buf + data
+
+out = []
+for f in sorted(glob.glob(sys.argv[1] + "/wandb/offline-run-*/run-*.wandb")):
+    run = {"history": []}
+    for data in records(f):
+        r = pb.Record()
+        r.ParseFromString(data)
+        kind = r.WhichOneof("record_type")
+        if kind == "run":
+            run.update(id=r.run.run_id, name=r.run.display_name, group=r.run.run_group,
+                       job_type=r.run.job_type,
+                       config={u.key: json.loads(u.value_json) for u in r.run.config.update})
+        elif kind == "history":
+            run["history"].append({(i.key or "/".join(i.nested_key)): json.loads(i.value_json)
+                                   for i in r.history.item})
+    out.append(run)
+print(json.dumps(out))
+"#;
+    let out = Command::new(python)
+        .args(["-c", script])
+        .arg(wandb_dir)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+#[test]
+fn the_wandb_sidecar_follows_a_run_and_logs_every_step_once() {
+    let Some(python) = trellis_tests::trackers() else {
+        return;
+    };
+    let dir = std::env::temp_dir().join(format!("trellis-wandb-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let run = dir.join("run");
+    let sidecar = |follow: bool| {
+        let mut cmd = Command::new(&python);
+        cmd.args(["-m", "trellis_client", "--json", "wandb"])
+            .arg(&run)
+            .args(["--project", "trellis-e2e"])
+            .env(
+                "PYTHONPATH",
+                trellis_tests::root().join("clients/python/src"),
+            )
+            .env("WANDB_MODE", "offline")
+            .env("WANDB_DIR", &dir)
+            .env("WANDB_SILENT", "true")
+            .current_dir(&dir);
+        if follow {
+            cmd.arg("--follow");
+        }
+        cmd
+    };
+    let mut train = trellis()
+        .arg("train")
+        .arg(recipe())
+        .args(["--quiet", "--run-dir"])
+        .arg(&run)
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    // Started while the run goes, the sidecar follows it to its end.
+    let start = Instant::now();
+    while !run.join("status.json").exists() {
+        assert!(
+            start.elapsed() < Duration::from_secs(120),
+            "the run did not start"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let follower = sidecar(true)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    assert!(train.wait().unwrap().success());
+    let out = follower.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let logged: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        logged["logged"],
+        serde_json::json!({"warmup": 30, "rl": 12, "final-eval": 1})
+    );
+    let runs = wandb_runs(&python, &dir);
+    let rows: Vec<Value> = std::fs::read_to_string(run.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(runs.len(), 3, "{runs:#?}");
+    for stage in ["warmup", "rl", "final-eval"] {
+        let r: Vec<&Value> = runs.iter().filter(|r| r["name"] == stage).collect();
+        assert_eq!(r.len(), 1, "{stage}");
+        let r = r[0];
+        assert_eq!(
+            (&r["group"], &r["job_type"]),
+            (&"run".into(), &stage.into())
+        );
+        assert_eq!(
+            r["config"]["name"], "tiny-arith",
+            "the workflow is the config"
+        );
+        let stage_rows: Vec<&Value> = rows.iter().filter(|v| v["stage"] == stage).collect();
+        let history = r["history"].as_array().unwrap();
+        assert_eq!(history.len(), stage_rows.len(), "{stage}: every step once");
+        for (h, row) in history.iter().zip(&stage_rows) {
+            assert_eq!(h["_step"], row["step"], "{stage}");
+            for (k, v) in row.as_object().unwrap() {
+                if k != "stage" && k != "step" {
+                    assert_eq!(
+                        h[k].as_f64(),
+                        v.as_f64(),
+                        "{stage} step {} {k}",
+                        row["step"]
+                    );
+                }
+            }
+        }
+    }
+    // Syncing again logs nothing twice; a folder that is no run is refused by name.
+    let again = sidecar(false).output().unwrap();
+    assert!(
+        again.status.success(),
+        "{}",
+        String::from_utf8_lossy(&again.stderr)
+    );
+    let logged: Value = serde_json::from_slice(&again.stdout).unwrap();
+    assert_eq!(logged["logged"], serde_json::json!({}));
+    assert_eq!(wandb_runs(&python, &dir).len(), 3);
+    let out = Command::new(&python)
+        .args(["-m", "trellis_client", "wandb"])
+        .arg(dir.join("nowhere"))
+        .env(
+            "PYTHONPATH",
+            trellis_tests::root().join("clients/python/src"),
+        )
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("nowhere: no such run directory"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

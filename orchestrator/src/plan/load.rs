@@ -241,7 +241,7 @@ const VERL_NAMES: &[(&str, &str, &str)] = &[
     (
         "logger",
         "trainer.logger",
-        "`tracking: {mlflow: {uri: ..., experiment: ...}}` at the top level (every run also writes metrics.jsonl and TensorBoard events)",
+        "`tracking: {mlflow: {uri: ..., experiment: ...}}` at the top level, or `trellis-client wandb RUN_DIR` for wandb (every run also writes metrics.jsonl and TensorBoard events)",
     ),
     (
         "adv_estimator_type",

@@ -7,6 +7,8 @@ failed, 2 bad input or a refused call, 130 cancelled).
     trellis-client watch JOB | status JOB | cancel JOB | resume JOB [--watch]
     trellis-client jobs
     trellis-client metrics JOB [--from-row N]
+    trellis-client wandb RUN_DIR [--project P] [--entity E] [--group G] [--follow]
+        (a run's metrics into Weights & Biases; needs `pip install wandb`)
 """
 
 from __future__ import annotations
@@ -92,11 +94,42 @@ def _parser() -> argparse.ArgumentParser:
     m = sub.add_parser("metrics", help="a job's metric rows")
     m.add_argument("job", type=int)
     m.add_argument("--from-row", type=int, default=0)
+    w = sub.add_parser("wandb", help="log a run directory's metrics to Weights & Biases (WANDB_MODE=offline: for `wandb sync`)")
+    w.add_argument("run_dir")
+    w.add_argument("--project", help="wandb project (default: the workflow's name)")
+    w.add_argument("--entity", help="wandb entity (default: wandb's)")
+    w.add_argument("--group", help="wandb group of the stages' runs (default: the run directory's name)")
+    w.add_argument("--follow", action="store_true", help="keep logging while the run goes, until it ends")
     return p
+
+
+def _wandb(args) -> int:
+    try:
+        import wandb  # noqa: F401
+    except ImportError:
+        print("error: the wandb sidecar needs the wandb package: pip install wandb", file=sys.stderr)
+        return 2
+    from .wandb_sync import sync
+
+    logged = sync(args.run_dir, project=args.project, entity=args.entity, group=args.group, follow=args.follow)
+    if args.json:
+        print(json.dumps({"logged": logged}))
+    else:
+        for stage, n in logged.items():
+            print(f"{stage}: {n} rows logged")
+    return 0
 
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "wandb":
+        try:
+            return _wandb(args)
+        except (OSError, ValueError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            return 130
     try:
         with Client(args.server, token_file=args.token_file, tls_ca=args.tls_ca) as c:
             if args.command == "submit":
