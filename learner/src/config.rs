@@ -279,7 +279,8 @@ impl ModelConfig {
         if let Some(eos) = self.eos_token_id {
             set("eos_token_id", json!(eos));
         }
-        // The weights are written in f32; both names (transformers renamed it `dtype`).
+        // f32, as the weights train (a checkpoint written in bf16 says so instead); both names
+        // (transformers renamed it `dtype`).
         set("torch_dtype", json!("float32"));
         set("dtype", json!("float32"));
         Value::Object(obj)

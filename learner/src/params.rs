@@ -16,6 +16,37 @@ pub use kernels::tensor::{Storage, Tensor};
 /// Every parameter of a model (or a gradient / optimiser moment with the same layout).
 pub type Params = kernels::tensor::TensorSet;
 
+/// The number format weights are written in.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum WeightDtype {
+    /// 32-bit floats: exactly what trains.
+    #[default]
+    #[serde(alias = "float32", alias = "fp32")]
+    F32,
+    /// bfloat16, rounded to nearest even: half the bytes, what serving engines load.
+    #[serde(alias = "bfloat16")]
+    Bf16,
+}
+
+impl WeightDtype {
+    /// Bytes per element.
+    pub fn bytes(self) -> u64 {
+        match self {
+            WeightDtype::F32 => 4,
+            WeightDtype::Bf16 => 2,
+        }
+    }
+
+    /// The name in a Hugging Face `config.json` (`torch_dtype`, `dtype`).
+    pub fn hf_name(self) -> &'static str {
+        match self {
+            WeightDtype::F32 => "float32",
+            WeightDtype::Bf16 => "bfloat16",
+        }
+    }
+}
+
 /// Seeded initialisation and safetensors files of [`Params`].
 pub trait ParamsIo: Sized {
     /// Seeded random init as `transformers` does it: normal(0, std) for matrices, ones for
@@ -26,11 +57,16 @@ pub trait ParamsIo: Sized {
     /// shards listed in `model.safetensors.index.json`), converting bf16/f16 to f32.
     fn load(dir: &Path, specs: &[(String, Vec<usize>)]) -> Result<Self>;
 
-    /// Writes all tensors as f32 into the checkpoint folder `dir`: `model.safetensors`, or,
+    /// Writes all tensors as `dtype` into the checkpoint folder `dir`: `model.safetensors`, or,
     /// past `max_shard_bytes`, shards `model-0000i-of-0000n.safetensors` with the
     /// `model.safetensors.index.json` that lists them (as transformers' `save_pretrained`).
     /// Returns the files written.
-    fn save_sharded(&self, dir: &Path, max_shard_bytes: u64) -> Result<Vec<PathBuf>>;
+    fn save_sharded(
+        &self,
+        dir: &Path,
+        max_shard_bytes: u64,
+        dtype: WeightDtype,
+    ) -> Result<Vec<PathBuf>>;
 
     /// Writes all tensors as f32 into one safetensors file at `path`.
     fn save(&self, path: &Path) -> Result<()> {
@@ -170,13 +206,18 @@ impl ParamsIo for Params {
         load_files(dir, &files, specs)
     }
 
-    fn save_sharded(&self, dir: &Path, max_shard_bytes: u64) -> Result<Vec<PathBuf>> {
+    fn save_sharded(
+        &self,
+        dir: &Path,
+        max_shard_bytes: u64,
+        dtype: WeightDtype,
+    ) -> Result<Vec<PathBuf>> {
         // Tensors in order, a new shard when the next one would pass the limit (a tensor
         // larger than the limit gets a shard of its own).
         let mut shards: Vec<Vec<&Tensor>> = vec![Vec::new()];
         let mut size = 0u64;
         for t in &self.tensors {
-            let bytes = 4 * t.data.len() as u64;
+            let bytes = dtype.bytes() * t.data.len() as u64;
             let last = shards.last().map_or(0, Vec::len);
             if last > 0 && size + bytes > max_shard_bytes {
                 shards.push(Vec::new());
@@ -189,7 +230,7 @@ impl ParamsIo for Params {
         }
         if shards.len() == 1 {
             let path = dir.join("model.safetensors");
-            write_tensors(&path, &shards[0], "")?;
+            write_tensors(&path, &shards[0], "", dtype)?;
             return Ok(vec![path]);
         }
         let n = shards.len();
@@ -198,13 +239,17 @@ impl ParamsIo for Params {
         for (i, shard) in shards.iter().enumerate() {
             let name = format!("model-{:05}-of-{n:05}.safetensors", i + 1);
             let path = dir.join(&name);
-            write_tensors(&path, shard, "")?;
+            write_tensors(&path, shard, "", dtype)?;
             for t in shard {
                 weight_map.insert(t.name.clone(), name.clone().into());
             }
             files.push(path);
         }
-        let total: u64 = self.tensors.iter().map(|t| 4 * t.data.len() as u64).sum();
+        let total: u64 = self
+            .tensors
+            .iter()
+            .map(|t| dtype.bytes() * t.data.len() as u64)
+            .sum();
         let index = serde_json::json!({
             "metadata": {"total_size": total},
             "weight_map": weight_map,
@@ -218,24 +263,34 @@ impl ParamsIo for Params {
 
     fn save_prefixed(&self, path: &Path, prefix: &str) -> Result<()> {
         let all: Vec<&Tensor> = self.tensors.iter().collect();
-        write_tensors(path, &all, prefix)
+        write_tensors(path, &all, prefix, WeightDtype::F32)
     }
 }
 
-/// Writes `tensors` as f32, each named `prefix` + its name, into the safetensors file `path`.
-fn write_tensors(path: &Path, tensors: &[&Tensor], prefix: &str) -> Result<()> {
+/// Writes `tensors` as `dtype`, each named `prefix` + its name, into the safetensors file `path`.
+fn write_tensors(path: &Path, tensors: &[&Tensor], prefix: &str, dtype: WeightDtype) -> Result<()> {
     let bytes: Vec<Vec<u8>> = tensors
         .iter()
-        .map(|t| t.data.iter().flat_map(|v| v.to_le_bytes()).collect())
+        .map(|t| match dtype {
+            WeightDtype::F32 => t.data.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            WeightDtype::Bf16 => t
+                .data
+                .iter()
+                .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
+                .collect(),
+        })
         .collect();
+    let st = match dtype {
+        WeightDtype::F32 => Dtype::F32,
+        WeightDtype::Bf16 => Dtype::BF16,
+    };
     let mut views = BTreeMap::new();
     for (t, b) in tensors.iter().zip(&bytes) {
-        let view =
-            TensorView::new(Dtype::F32, t.shape.clone(), b).map_err(|e| Error::BadTensor {
-                path: path.to_path_buf(),
-                name: t.name.clone(),
-                msg: e.to_string(),
-            })?;
+        let view = TensorView::new(st, t.shape.clone(), b).map_err(|e| Error::BadTensor {
+            path: path.to_path_buf(),
+            name: t.name.clone(),
+            msg: e.to_string(),
+        })?;
         views.insert(format!("{prefix}{}", t.name), view);
     }
     let mut meta = HashMap::new();

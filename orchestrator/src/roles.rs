@@ -18,6 +18,7 @@ use learner::algo::value::{CriticTrainer, ValueUpdate};
 use learner::critic::Critic as ValueModel;
 use learner::engine::TrainEngine;
 use learner::optim::{LrSchedule, Optimizer};
+use learner::params::WeightDtype;
 use learner::rl::Metrics;
 use learner::{Model, ModelConfig, Params};
 use rollout::{Completion, GenerateRequest};
@@ -81,7 +82,7 @@ pub trait Policy: Send + Sync {
 
     /// Writes a checkpoint folder: the model in Hugging Face layout with its side files, and
     /// the optimiser's state when `with_optimizer`.
-    fn save(&mut self, dir: &Path, with_optimizer: bool) -> Result<()>;
+    fn save(&mut self, dir: &Path, with_optimizer: bool, dtype: WeightDtype) -> Result<()>;
 }
 
 /// A frozen policy the KL loss compares against.
@@ -233,7 +234,7 @@ impl Policy for LocalPolicy {
         })
     }
 
-    fn save(&mut self, dir: &Path, with_optimizer: bool) -> Result<()> {
+    fn save(&mut self, dir: &Path, with_optimizer: bool, dtype: WeightDtype) -> Result<()> {
         let opt = match (with_optimizer, self.opt.as_mut()) {
             (false, _) => None,
             (true, None) => {
@@ -248,7 +249,7 @@ impl Policy for LocalPolicy {
             }
         };
         let model = self.engine.model()?;
-        learner::checkpoint::save(model, &self.assets, dir, opt)?;
+        learner::checkpoint::save(model, &self.assets, dir, opt, dtype)?;
         Ok(())
     }
 }

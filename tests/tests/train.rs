@@ -1243,11 +1243,21 @@ fn every_recipe_resolves_and_the_gsm8k_one_finds_its_files() {
 
 #[test]
 fn ctrl_c_checkpoints_the_current_step_and_resume_finishes() {
+    // Checkpoints in bf16 (what serving engines load): resuming continues from the f32 weights
+    // kept beside the optimiser, so the run equals one that was never stopped.
+    let settings = [
+        "-o",
+        "stages.rl.trainer.steps=40",
+        "-o",
+        "stages.rl.trainer.save_dtype=bf16",
+    ];
     let dir = run_dir("sigint");
     let child = trellis()
         .arg("train")
         .arg(recipe())
-        .args(["--quiet", "-o", "stages.rl.trainer.steps=40", "--run-dir"])
+        .arg("--quiet")
+        .args(settings)
+        .arg("--run-dir")
         .arg(&dir)
         .stderr(Stdio::piped())
         .spawn()
@@ -1273,8 +1283,39 @@ fn ctrl_c_checkpoints_the_current_step_and_resume_finishes() {
         err.contains(&format!("rl step {at} (checkpointed)")),
         "{err}"
     );
+    let ck = dir.join(status["job"]["progress"]["checkpoint"].as_str().unwrap());
+    let cfg: Value =
+        serde_json::from_str(&std::fs::read_to_string(ck.join("config.json")).unwrap()).unwrap();
+    assert_eq!(cfg["torch_dtype"], "bfloat16");
+    assert!(ck.join("optimizer/master.safetensors").is_file());
     run_ok(trellis().arg("resume").arg(&dir).arg("--quiet"));
     let m = metrics(&dir);
     assert_eq!(steps_of(&m, "rl"), (1..=40).collect::<Vec<_>>());
+    let straight = run_dir("sigint-straight");
+    run_ok(
+        trellis()
+            .arg("train")
+            .arg(recipe())
+            .arg("--quiet")
+            .args(settings)
+            .arg("--run-dir")
+            .arg(&straight),
+    );
+    let strip = |m: Vec<Value>| -> Vec<Value> {
+        m.into_iter()
+            .map(|mut v| {
+                v.as_object_mut()
+                    .unwrap()
+                    .retain(|k, _| !k.starts_with("timing_s/") && !k.starts_with("perf/"));
+                v
+            })
+            .collect()
+    };
+    assert_eq!(
+        strip(m),
+        strip(metrics(&straight)),
+        "the stop changed the run"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
+    std::fs::remove_dir_all(&straight).unwrap();
 }

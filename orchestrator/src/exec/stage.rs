@@ -248,7 +248,9 @@ impl<'a> Executor<'a> {
     ) -> Result<(), ExecError> {
         let rel = format!("checkpoints/{}/step_{step:06}", stage.id);
         let abs = self.job.dir.join(&rel);
-        self.roles.policy.save(&abs, with_optimizer)?;
+        self.roles
+            .policy
+            .save(&abs, with_optimizer, stage.save_dtype)?;
         if let Some(c) = critic {
             c.save(&abs)?;
         }

@@ -846,6 +846,7 @@ fn stage(
         reward,
         eval_freq: s.trainer.eval_freq,
         save_freq: s.trainer.save_freq,
+        save_dtype: s.trainer.save_dtype,
         keep: s.trainer.max_ckpt_to_keep,
         eval_tokens,
         log_generations: s.trainer.log_generations,

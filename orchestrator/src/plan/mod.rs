@@ -189,6 +189,8 @@ pub struct StagePlan {
     pub save_freq: u64,
     /// Checkpoints kept.
     pub keep: usize,
+    /// The number format of checkpoints' weights.
+    pub save_dtype: learner::params::WeightDtype,
     /// Tokens a greedy eval answer may take.
     pub eval_tokens: usize,
     /// Eval samples written out at each evaluation.

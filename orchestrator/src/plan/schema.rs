@@ -489,6 +489,10 @@ pub struct Trainer {
     pub stale_samples: Stale,
     /// Checkpoints kept on disk (older ones are deleted once a newer one is recorded).
     pub max_ckpt_to_keep: usize,
+    /// The number format of checkpoints' weights: `f32` (what trains), or `bf16` (half the
+    /// bytes, what vLLM and SGLang load with `--dtype auto`; the f32 weights are kept beside
+    /// the optimiser state, so resuming stays exact).
+    pub save_dtype: learner::params::WeightDtype,
     /// At every evaluation, write this many of its samples (prompt, response, answer, score) to
     /// `RUN_DIR/generations/<stage>/step_<N>.jsonl` (VeRL's `log_val_generations`); 0: none.
     pub log_generations: usize,
@@ -505,6 +509,7 @@ impl Default for Trainer {
             max_staleness: 1,
             stale_samples: Stale::Drop,
             max_ckpt_to_keep: 1,
+            save_dtype: learner::params::WeightDtype::F32,
             log_generations: 0,
         }
     }

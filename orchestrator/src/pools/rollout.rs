@@ -520,7 +520,14 @@ mod tests {
         let cfg = a.config.clone();
         let root = std::env::temp_dir().join(format!("trellis-probe-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&root);
-        learner::checkpoint::save(&b, &[], &root.join("served"), None).unwrap();
+        learner::checkpoint::save(
+            &b,
+            &[],
+            &root.join("served"),
+            None,
+            learner::params::WeightDtype::F32,
+        )
+        .unwrap();
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .enable_all()
