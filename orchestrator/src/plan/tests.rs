@@ -79,17 +79,17 @@ fn bad_workflows_get_messages_that_say_where_and_why() {
         (
             "trainer: {steps: 2}\n  - id: final",
             "trainer: {steps: 2, test_freq: 1}\n  - id: final",
-            "t.yaml:18:25: stages[1].trainer: unknown field `test_freq`: VeRL's `trainer.test_freq` is `eval_freq` in a stage's `trainer`; expected one of steps, total_epochs, eval_freq, save_freq, mode, max_staleness, stale_samples, max_ckpt_to_keep, log_generations",
+            "t.yaml:18:25: stages[1].trainer: unknown field `test_freq`: VeRL's `trainer.test_freq` is `eval_freq` in a stage's `trainer`; expected one of steps, total_epochs, eval_freq, save_freq, mode, max_staleness, stale_samples, max_ckpt_to_keep, save_dtype, log_generations",
         ),
         (
             "trainer: {steps: 2}\n  - id: final",
             "trainer: {steps: 2, log_val_generations: 4}\n  - id: final",
-            "t.yaml:18:25: stages[1].trainer: unknown field `log_val_generations`: VeRL's `trainer.log_val_generations` is `log_generations` in a stage's `trainer`; expected one of steps, total_epochs, eval_freq, save_freq, mode, max_staleness, stale_samples, max_ckpt_to_keep, log_generations",
+            "t.yaml:18:25: stages[1].trainer: unknown field `log_val_generations`: VeRL's `trainer.log_val_generations` is `log_generations` in a stage's `trainer`; expected one of steps, total_epochs, eval_freq, save_freq, mode, max_staleness, stale_samples, max_ckpt_to_keep, save_dtype, log_generations",
         ),
         (
             "trainer: {steps: 2}\n  - id: final",
             "trainer: {total_training_steps: 2}\n  - id: final",
-            "t.yaml:18:15: stages[1].trainer: unknown field `total_training_steps`: VeRL's `trainer.total_training_steps` is `steps` in a stage's `trainer`; expected one of steps, total_epochs, eval_freq, save_freq, mode, max_staleness, stale_samples, max_ckpt_to_keep, log_generations",
+            "t.yaml:18:15: stages[1].trainer: unknown field `total_training_steps`: VeRL's `trainer.total_training_steps` is `steps` in a stage's `trainer`; expected one of steps, total_epochs, eval_freq, save_freq, mode, max_staleness, stale_samples, max_ckpt_to_keep, save_dtype, log_generations",
         ),
         (
             "kind: sft",
@@ -279,6 +279,11 @@ fn bad_workflows_get_messages_that_say_where_and_why() {
             "stages:\n",
             "tracking: {mlflow: {uri: 'http://m:5000', experiment: ' '}}\nstages:\n",
             "t.yaml: tracking.mlflow.experiment: is empty",
+        ),
+        (
+            "trainer: {steps: 2}",
+            "trainer: {steps: 2, save_dtype: f16}",
+            "t.yaml:11:37: stages[0].trainer.save_dtype: unknown variant `f16` (did you mean `bf16`?); expected one of f32, float32, fp32, bf16, bfloat16",
         ),
         (
             "stages:\n",
