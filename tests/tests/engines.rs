@@ -440,6 +440,100 @@ fn fake_server(answer: fn(&str) -> (u16, &'static str)) -> String {
     format!("http://{addr}")
 }
 
+/// A proxy to `upstream` that forwards every request but the ones starting with `stall`, which
+/// it holds: the connection stays open and nothing answers (an engine that accepted the call
+/// and then hung).
+fn stalling_proxy(upstream: &str, stall: &'static str) -> String {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let up = upstream.trim_start_matches("http://").to_string();
+    std::thread::spawn(move || {
+        for client in listener.incoming() {
+            let Ok(client) = client else { continue };
+            let up = up.clone();
+            std::thread::spawn(move || {
+                let Ok(server) = std::net::TcpStream::connect(&up) else {
+                    return;
+                };
+                let (mut c_read, mut s_write) =
+                    (client.try_clone().unwrap(), server.try_clone().unwrap());
+                let (mut s_read, mut c_write) = (server, client);
+                std::thread::spawn(move || std::io::copy(&mut s_read, &mut c_write));
+                let mut buf = vec![0u8; 1 << 16];
+                loop {
+                    let n = c_read.read(&mut buf).unwrap_or(0);
+                    if n == 0 {
+                        return;
+                    }
+                    if buf[..n].starts_with(stall.as_bytes()) {
+                        // Held until the client gives up.
+                        while c_read.read(&mut buf).unwrap_or(0) > 0 {}
+                        return;
+                    }
+                    if s_write.write_all(&buf[..n]).is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    format!("http://{addr}")
+}
+
+#[test]
+fn an_engine_that_hangs_in_a_weight_push_is_out_of_service_at_the_push_deadline() {
+    // Engine b accepts every call, but its weight reload never answers. The pushes run at once
+    // and b's is cut off at push_timeout_s (2 s), not at the call timeout (60 s): the run goes
+    // on with engine a and trains as in process.
+    let dir = scratch("stall");
+    let recipe = data("tiny-arith.yaml");
+    let steps = "stages.rl.trainer.steps=6";
+    run_ok(
+        trellis()
+            .arg("train")
+            .arg(&recipe)
+            .args(["--quiet", "-o", steps, "--run-dir"])
+            .arg(dir.join("local")),
+    );
+    let recipe_arg = recipe.to_str().unwrap();
+    let (_a, url_a) = serve(&["--recipe", recipe_arg], "127.0.0.1:0");
+    let (_b, url_b) = serve(&["--recipe", recipe_arg], "127.0.0.1:0");
+    let hung = stalling_proxy(&url_b, "POST /collective_rpc");
+    let run = dir.join("run");
+    let started = Instant::now();
+    let out = trellis()
+        .arg("train")
+        .arg(&recipe)
+        .args(["-o", steps, "-o", "pools.rollout.engine=served"])
+        .args([
+            "-o",
+            "pools.rollout.timeout_s=60",
+            "-o",
+            "pools.rollout.push_timeout_s=2",
+        ])
+        .arg("-o")
+        .arg(format!("pools.rollout.endpoints=[{url_a},{hung}]"))
+        .arg("--run-dir")
+        .arg(&run)
+        .output()
+        .unwrap();
+    let took = started.elapsed();
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{log}");
+    assert!(
+        log.contains("did not finish within 2s (pools.rollout.push_timeout_s)")
+            && log.contains("out of service"),
+        "{log}"
+    );
+    // One stalled call at its own timeout would have taken 60 s.
+    assert!(took < Duration::from_secs(60), "{took:?}\n{log}");
+    assert_eq!(comparable(&run), comparable(&dir.join("local")));
+    let rows = metric_rows(&run);
+    let last = rows.iter().rfind(|r| r["stage"] == "rl").unwrap();
+    assert_eq!(last["rollout/engines_down"], json!(1.0));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn bad_endpoints_are_named_and_a_run_that_could_not_reach_its_engine_resumes() {
     let dir = scratch("errors");

@@ -4,6 +4,7 @@
 //! resume — and an unusable tracker stops the run before it trains.
 
 use serde_json::Value;
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -38,6 +39,11 @@ impl Server {
                 "1",
             ])
             .args(["--port", &port.to_string()])
+            // No background job runner (ten worker processes the test does not use).
+            .env("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
+            // Its own process group, so that the server's processes (uvicorn under the mlflow
+            // command) end with it.
+            .process_group(0)
             .arg("--backend-store-uri")
             .arg(format!("sqlite:///{}", dir.join("mlflow.db").display()))
             .current_dir(dir)
@@ -64,7 +70,8 @@ impl Server {
 
 impl Drop for Server {
     fn drop(&mut self) {
-        let _ = self.child.kill();
+        // SAFETY: signalling the process group this test started.
+        unsafe { libc::kill(-(self.child.id() as i32), libc::SIGKILL) };
         let _ = self.child.wait();
     }
 }

@@ -386,6 +386,13 @@ fn rollout(p: &schema::Pool, e: &Errs<'_>) -> Result<RolloutPlan, PlanError> {
                 format!("must be a positive number of seconds, got {}", p.timeout_s),
             ));
         }
+        let push_timeout_s = p.push_timeout_s.unwrap_or(120.0);
+        if !(push_timeout_s > 0.0 && push_timeout_s.is_finite()) {
+            return Err(e.at(
+                "pools.rollout.push_timeout_s",
+                format!("must be a positive number of seconds, got {push_timeout_s}"),
+            ));
+        }
         if !(p.verify_tolerance > 0.0) {
             return Err(e.at(
                 "pools.rollout.verify_tolerance",
@@ -403,11 +410,21 @@ fn rollout(p: &schema::Pool, e: &Errs<'_>) -> Result<RolloutPlan, PlanError> {
                 model: p.model.clone(),
                 weights_dir: p.weights_dir.clone(),
                 timeout: Duration::from_secs_f64(p.timeout_s),
+                push_timeout: Duration::from_secs_f64(push_timeout_s),
                 tolerance: p.verify_tolerance,
                 api_key,
             }),
             placement: Placement::Local,
         });
+    }
+    if p.push_timeout_s.is_some() {
+        return Err(e.at(
+            "pools.rollout.push_timeout_s",
+            format!(
+                "is for external engines (engine: vllm, sglang or served), not `{}`",
+                engine_name(p.engine)
+            ),
+        ));
     }
     if p.api_key_env.is_some() {
         return Err(e.at(

@@ -144,6 +144,8 @@ pub struct ExternalPlan {
     pub weights_dir: Option<PathBuf>,
     /// How long one call may take.
     pub timeout: Duration,
+    /// How long one engine's weight push (reload, version, probe) may take.
+    pub push_timeout: Duration,
     /// Largest log-prob difference the push probe allows.
     pub tolerance: f64,
     /// The key the endpoints want (read from `api_key_env` when the plan is built).

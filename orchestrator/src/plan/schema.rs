@@ -160,6 +160,11 @@ pub struct Pool {
     /// Seconds one HTTP call to an engine may take (a generation included).
     #[serde(default = "default_timeout")]
     pub timeout_s: f64,
+    /// Seconds one engine's weight push may take — pause, reload, version, resume and the probe
+    /// together (default 120); past it the engine is out of service, and gets the weights when
+    /// it answers again. Pushes to the engines run at once.
+    #[serde(default)]
+    pub push_timeout_s: Option<f64>,
     /// Largest |log-prob difference| allowed between an engine and the learner on the probe
     /// that checks every weight push (raise it for bf16 engines).
     #[serde(default = "default_tolerance")]
@@ -186,6 +191,7 @@ impl Default for Pool {
             model: None,
             weights_dir: None,
             timeout_s: default_timeout(),
+            push_timeout_s: None,
             verify_tolerance: default_tolerance(),
             plugin: None,
             kv_cache_mib: default_kv_cache_mib(),

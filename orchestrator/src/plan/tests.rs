@@ -267,6 +267,16 @@ fn bad_workflows_get_messages_that_say_where_and_why() {
         ),
         (
             "stages:\n",
+            "pools: {rollout: {push_timeout_s: 5}}\nstages:\n",
+            "t.yaml: pools.rollout.push_timeout_s: is for external engines (engine: vllm, sglang or served), not `native`",
+        ),
+        (
+            "stages:\n",
+            "pools: {rollout: {engine: vllm, endpoints: ['http://e:8000'], push_timeout_s: 0}}\nstages:\n",
+            "t.yaml: pools.rollout.push_timeout_s: must be a positive number of seconds, got 0",
+        ),
+        (
+            "stages:\n",
             "pools: {learner: {engine: vllm}}\nstages:\n",
             "t.yaml: pools.learner.engine: `vllm` serves rollouts only; the learner trains on native or pjrt",
         ),

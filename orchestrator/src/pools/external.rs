@@ -82,6 +82,8 @@ pub(crate) struct ExternalPool {
     pub needs_processed: bool,
     /// How long a generation waits for an engine when every engine is out of service.
     pub wait: Duration,
+    /// How long one engine's whole weight push (reload, version, probe) may take.
+    pub push_timeout: Duration,
     /// The check of the weights every engine must serve (`None` before the first push).
     pub probe: Mutex<Option<Probe>>,
     pub raw_warned: std::sync::atomic::AtomicBool,
@@ -96,12 +98,27 @@ impl ExternalPool {
         Ok(probe)
     }
 
-    /// Pushes the probe's version to `e` and checks its answer against the learner's.
+    /// Pushes the probe's version to `e` and checks its answer against the learner's, within
+    /// the push deadline: an engine that accepts the calls and never answers is `Unavailable`
+    /// when it passes, whatever the calls' own timeouts.
     pub async fn reload_and_verify(
         &self,
         e: &dyn ExternalEngine,
         p: &Probe,
     ) -> Result<(), EngineError> {
+        tokio::time::timeout(self.push_timeout, self.push(e, p))
+            .await
+            .unwrap_or_else(|_| {
+                Err(EngineError::Unavailable(format!(
+                    "{}: the push of version {} did not finish within {:.0?} (pools.rollout.push_timeout_s)",
+                    e.url(),
+                    p.version,
+                    self.push_timeout
+                )))
+            })
+    }
+
+    async fn push(&self, e: &dyn ExternalEngine, p: &Probe) -> Result<(), EngineError> {
         e.reload(&p.dir, p.version).await?;
         let c = e.generate(vec![p.request()]).await?;
         let (Some(c), url) = (c.first(), e.url()) else {

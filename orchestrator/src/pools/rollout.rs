@@ -139,6 +139,7 @@ impl RolloutPool {
                         tolerance: x.tolerance,
                         needs_processed: start.needs_processed,
                         wait: x.timeout,
+                        push_timeout: x.push_timeout,
                         probe: Mutex::new(None),
                         raw_warned: Default::default(),
                     }),
@@ -388,15 +389,21 @@ impl RolloutPool {
         };
         let probe = x.publish(&snapshot)?;
         let up: Vec<bool> = lock(&self.down).iter().map(Option::is_none).collect();
-        let results = self.rt.block_on(async {
-            let mut out = Vec::new();
-            for (i, m) in self.members.iter().enumerate() {
-                if let (true, Member::External(e)) = (up[i], m) {
-                    out.push((i, x.reload_and_verify(&**e, &probe).await));
-                }
-            }
-            out
-        });
+        // Every engine at once: a push costs the slowest engine's time, not their sum, and one
+        // that stalls is cut off by the push deadline.
+        let pushes = self
+            .members
+            .iter()
+            .enumerate()
+            .filter_map(|(i, m)| match (up[i], m) {
+                (true, Member::External(e)) => Some((i, e)),
+                _ => None,
+            })
+            .map(|(i, e)| {
+                let probe = &probe;
+                async move { (i, x.reload_and_verify(&**e, probe).await) }
+            });
+        let results = self.rt.block_on(futures_util::future::join_all(pushes));
         for (i, r) in results {
             match r {
                 Ok(()) => {}
@@ -558,6 +565,7 @@ mod tests {
             tolerance: 1e-4,
             needs_processed: true,
             wait: Duration::from_secs(1),
+            push_timeout: Duration::from_secs(30),
             probe: Mutex::new(None),
             raw_warned: Default::default(),
         };
