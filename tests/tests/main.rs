@@ -13,6 +13,7 @@ mod netns;
 mod pjrt;
 mod score;
 mod serve;
+mod store;
 mod tidy;
 mod tracking;
 mod train;
