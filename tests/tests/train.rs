@@ -646,6 +646,105 @@ fn async_mode_overlaps_generation_and_bounds_staleness() {
     }
 }
 
+/// `(step, prompt position)` of every sample `rollouts/rl/step_*.jsonl` holds, sorted.
+fn trained_prompts(dir: &Path) -> Vec<(u64, u64)> {
+    let mut out = Vec::new();
+    for f in std::fs::read_dir(dir.join("rollouts/rl")).unwrap() {
+        let f = f.unwrap().path();
+        if f.extension().is_some_and(|e| e == "jsonl") {
+            for l in std::fs::read_to_string(&f).unwrap().lines() {
+                let v: Value = serde_json::from_str(l).unwrap();
+                out.push((v["step"].as_u64().unwrap(), v["index"].as_u64().unwrap()));
+            }
+        }
+    }
+    out.sort_unstable();
+    out
+}
+
+#[test]
+fn an_async_run_killed_at_random_moments_trains_on_every_prompt_exactly_once() {
+    // Generation runs a step ahead of training; whatever is in flight when the process dies is
+    // drawn again on resume, because a step's prompts are a pure function of the step. So the
+    // multiset of (step, prompt position) trained on equals an undisturbed run's: 0 skipped, 0
+    // doubled (`stale_samples: wait`, so no sample is dropped by the staleness bound).
+    let settings = [
+        "stages.warmup.trainer.steps=4",
+        "stages.rl.trainer.steps=30",
+        "stages.rl.trainer.mode=async",
+        "stages.rl.trainer.max_staleness=1",
+        "stages.rl.trainer.stale_samples=wait",
+        "stages.rl.trainer.save_freq=1",
+        "stages.rl.trainer.log_rollouts=true",
+    ];
+    let with = |cmd: &mut std::process::Command| {
+        for s in settings {
+            cmd.args(["-o", s]);
+        }
+    };
+    let calm = run_dir("exactly-once-calm");
+    let mut c = trellis();
+    c.arg("train").arg(recipe()).arg("--quiet");
+    with(&mut c);
+    run_ok(c.arg("--run-dir").arg(&calm));
+    let want = trained_prompts(&calm);
+    assert_eq!(
+        want.len(),
+        30 * 8 * 4,
+        "30 steps of 8 prompts with 4 samples"
+    );
+
+    let dir = run_dir("exactly-once-kills");
+    let mut seed: u64 = 0xA51C_2026;
+    let mut next = move || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed
+    };
+    let mut kills = 0;
+    for attempt in 0..5 {
+        let mut cmd = trellis();
+        if attempt == 0 {
+            cmd.arg("train").arg(recipe());
+            with(&mut cmd);
+            cmd.arg("--run-dir").arg(&dir);
+        } else {
+            cmd.arg("resume").arg(&dir);
+        }
+        let mut child = cmd
+            .arg("--quiet")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        // A few RL steps further than the last attempt got, then a random moment.
+        let logged = || {
+            std::fs::read_dir(dir.join("rollouts/rl"))
+                .map(|d| d.count())
+                .unwrap_or(0)
+        };
+        let target = logged() + 1 + (next() % 5) as usize;
+        let t0 = Instant::now();
+        while logged() < target && child.try_wait().unwrap().is_none() {
+            assert!(t0.elapsed() < Duration::from_secs(120), "no RL progress");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        std::thread::sleep(Duration::from_micros(next() % 30_000));
+        if child.try_wait().unwrap().is_none() {
+            child.kill().unwrap();
+            kills += 1;
+        }
+        child.wait().unwrap();
+    }
+    run_ok(trellis().arg("resume").arg(&dir).arg("--quiet"));
+    assert!(kills >= 3, "only {kills} kills landed");
+    assert_eq!(steps_of(&metrics(&dir), "rl"), (1..=30).collect::<Vec<_>>());
+    assert_eq!(trained_prompts(&dir), want, "after {kills} kills");
+    std::fs::remove_dir_all(&calm).unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn workflow_nodes_add_a_reward_program_and_a_filter() {
     let dir = run_dir("nodes");

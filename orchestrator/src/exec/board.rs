@@ -17,6 +17,9 @@ use std::time::Instant;
 /// One prompt and its sampled responses.
 #[derive(Clone, Debug)]
 pub(crate) struct Group {
+    /// The problem's position in the stage's stream of prompts (the data position: step
+    /// `s`'s prompts are a pure function of `s`, so a resumed run draws the same ones).
+    pub index: u64,
     pub problem: Problem,
     pub prompt: Vec<u32>,
     pub completions: Vec<Completion>,
@@ -174,7 +177,7 @@ impl Board {
 /// A generation running ahead (`async` mode).
 pub(crate) struct Pending {
     pub step: u64,
-    pub problems: Vec<Problem>,
+    pub problems: Vec<(u64, Problem)>,
     pub reqs: Vec<rollout::GenerateRequest>,
     pub handle: std::thread::JoinHandle<Result<Vec<Completion>, crate::roles::RoleError>>,
 }

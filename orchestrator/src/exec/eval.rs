@@ -1,5 +1,6 @@
 //! Greedy evaluation on a stage's held-out problems, and the samples it writes out
-//! (`trainer.log_generations`).
+//! (`trainer.log_generations`); the writer of per-step JSON-lines files (these, and the rollouts
+//! of `trainer.log_rollouts`).
 
 use super::{ExecError, Prompts};
 use crate::plan::StagePlan;
@@ -34,16 +35,31 @@ impl Evaluation {
         if self.samples.is_empty() {
             return Ok(());
         }
-        let dir = run.join("generations").join(stage);
-        let mut text = String::new();
-        for s in &self.samples {
-            text.push_str(&serde_json::to_string(s).unwrap_or_default());
-            text.push('\n');
-        }
-        std::fs::create_dir_all(&dir)
-            .and_then(|()| std::fs::write(dir.join(format!("step_{step:06}.jsonl")), text))
-            .map_err(|source| ExecError::Io { path: dir, source })
+        write_step_lines(run, "generations", stage, step, &self.samples)
     }
+}
+
+/// Writes `rows` as JSON lines to `run/<folder>/<stage>/step_<step>.jsonl`, whole or not at all
+/// (a temporary file renamed into place; a step run again replaces its file).
+pub(super) fn write_step_lines<T: Serialize>(
+    run: &Path,
+    folder: &str,
+    stage: &str,
+    step: u64,
+    rows: &[T],
+) -> Result<(), ExecError> {
+    let dir = run.join(folder).join(stage);
+    let mut text = String::new();
+    for r in rows {
+        text.push_str(&serde_json::to_string(r).unwrap_or_default());
+        text.push('\n');
+    }
+    let file = dir.join(format!("step_{step:06}.jsonl"));
+    let tmp = dir.join(format!(".step_{step:06}.jsonl.tmp"));
+    std::fs::create_dir_all(&dir)
+        .and_then(|()| std::fs::write(&tmp, text))
+        .and_then(|()| std::fs::rename(&tmp, &file))
+        .map_err(|source| ExecError::Io { path: file, source })
 }
 
 /// Greedy accuracy (full marks and an answer that ended), mean reward and the first samples on

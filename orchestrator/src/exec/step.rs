@@ -5,6 +5,7 @@
 
 use super::board::{Board, Pending, StepCx};
 use super::data_metrics::data_metrics;
+use super::eval::write_step_lines;
 use super::nodes::{self, Runnable};
 use super::{ExecError, Executor};
 use crate::plan::{Artifact, RlPlan, StagePlan};
@@ -182,6 +183,41 @@ impl<'a> Executor<'a> {
             "rollout/engines_down".into(),
             self.roles.rollouts.down_count() as f64,
         );
+        if stage.log_rollouts {
+            let samples: Vec<RolloutSample<'_>> = board
+                .groups
+                .iter()
+                .flat_map(|g| {
+                    g.completions.iter().zip(&g.texts).zip(&g.scores).map(
+                        move |((c, text), &score)| RolloutSample {
+                            step,
+                            index: g.index,
+                            prompt: g.problem.prompt.display(),
+                            response: text,
+                            answer: &g.problem.answer,
+                            score,
+                            weight_version: c.weight_versions.iter().map(|s| s.version).min(),
+                        },
+                    )
+                })
+                .collect();
+            write_step_lines(self.job.dir, "rollouts", &stage.id, step, &samples)?;
+        }
         Ok(m)
     }
+}
+
+/// One trained sample, as `rollouts/<stage>/step_<N>.jsonl` holds it (VeRL's
+/// `trainer.rollout_data_dir`).
+#[derive(serde::Serialize)]
+struct RolloutSample<'a> {
+    step: u64,
+    /// The prompt's position in the stage's stream of prompts.
+    index: u64,
+    prompt: &'a str,
+    response: &'a str,
+    answer: &'a str,
+    score: f32,
+    /// The oldest weight version among its tokens.
+    weight_version: Option<u64>,
 }

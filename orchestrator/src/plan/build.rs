@@ -867,6 +867,7 @@ fn stage(
         keep: s.trainer.max_ckpt_to_keep,
         eval_tokens,
         log_generations: s.trainer.log_generations,
+        log_rollouts: s.trainer.log_rollouts,
     })
 }
 

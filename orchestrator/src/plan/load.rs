@@ -244,6 +244,11 @@ const VERL_NAMES: &[(&str, &str, &str)] = &[
         "`tracking: {mlflow: {uri: ..., experiment: ...}}` at the top level, or `trellis-client wandb RUN_DIR` for wandb (every run also writes metrics.jsonl and TensorBoard events)",
     ),
     (
+        "rollout_data_dir",
+        "trainer.rollout_data_dir",
+        "`log_rollouts: true` in a stage's `trainer` (RUN_DIR/rollouts/<stage>/step_<N>.jsonl)",
+    ),
+    (
         "adv_estimator_type",
         "algorithm.adv_estimator",
         "`adv_estimator` in a stage's `algorithm`",

@@ -197,6 +197,8 @@ pub struct StagePlan {
     pub eval_tokens: usize,
     /// Eval samples written out at each evaluation.
     pub log_generations: usize,
+    /// Trained samples written out at every step.
+    pub log_rollouts: bool,
 }
 
 /// What a stage does.

@@ -502,6 +502,10 @@ pub struct Trainer {
     /// At every evaluation, write this many of its samples (prompt, response, answer, score) to
     /// `RUN_DIR/generations/<stage>/step_<N>.jsonl` (VeRL's `log_val_generations`); 0: none.
     pub log_generations: usize,
+    /// RL: write every trained sample of every step (its prompt's position in the stage's
+    /// stream, prompt, response, answer, score, weight version) to
+    /// `RUN_DIR/rollouts/<stage>/step_<N>.jsonl` (VeRL's `trainer.rollout_data_dir`).
+    pub log_rollouts: bool,
 }
 
 impl Default for Trainer {
@@ -517,6 +521,7 @@ impl Default for Trainer {
             max_ckpt_to_keep: 1,
             save_dtype: learner::params::WeightDtype::F32,
             log_generations: 0,
+            log_rollouts: false,
         }
     }
 }

@@ -79,17 +79,17 @@ fn bad_workflows_get_messages_that_say_where_and_why() {
         (
             "trainer: {steps: 2}\n  - id: final",
             "trainer: {steps: 2, test_freq: 1}\n  - id: final",
-            "t.yaml:18:25: stages[1].trainer: unknown field `test_freq`: VeRL's `trainer.test_freq` is `eval_freq` in a stage's `trainer`; expected one of steps, total_epochs, eval_freq, save_freq, mode, max_staleness, stale_samples, max_ckpt_to_keep, save_dtype, log_generations",
+            "t.yaml:18:25: stages[1].trainer: unknown field `test_freq`: VeRL's `trainer.test_freq` is `eval_freq` in a stage's `trainer`; expected one of steps, total_epochs, eval_freq, save_freq, mode, max_staleness, stale_samples, max_ckpt_to_keep, save_dtype, log_generations, log_rollouts",
         ),
         (
             "trainer: {steps: 2}\n  - id: final",
             "trainer: {steps: 2, log_val_generations: 4}\n  - id: final",
-            "t.yaml:18:25: stages[1].trainer: unknown field `log_val_generations`: VeRL's `trainer.log_val_generations` is `log_generations` in a stage's `trainer`; expected one of steps, total_epochs, eval_freq, save_freq, mode, max_staleness, stale_samples, max_ckpt_to_keep, save_dtype, log_generations",
+            "t.yaml:18:25: stages[1].trainer: unknown field `log_val_generations`: VeRL's `trainer.log_val_generations` is `log_generations` in a stage's `trainer`; expected one of steps, total_epochs, eval_freq, save_freq, mode, max_staleness, stale_samples, max_ckpt_to_keep, save_dtype, log_generations, log_rollouts",
         ),
         (
             "trainer: {steps: 2}\n  - id: final",
             "trainer: {total_training_steps: 2}\n  - id: final",
-            "t.yaml:18:15: stages[1].trainer: unknown field `total_training_steps`: VeRL's `trainer.total_training_steps` is `steps` in a stage's `trainer`; expected one of steps, total_epochs, eval_freq, save_freq, mode, max_staleness, stale_samples, max_ckpt_to_keep, save_dtype, log_generations",
+            "t.yaml:18:15: stages[1].trainer: unknown field `total_training_steps`: VeRL's `trainer.total_training_steps` is `steps` in a stage's `trainer`; expected one of steps, total_epochs, eval_freq, save_freq, mode, max_staleness, stale_samples, max_ckpt_to_keep, save_dtype, log_generations, log_rollouts",
         ),
         (
             "kind: sft",

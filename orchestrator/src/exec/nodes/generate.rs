@@ -42,12 +42,15 @@ fn rounds(cx: &StepCx<'_, '_>) -> usize {
     cx.rl.dynamic_sampling.unwrap_or(1).max(1)
 }
 
-/// The problems and requests of `step` (round `round` of dynamic sampling).
+/// Problems, each with its position in the stage's stream of prompts.
+type Indexed = Vec<(u64, Problem)>;
+
+/// The problems of `step` (round `round` of dynamic sampling) and their requests.
 fn draw(
     cx: &StepCx<'_, '_>,
     step: u64,
     round: usize,
-) -> Result<(Vec<Problem>, Vec<GenerateRequest>), ExecError> {
+) -> Result<(Indexed, Vec<GenerateRequest>), ExecError> {
     let b = cx.rl.prompts_per_step;
     let data = &cx.stage.data;
     let start = ((step - 1) * rounds(cx) as u64 + round as u64) * b as u64;
@@ -70,20 +73,22 @@ fn draw(
         };
         reqs.push(GenerateRequest { prompt, params });
     }
-    Ok((problems, reqs))
+    let indexed = (start..).zip(problems).collect();
+    Ok((indexed, reqs))
 }
 
-/// The groups of `out`, the completions of `reqs` for `problems`.
+/// The groups of `out`, the completions of `reqs` for `problems` (with their positions).
 fn groups_of(
     cx: &StepCx<'_, '_>,
-    problems: Vec<Problem>,
+    problems: Indexed,
     reqs: &[GenerateRequest],
     out: Vec<Completion>,
 ) -> Result<Vec<Group>, ExecError> {
     let mut groups: Vec<Group> = problems
         .into_iter()
         .zip(reqs)
-        .map(|(problem, r)| Group {
+        .map(|((index, problem), r)| Group {
+            index,
             problem,
             prompt: r.prompt.clone(),
             completions: Vec::new(),
@@ -215,8 +220,10 @@ fn ahead(
             Stale::Wait => {
                 // Generate those prompts again, on the current weights.
                 let reqs: Vec<GenerateRequest> = stale.iter().map(|&i| p.reqs[i].clone()).collect();
-                let probs: Vec<Problem> =
-                    stale.iter().map(|&i| groups[i].problem.clone()).collect();
+                let probs: Indexed = stale
+                    .iter()
+                    .map(|&i| (groups[i].index, groups[i].problem.clone()))
+                    .collect();
                 let out = cx.rollouts.generate(reqs.clone())?;
                 for (k, g) in groups_of(cx, probs, &reqs, out)?.into_iter().enumerate() {
                     groups[stale[k]] = g;
