@@ -270,6 +270,18 @@ fn rl_rows(dir: &Path) -> usize {
         .count()
 }
 
+/// The tiny recipe with `steps` run in process into `dir/local`: its comparable rows.
+fn in_process(dir: &Path, steps: &str) -> Vec<Value> {
+    run_ok(
+        trellis()
+            .arg("train")
+            .arg(data("tiny-arith.yaml"))
+            .args(["--quiet", "-o", steps, "--run-dir"])
+            .arg(dir.join("local")),
+    );
+    comparable(&dir.join("local"))
+}
+
 /// Metric rows without timings and without the pool's own counters (`rollout/…`).
 fn comparable(dir: &Path) -> Vec<Value> {
     metric_rows(dir)
@@ -289,14 +301,7 @@ fn a_grpo_run_on_two_keyed_served_engines_one_over_https_trains_like_in_process_
     let dir = scratch("grpo");
     let recipe = data("tiny-arith.yaml");
     let steps = "stages.rl.trainer.steps=16";
-    run_ok(
-        trellis()
-            .arg("train")
-            .arg(&recipe)
-            .args(["--quiet", "-o", steps, "--run-dir"])
-            .arg(dir.join("local")),
-    );
-    let reference = comparable(&dir.join("local"));
+    let reference = in_process(&dir, steps);
     let recipe_arg = recipe.to_str().unwrap();
     // Both engines want an API key; b serves HTTPS (a certificate for 127.0.0.1 that the run
     // trusts through SSL_CERT_FILE).
@@ -488,13 +493,7 @@ fn an_engine_that_hangs_in_a_weight_push_is_out_of_service_at_the_push_deadline(
     let dir = scratch("stall");
     let recipe = data("tiny-arith.yaml");
     let steps = "stages.rl.trainer.steps=6";
-    run_ok(
-        trellis()
-            .arg("train")
-            .arg(&recipe)
-            .args(["--quiet", "-o", steps, "--run-dir"])
-            .arg(dir.join("local")),
-    );
+    let reference = in_process(&dir, steps);
     let recipe_arg = recipe.to_str().unwrap();
     let (_a, url_a) = serve(&["--recipe", recipe_arg], "127.0.0.1:0");
     let (_b, url_b) = serve(&["--recipe", recipe_arg], "127.0.0.1:0");
@@ -527,7 +526,7 @@ fn an_engine_that_hangs_in_a_weight_push_is_out_of_service_at_the_push_deadline(
     );
     // One stalled call at its own timeout would have taken 60 s.
     assert!(took < Duration::from_secs(60), "{took:?}\n{log}");
-    assert_eq!(comparable(&run), comparable(&dir.join("local")));
+    assert_eq!(comparable(&run), reference);
     let rows = metric_rows(&run);
     let last = rows.iter().rfind(|r| r["stage"] == "rl").unwrap();
     assert_eq!(last["rollout/engines_down"], json!(1.0));

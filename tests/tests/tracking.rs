@@ -92,8 +92,14 @@ for r in c.search_runs([e.experiment_id]):
                 "parent": r.data.tags.get("mlflow.parentRunId"), "params": r.data.params, "metrics": hist})
 print(json.dumps(out))
 "#;
+    json_of(python, script, &[uri.as_ref(), experiment.as_ref()])
+}
+
+/// What the Python `script`, run with `args`, prints as JSON.
+fn json_of(python: &Path, script: &str, args: &[&std::ffi::OsStr]) -> Vec<Value> {
     let out = Command::new(python)
-        .args(["-c", script, uri, experiment])
+        .args(["-c", script])
+        .args(args)
         .output()
         .unwrap();
     assert!(
@@ -278,17 +284,7 @@ for f in sorted(glob.glob(sys.argv[1] + "/wandb/offline-run-*/run-*.wandb")):
     out.append(run)
 print(json.dumps(out))
 "#;
-    let out = Command::new(python)
-        .args(["-c", script])
-        .arg(wandb_dir)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap()
+    json_of(python, script, &[wandb_dir.as_os_str()])
 }
 
 #[test]

@@ -33,6 +33,20 @@ fn sft_loss(m: &[Value], step: u64) -> f64 {
         .unwrap()
 }
 
+/// The run's metric rows without what differs between equal runs: timings, throughput, and
+/// the count of failed reward calls.
+fn comparable(dir: &Path) -> Vec<Value> {
+    metrics(dir)
+        .into_iter()
+        .map(|mut v| {
+            let o = v.as_object_mut().unwrap();
+            o.retain(|k, _| !k.starts_with("timing_s/") && !k.starts_with("perf/"));
+            o.remove("reward/failed");
+            v
+        })
+        .collect()
+}
+
 fn steps_of(m: &[Value], stage: &str) -> Vec<u64> {
     m.iter()
         .filter(|v| v["stage"] == stage)
@@ -344,17 +358,6 @@ fn bad_workflows_are_refused_before_anything_runs() {
 #[test]
 fn runs_are_reproducible() {
     // Same recipe, same seed → the same losses, rewards and accuracies, step for step.
-    let strip = |dir: &Path| -> Vec<Value> {
-        metrics(dir)
-            .into_iter()
-            .map(|mut v| {
-                v.as_object_mut()
-                    .unwrap()
-                    .retain(|k, _| !k.starts_with("timing_s/") && !k.starts_with("perf/"));
-                v
-            })
-            .collect()
-    };
     // A rollout pool of three engines samples the same tokens as one (a prompt's seed decides
     // its samples, whichever engine serves it), so the run is the same too. The eval samples
     // the RL stage writes out (`log_generations`) are the same as well.
@@ -387,7 +390,7 @@ fn runs_are_reproducible() {
             "only the stage that asked logs"
         );
         samples.push(logged);
-        let mut rows = strip(&dir);
+        let mut rows = comparable(&dir);
         for v in &mut rows {
             if let Some(n) = v.as_object_mut().unwrap().remove("rollout/engines") {
                 assert_eq!(n.as_f64(), Some(engines as f64), "{v}");
@@ -992,17 +995,7 @@ fn parquet_datasets_train_with_a_prompt_template() {
             .args(["--quiet", "--run-dir"])
             .arg(dir.join("python")),
     );
-    let comparable = |run: &str| -> Vec<Value> {
-        metrics(&dir.join(run))
-            .into_iter()
-            .map(|mut v| {
-                let o = v.as_object_mut().unwrap();
-                o.retain(|k, _| !k.starts_with("timing_s/") && !k.starts_with("perf/"));
-                o.remove("reward/failed");
-                v
-            })
-            .collect()
-    };
+    let comparable = |run: &str| comparable(&dir.join(run));
     assert_eq!(comparable("python"), comparable("run"));
     assert!(
         metrics(&dir.join("python"))
@@ -1128,17 +1121,7 @@ fn a_verl_users_gsm8k_setup_trains_as_it_is() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let comparable = |run: &str| -> Vec<Value> {
-        metrics(&dir.join(run))
-            .into_iter()
-            .map(|mut v| {
-                let o = v.as_object_mut().unwrap();
-                o.retain(|k, _| !k.starts_with("timing_s/") && !k.starts_with("perf/"));
-                o.remove("reward/failed");
-                v
-            })
-            .collect()
-    };
+    let comparable = |run: &str| comparable(&dir.join(run));
     assert_eq!(comparable("custom"), comparable("builtin"));
     let custom = metrics(&dir.join("custom"));
     assert!(
@@ -1400,19 +1383,9 @@ fn ctrl_c_checkpoints_the_current_step_and_resume_finishes() {
             .arg("--run-dir")
             .arg(&straight),
     );
-    let strip = |m: Vec<Value>| -> Vec<Value> {
-        m.into_iter()
-            .map(|mut v| {
-                v.as_object_mut()
-                    .unwrap()
-                    .retain(|k, _| !k.starts_with("timing_s/") && !k.starts_with("perf/"));
-                v
-            })
-            .collect()
-    };
     assert_eq!(
-        strip(m),
-        strip(metrics(&straight)),
+        comparable(&dir),
+        comparable(&straight),
         "the stop changed the run"
     );
     std::fs::remove_dir_all(&dir).unwrap();
