@@ -193,3 +193,15 @@ fn venv(
     }
     Some(venv)
 }
+
+/// A seeded pseudo-random sequence (xorshift64) for the moments chaos tests pick, so a failing
+/// run can be replayed with its seed.
+pub fn xorshift(seed: u64) -> impl FnMut() -> u64 {
+    let mut x = seed.max(1);
+    move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    }
+}

@@ -14,14 +14,8 @@ fn no_acknowledged_commit_is_lost_to_kill_nine() {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("store.redb");
-    // A seeded generator of kill delays (xorshift), so a failure can be replayed.
-    let mut seed: u64 = 0x5EED_2026;
-    let mut next = move || {
-        seed ^= seed << 13;
-        seed ^= seed >> 7;
-        seed ^= seed << 17;
-        seed
-    };
+    // Seeded kill delays, so a failure can be replayed.
+    let mut next = trellis_tests::xorshift(0x5EED_2026);
     let kills = 40;
     let mut acked_total = 0;
     for round in 0..kills {

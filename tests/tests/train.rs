@@ -698,13 +698,7 @@ fn an_async_run_killed_at_random_moments_trains_on_every_prompt_exactly_once() {
     );
 
     let dir = run_dir("exactly-once-kills");
-    let mut seed: u64 = 0xA51C_2026;
-    let mut next = move || {
-        seed ^= seed << 13;
-        seed ^= seed >> 7;
-        seed ^= seed << 17;
-        seed
-    };
+    let mut next = trellis_tests::xorshift(0xA51C_2026);
     let mut kills = 0;
     for attempt in 0..5 {
         let mut cmd = trellis();
