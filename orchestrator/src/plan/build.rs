@@ -411,11 +411,21 @@ fn rollout(p: &schema::Pool, e: &Errs<'_>) -> Result<RolloutPlan, PlanError> {
                 weights_dir: p.weights_dir.clone(),
                 timeout: Duration::from_secs_f64(p.timeout_s),
                 push_timeout: Duration::from_secs_f64(push_timeout_s),
+                weights_dtype: p.weights_dtype.unwrap_or_default(),
                 tolerance: p.verify_tolerance,
                 api_key,
             }),
             placement: Placement::Local,
         });
+    }
+    if p.weights_dtype.is_some() {
+        return Err(e.at(
+            "pools.rollout.weights_dtype",
+            format!(
+                "is for external engines (engine: vllm, sglang or served), not `{}`",
+                engine_name(p.engine)
+            ),
+        ));
     }
     if p.push_timeout_s.is_some() {
         return Err(e.at(

@@ -146,6 +146,8 @@ pub struct ExternalPlan {
     pub timeout: Duration,
     /// How long one engine's weight push (reload, version, probe) may take.
     pub push_timeout: Duration,
+    /// The number format of the pushed weight folders.
+    pub weights_dtype: learner::params::WeightDtype,
     /// Largest log-prob difference the push probe allows.
     pub tolerance: f64,
     /// The key the endpoints want (read from `api_key_env` when the plan is built).

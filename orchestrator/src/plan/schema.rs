@@ -165,6 +165,11 @@ pub struct Pool {
     /// it answers again. Pushes to the engines run at once.
     #[serde(default)]
     pub push_timeout_s: Option<f64>,
+    /// The number format of the weight folders pushed to the engines: `f32` (default) or
+    /// `bf16` (half the bytes to write and reload; the push's probe expects the rounded
+    /// weights, so it stays exact).
+    #[serde(default)]
+    pub weights_dtype: Option<learner::params::WeightDtype>,
     /// Largest |log-prob difference| allowed between an engine and the learner on the probe
     /// that checks every weight push (raise it for bf16 engines).
     #[serde(default = "default_tolerance")]
@@ -192,6 +197,7 @@ impl Default for Pool {
             weights_dir: None,
             timeout_s: default_timeout(),
             push_timeout_s: None,
+            weights_dtype: None,
             verify_tolerance: default_tolerance(),
             plugin: None,
             kv_cache_mib: default_kv_cache_mib(),

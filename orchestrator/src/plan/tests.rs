@@ -267,6 +267,11 @@ fn bad_workflows_get_messages_that_say_where_and_why() {
         ),
         (
             "stages:\n",
+            "pools: {rollout: {weights_dtype: bf16}}\nstages:\n",
+            "t.yaml: pools.rollout.weights_dtype: is for external engines (engine: vllm, sglang or served), not `native`",
+        ),
+        (
+            "stages:\n",
             "pools: {rollout: {push_timeout_s: 5}}\nstages:\n",
             "t.yaml: pools.rollout.push_timeout_s: is for external engines (engine: vllm, sglang or served), not `native`",
         ),

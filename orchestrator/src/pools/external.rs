@@ -7,6 +7,7 @@
 
 use super::{PoolError, lock};
 use kernels::tensor::WeightSnapshot;
+use learner::params::WeightDtype;
 use learner::{Model, ModelConfig};
 use rollout::external::{ExternalEngine, WeightFolders};
 use rollout::{EngineError, GenerateRequest};
@@ -33,13 +34,24 @@ pub(crate) struct Probe {
 }
 
 impl Probe {
-    /// The probe of `snapshot` (weights of a model of `config`), whose folder is `dir`.
+    /// The probe of `snapshot` (weights of a model of `config`), whose folder is `dir` and holds
+    /// them as `dtype` (bf16: the learner's expectation is computed from the rounded weights the
+    /// engine loads, so the check stays exact).
     pub fn of(
         config: &ModelConfig,
         snapshot: &WeightSnapshot,
         dir: PathBuf,
+        dtype: WeightDtype,
     ) -> Result<Self, PoolError> {
-        let model = Model::new(config.clone(), (*snapshot.params).clone())?;
+        let mut params = (*snapshot.params).clone();
+        if dtype == WeightDtype::Bf16 {
+            for t in &mut params.tensors {
+                for x in t.data.iter_mut() {
+                    *x = half::bf16::from_f32(*x).to_f32();
+                }
+            }
+        }
+        let model = Model::new(config.clone(), params)?;
         let vocab = model.config.vocab_size;
         let prompt: Vec<u32> = (0..8).map(|i| ((3 + 7 * i) % vocab) as u32).collect();
         let logits = model.logits(&learner::Batch::padded(&[&prompt]))?;
@@ -93,7 +105,7 @@ impl ExternalPool {
     /// Writes `snapshot` as a new folder and makes the probe of it the one engines must pass.
     pub fn publish(&self, snapshot: &WeightSnapshot) -> Result<Probe, PoolError> {
         let dir = self.folders.write(snapshot, &self.config)?;
-        let probe = Probe::of(&self.config, snapshot, dir)?;
+        let probe = Probe::of(&self.config, snapshot, dir, self.folders.dtype())?;
         *lock(&self.probe) = Some(probe.clone());
         Ok(probe)
     }

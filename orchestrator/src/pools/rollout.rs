@@ -134,7 +134,7 @@ impl RolloutPool {
                     router: Mutex::new(Router::new(engines.len(), Weights::default())),
                     members: engines,
                     external: Some(ExternalPool {
-                        folders: WeightFolders::new(root),
+                        folders: WeightFolders::new(root).with_dtype(x.weights_dtype),
                         config: start.config.clone(),
                         tolerance: x.tolerance,
                         needs_processed: start.needs_processed,
@@ -441,6 +441,7 @@ mod tests {
     use super::*;
     use crate::plan::Placement;
     use learner::Model;
+    use learner::params::WeightDtype;
     use rollout::SamplingParams;
 
     fn tiny(seed: u64) -> Model {
@@ -577,8 +578,13 @@ mod tests {
         let probe = x.publish(&snap(&a, 1)).unwrap();
         rt.block_on(x.reload_and_verify(&*engine, &probe)).unwrap();
         // A learner whose weights are not the folder's (a push that did not take): refused.
-        let stale =
-            super::super::external::Probe::of(&cfg, &snap(&b, 2), probe.dir.clone()).unwrap();
+        let stale = super::super::external::Probe::of(
+            &cfg,
+            &snap(&b, 2),
+            probe.dir.clone(),
+            WeightDtype::F32,
+        )
+        .unwrap();
         let e = rt
             .block_on(x.reload_and_verify(&*engine, &stale))
             .unwrap_err();
@@ -587,6 +593,36 @@ mod tests {
             e.to_string().contains("does not serve the pushed weights"),
             "{e}"
         );
+        // Folders in bf16: half the bytes, a config that says so, and a probe that expects the
+        // rounded weights — exact at a tolerance no rounding would pass.
+        let x16 = ExternalPool {
+            folders: WeightFolders::new(root.join("weights16")).with_dtype(WeightDtype::Bf16),
+            tolerance: 1e-6,
+            ..x
+        };
+        let probe = x16.publish(&snap(&a, 3)).unwrap();
+        rt.block_on(x16.reload_and_verify(&*engine, &probe))
+            .unwrap();
+        let cfg_json: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(probe.dir.join("config.json")).unwrap())
+                .unwrap();
+        assert_eq!(cfg_json["torch_dtype"], "bfloat16");
+        let size = |d: &std::path::Path| d.join("model.safetensors").metadata().unwrap().len();
+        assert!(
+            2 * size(&probe.dir) < size(&root.join("weights/v00000001")) + 4096,
+            "bf16 folder not half the f32 one"
+        );
+        let unrounded = super::super::external::Probe::of(
+            &cfg,
+            &snap(&a, 3),
+            probe.dir.clone(),
+            WeightDtype::F32,
+        )
+        .unwrap();
+        let e = rt
+            .block_on(x16.reload_and_verify(&*engine, &unrounded))
+            .unwrap_err();
+        assert!(matches!(e, EngineError::BadWeights(_)), "{e}");
         drop(rt);
         let _ = std::fs::remove_dir_all(&root);
     }

@@ -11,19 +11,35 @@ use crate::EngineError;
 use kernels::tensor::WeightSnapshot;
 use learner::ModelConfig;
 use learner::ParamsIo;
-use learner::params::{Params, Tensor};
+use learner::params::{Params, Tensor, WeightDtype};
 use std::path::{Path, PathBuf};
 
 /// Versioned weight folders under one root that the engines can read.
 #[derive(Clone, Debug)]
 pub struct WeightFolders {
     root: PathBuf,
+    dtype: WeightDtype,
 }
 
 impl WeightFolders {
-    /// Folders under `root` (made on first write).
+    /// Folders under `root` (made on first write), weights in f32.
     pub fn new(root: impl Into<PathBuf>) -> Self {
-        Self { root: root.into() }
+        Self {
+            root: root.into(),
+            dtype: WeightDtype::F32,
+        }
+    }
+
+    /// The same folders with weights written as `dtype` (bf16: half the bytes to write and
+    /// reload; `config.json` says which).
+    pub fn with_dtype(mut self, dtype: WeightDtype) -> Self {
+        self.dtype = dtype;
+        self
+    }
+
+    /// The number format the weights are written in.
+    pub fn dtype(&self) -> WeightDtype {
+        self.dtype
     }
 
     /// The folder of `version`.
@@ -50,9 +66,14 @@ impl WeightFolders {
         let _ = std::fs::remove_dir_all(&tmp);
         std::fs::create_dir_all(&tmp).map_err(|e| io(&tmp, e))?;
         let cfg = tmp.join("config.json");
-        let text = serde_json::to_string_pretty(&config.to_hf_json()).expect("JSON serialises");
+        let mut hf = config.to_hf_json();
+        if let Some(obj) = hf.as_object_mut() {
+            for key in ["torch_dtype", "dtype"] {
+                obj.insert(key.into(), self.dtype.hf_name().into());
+            }
+        }
+        let text = serde_json::to_string_pretty(&hf).expect("JSON serialises");
         std::fs::write(&cfg, text).map_err(|e| io(&cfg, e))?;
-        let file = tmp.join("model.safetensors");
         let saved = if config.tie_word_embeddings {
             with_explicit_head(&snapshot.params)
         } else {
@@ -61,7 +82,7 @@ impl WeightFolders {
         saved
             .as_ref()
             .unwrap_or(&snapshot.params)
-            .save(&file)
+            .save_sharded(&tmp, u64::MAX, self.dtype)
             .map_err(|e| EngineError::BadWeights(e.to_string()))?;
         std::fs::rename(&tmp, &dir).map_err(|e| io(&dir, e))?;
         self.prune(snapshot.version);
