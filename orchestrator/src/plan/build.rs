@@ -418,32 +418,21 @@ fn rollout(p: &schema::Pool, e: &Errs<'_>) -> Result<RolloutPlan, PlanError> {
             placement: Placement::Local,
         });
     }
-    if p.weights_dtype.is_some() {
-        return Err(e.at(
-            "pools.rollout.weights_dtype",
-            format!(
-                "is for external engines (engine: vllm, sglang or served), not `{}`",
-                engine_name(p.engine)
-            ),
-        ));
-    }
-    if p.push_timeout_s.is_some() {
-        return Err(e.at(
-            "pools.rollout.push_timeout_s",
-            format!(
-                "is for external engines (engine: vllm, sglang or served), not `{}`",
-                engine_name(p.engine)
-            ),
-        ));
-    }
-    if p.api_key_env.is_some() {
-        return Err(e.at(
-            "pools.rollout.api_key_env",
-            format!(
-                "is for external engines (engine: vllm, sglang or served), not `{}`",
-                engine_name(p.engine)
-            ),
-        ));
+    // Settings of external engines only.
+    for (set, field) in [
+        (p.weights_dtype.is_some(), "weights_dtype"),
+        (p.push_timeout_s.is_some(), "push_timeout_s"),
+        (p.api_key_env.is_some(), "api_key_env"),
+    ] {
+        if set {
+            return Err(e.at(
+                format!("pools.rollout.{field}"),
+                format!(
+                    "is for external engines (engine: vllm, sglang or served), not `{}`",
+                    engine_name(p.engine)
+                ),
+            ));
+        }
     }
     if !p.endpoints.is_empty() {
         return Err(e.at(
