@@ -287,6 +287,46 @@ print(json.dumps(out))
     json_of(python, script, &[wandb_dir.as_os_str()])
 }
 
+/// The offline wandb runs `runs` hold the rows of `metrics` (a `metrics.jsonl`): one run per
+/// stage of the tiny recipe in `group`, the workflow as config, every step once with its values.
+fn assert_wandb_holds(runs: &[Value], metrics: &Path, group: &str) {
+    let rows: Vec<Value> = std::fs::read_to_string(metrics)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(runs.len(), 3, "{runs:#?}");
+    for stage in ["warmup", "rl", "final-eval"] {
+        let r: Vec<&Value> = runs.iter().filter(|r| r["name"] == stage).collect();
+        assert_eq!(r.len(), 1, "{stage}");
+        let r = r[0];
+        assert_eq!(
+            (&r["group"], &r["job_type"]),
+            (&group.into(), &stage.into())
+        );
+        assert_eq!(
+            r["config"]["name"], "tiny-arith",
+            "the workflow is the config"
+        );
+        let stage_rows: Vec<&Value> = rows.iter().filter(|v| v["stage"] == stage).collect();
+        let history = r["history"].as_array().unwrap();
+        assert_eq!(history.len(), stage_rows.len(), "{stage}: every step once");
+        for (h, row) in history.iter().zip(&stage_rows) {
+            assert_eq!(h["_step"], row["step"], "{stage}");
+            for (k, v) in row.as_object().unwrap() {
+                if k != "stage" && k != "step" {
+                    assert_eq!(
+                        h[k].as_f64(),
+                        v.as_f64(),
+                        "{stage} step {} {k}",
+                        row["step"]
+                    );
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn the_wandb_sidecar_follows_a_run_and_logs_every_step_once() {
     let Some(python) = trellis_tests::trackers() else {
@@ -348,42 +388,11 @@ fn the_wandb_sidecar_follows_a_run_and_logs_every_step_once() {
         logged["logged"],
         serde_json::json!({"warmup": 30, "rl": 12, "final-eval": 1})
     );
-    let runs = wandb_runs(&python, &dir);
-    let rows: Vec<Value> = std::fs::read_to_string(run.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
-    assert_eq!(runs.len(), 3, "{runs:#?}");
-    for stage in ["warmup", "rl", "final-eval"] {
-        let r: Vec<&Value> = runs.iter().filter(|r| r["name"] == stage).collect();
-        assert_eq!(r.len(), 1, "{stage}");
-        let r = r[0];
-        assert_eq!(
-            (&r["group"], &r["job_type"]),
-            (&"run".into(), &stage.into())
-        );
-        assert_eq!(
-            r["config"]["name"], "tiny-arith",
-            "the workflow is the config"
-        );
-        let stage_rows: Vec<&Value> = rows.iter().filter(|v| v["stage"] == stage).collect();
-        let history = r["history"].as_array().unwrap();
-        assert_eq!(history.len(), stage_rows.len(), "{stage}: every step once");
-        for (h, row) in history.iter().zip(&stage_rows) {
-            assert_eq!(h["_step"], row["step"], "{stage}");
-            for (k, v) in row.as_object().unwrap() {
-                if k != "stage" && k != "step" {
-                    assert_eq!(
-                        h[k].as_f64(),
-                        v.as_f64(),
-                        "{stage} step {} {k}",
-                        row["step"]
-                    );
-                }
-            }
-        }
-    }
+    assert_wandb_holds(
+        &wandb_runs(&python, &dir),
+        &run.join("metrics.jsonl"),
+        "run",
+    );
     // Syncing again logs nothing twice; a folder that is no run is refused by name.
     let again = sidecar(false).output().unwrap();
     assert!(
@@ -406,5 +415,87 @@ fn the_wandb_sidecar_follows_a_run_and_logs_every_step_once() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(err.contains("nowhere: no such run directory"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn the_wandb_sidecar_follows_a_server_job_through_the_api() {
+    let Some(python) = trellis_tests::trackers() else {
+        return;
+    };
+    let dir = std::env::temp_dir().join(format!("trellis-wandb-job-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let data = dir.join("data");
+    let mut server = trellis_tests::Killed(
+        trellis()
+            .args([
+                "--log",
+                "warn",
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--data-dir",
+            ])
+            .arg(&data)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(server.0.stdout.take().unwrap()),
+        &mut line,
+    )
+    .unwrap();
+    let url = line
+        .trim()
+        .strip_prefix("listening on ")
+        .unwrap()
+        .to_string();
+    let out = run_ok(trellis().args(["submit", "--server", &url]).arg(recipe()));
+    let id = String::from_utf8(out.stdout).unwrap().trim().to_string();
+    // Followed from the moment it is submitted until it ends.
+    let out = Command::new(&python)
+        .args([
+            "-m",
+            "trellis_client",
+            "--server",
+            &url,
+            "--json",
+            "wandb",
+            "--job",
+            &id,
+        ])
+        .args(["--project", "trellis-e2e", "--follow"])
+        .env(
+            "PYTHONPATH",
+            trellis_tests::root().join("clients/python/src"),
+        )
+        .env("WANDB_MODE", "offline")
+        .env("WANDB_DIR", &dir)
+        .env("WANDB_SILENT", "true")
+        .current_dir(&dir)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let logged: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        logged["logged"],
+        serde_json::json!({"warmup": 30, "rl": 12, "final-eval": 1})
+    );
+    let job_dir = data.join("jobs").join(&id);
+    assert_wandb_holds(
+        &wandb_runs(&python, &dir),
+        &job_dir.join("metrics.jsonl"),
+        &format!("job-{id}"),
+    );
+    assert!(dir.join(format!("trellis-wandb-job-{id}.json")).is_file());
+    drop(server);
     std::fs::remove_dir_all(&dir).unwrap();
 }

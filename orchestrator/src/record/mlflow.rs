@@ -6,9 +6,11 @@
 //! to dotted keys) and one nested child run per stage (tag `mlflow.parentRunId`), whose metrics
 //! carry VeRL's keys with the stage's own steps — as TensorBoard gets one run per stage.
 //!
-//! The run ids live in `RUN_DIR/mlflow.json`, so a resumed run logs into the same runs, and a
-//! step already logged before the kill is not logged twice. Rows go to the server from a thread
-//! of their own: training never waits on the tracking server. A server that does not answer
+//! Every run is tagged with its run directory (`trellis.run_dir`): a resumed run finds its runs
+//! on the server and logs into them, each stage after the last step the server holds, so a step
+//! logged before a kill — even one killed between the call and anything written here — is not
+//! logged twice. The ids are also written to `RUN_DIR/mlflow.json`, for people to find them.
+//! Rows go to the server from a thread of their own: training never waits on the tracking server. A server that does not answer
 //! keeps the rows queued and retried (a warning says so), and the run ends with what could be
 //! sent; only the first contact, when the run starts, must succeed (so a wrong URI stops the run
 //! before it trains, naming the URI).
@@ -32,12 +34,15 @@ pub struct MlflowTarget {
     pub experiment: String,
 }
 
-/// The ids a run logs into, kept in `mlflow.json`.
+/// The ids a run logs into (written to `mlflow.json` for people to find them; the server's
+/// tags, not this file, are what a resumed run goes by).
 #[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 struct Ids {
     uri: String,
     experiment_id: String,
     run_id: String,
+    /// The `trellis.run_dir` tag of every run of this run directory.
+    run_dir: String,
     /// Per stage: its child run and the last step logged.
     stages: BTreeMap<String, StageRun>,
 }
@@ -46,6 +51,13 @@ struct Ids {
 struct StageRun {
     run_id: String,
     last_step: Option<u64>,
+}
+
+/// What the server holds of a run directory.
+#[derive(Default)]
+struct Found {
+    parent: Option<String>,
+    stages: BTreeMap<String, StageRun>,
 }
 
 enum Msg {
@@ -197,6 +209,57 @@ impl Client {
             .ok_or_else(|| format!("runs/create answered {got}"))
     }
 
+    /// The runs of `experiment_id` tagged with `run_dir`: the parent, and per stage its run
+    /// and the last step it holds.
+    fn search(&self, experiment_id: &str, run_dir: &str) -> Result<Found, String> {
+        let mut found = Found::default();
+        if run_dir.contains('\'') {
+            return Ok(found);
+        }
+        let got = self.post(
+            "runs/search",
+            &json!({"experiment_ids": [experiment_id], "max_results": 1000,
+                    "filter": format!("tags.`trellis.run_dir` = '{run_dir}'")}),
+        )?;
+        for run in got["runs"].as_array().into_iter().flatten() {
+            let Some(id) = run["info"]["run_id"].as_str() else {
+                continue;
+            };
+            let tag = |k: &str| {
+                run["data"]["tags"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .find(|t| t["key"] == k)
+                    .and_then(|t| t["value"].as_str())
+            };
+            let last_step = run["data"]["metrics"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|m| {
+                    m["step"]
+                        .as_u64()
+                        .or_else(|| m["step"].as_str()?.parse().ok())
+                })
+                .max();
+            match tag("trellis.stage") {
+                Some(stage) => {
+                    found.stages.insert(
+                        stage.to_string(),
+                        StageRun {
+                            run_id: id.to_string(),
+                            last_step,
+                        },
+                    );
+                }
+                None if found.parent.is_none() => found.parent = Some(id.to_string()),
+                None => {}
+            }
+        }
+        Ok(found)
+    }
+
     fn status(&self, run_id: &str, status: &str) -> Result<(), String> {
         let mut body = json!({"run_id": run_id, "status": status});
         if status != "RUNNING" {
@@ -241,26 +304,22 @@ impl Mlflow {
             .map_err(|e| err(&target, e))?;
         let client = Client { http, rt, target };
         let file = dir.join("mlflow.json");
-        let known: Option<Ids> = std::fs::read(&file)
-            .ok()
-            .and_then(|b| serde_json::from_slice(&b).ok())
-            .filter(|ids: &Ids| ids.uri == client.target.uri);
-        let ids = match known {
-            Some(ids) => {
-                client
-                    .status(&ids.run_id, "RUNNING")
-                    .map_err(|e| err(&client.target, e))?;
-                ids
+        let run_dir = dir.display().to_string();
+        let fail = |e: String| err(&client.target, e);
+        let experiment_id = client.experiment().map_err(fail)?;
+        // The server is the record of what was logged: runs of this run directory found by
+        // their tag (a resumed run, or one killed between a call and the next) are reused, and
+        // each stage continues after the last step the server holds.
+        let found = client.search(&experiment_id, &run_dir).map_err(fail)?;
+        let run_id = match found.parent {
+            Some(id) => {
+                client.status(&id, "RUNNING").map_err(fail)?;
+                id
             }
             None => {
-                let experiment_id = client.experiment().map_err(|e| err(&client.target, e))?;
                 let run_id = client
-                    .create_run(
-                        &experiment_id,
-                        run_name,
-                        &[("trellis.run_dir", &dir.display().to_string())],
-                    )
-                    .map_err(|e| err(&client.target, e))?;
+                    .create_run(&experiment_id, run_name, &[("trellis.run_dir", &run_dir)])
+                    .map_err(fail)?;
                 for chunk in params.chunks(PARAMS) {
                     let params: Vec<Value> = chunk
                         .iter()
@@ -271,18 +330,19 @@ impl Mlflow {
                             "runs/log-batch",
                             &json!({"run_id": run_id, "params": params}),
                         )
-                        .map_err(|e| err(&client.target, e))?;
+                        .map_err(fail)?;
                 }
-                let ids = Ids {
-                    uri: client.target.uri.clone(),
-                    experiment_id,
-                    run_id,
-                    stages: BTreeMap::new(),
-                };
-                save(&file, &ids).map_err(|e| err(&client.target, e))?;
-                ids
+                run_id
             }
         };
+        let ids = Ids {
+            uri: client.target.uri.clone(),
+            experiment_id,
+            run_id,
+            run_dir,
+            stages: found.stages,
+        };
+        save(&file, &ids).map_err(|e| err(&client.target, e))?;
         let (tx, rx) = channel();
         let worker = std::thread::Builder::new()
             .name("mlflow".into())
@@ -444,6 +504,7 @@ impl Worker {
                     &[
                         ("mlflow.parentRunId", &self.ids.run_id),
                         ("trellis.stage", stage),
+                        ("trellis.run_dir", &self.ids.run_dir),
                     ],
                 )?;
                 let r = StageRun {

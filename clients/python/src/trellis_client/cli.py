@@ -7,8 +7,9 @@ failed, 2 bad input or a refused call, 130 cancelled).
     trellis-client watch JOB | status JOB | cancel JOB | resume JOB [--watch]
     trellis-client jobs
     trellis-client metrics JOB [--from-row N]
-    trellis-client wandb RUN_DIR [--project P] [--entity E] [--group G] [--follow]
-        (a run's metrics into Weights & Biases; needs `pip install wandb`)
+    trellis-client wandb (RUN_DIR | --job JOB [--state FILE]) [--project P] [--entity E]
+                         [--group G] [--follow]
+        (a run's or a server job's metrics into Weights & Biases; needs `pip install wandb`)
 """
 
 from __future__ import annotations
@@ -95,7 +96,9 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("job", type=int)
     m.add_argument("--from-row", type=int, default=0)
     w = sub.add_parser("wandb", help="log a run directory's metrics to Weights & Biases (WANDB_MODE=offline: for `wandb sync`)")
-    w.add_argument("run_dir")
+    w.add_argument("run_dir", nargs="?", help="a run directory (or --job)")
+    w.add_argument("--job", type=int, help="a server job, read through the API")
+    w.add_argument("--state", help="--job: where the logged steps are kept (default trellis-wandb-job-JOB.json)")
     w.add_argument("--project", help="wandb project (default: the workflow's name)")
     w.add_argument("--entity", help="wandb entity (default: wandb's)")
     w.add_argument("--group", help="wandb group of the stages' runs (default: the run directory's name)")
@@ -109,9 +112,18 @@ def _wandb(args) -> int:
     except ImportError:
         print("error: the wandb sidecar needs the wandb package: pip install wandb", file=sys.stderr)
         return 2
-    from .wandb_sync import sync
+    from .wandb_sync import sync, sync_job
 
-    logged = sync(args.run_dir, project=args.project, entity=args.entity, group=args.group, follow=args.follow)
+    if (args.run_dir is None) == (args.job is None):
+        print("error: give a run directory or --job JOB", file=sys.stderr)
+        return 2
+    if args.job is not None:
+        with Client(args.server, token_file=args.token_file, tls_ca=args.tls_ca) as c:
+            logged = sync_job(c, args.job, state_path=args.state, project=args.project,
+                              entity=args.entity, group=args.group, follow=args.follow)
+    else:
+        logged = sync(args.run_dir, project=args.project, entity=args.entity, group=args.group,
+                      follow=args.follow)
     if args.json:
         print(json.dumps({"logged": logged}))
     else:
@@ -125,6 +137,9 @@ def main(argv=None) -> int:
     if args.command == "wandb":
         try:
             return _wandb(args)
+        except TrellisError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         except (OSError, ValueError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

@@ -3,6 +3,7 @@ logs them with the `wandb` package (installed separately: `pip install wandb`), 
 `WANDB_MODE=offline` — into `./wandb/offline-run-*` for a later `wandb sync`.
 
     trellis-client wandb RUN_DIR [--project P] [--entity E] [--group G] [--follow]
+    trellis-client [--server URL] wandb --job ID [--state FILE] [...]   (a server's job, through the API)
 
 Layout, as TensorBoard's and MLflow's: one wandb run per stage (named after the stage, `job_type`
 the stage), grouped under the run directory's name, with the resolved workflow
@@ -11,7 +12,9 @@ the stage), grouped under the run directory's name, with the resolved workflow
 `status.json` exists) and ends when it ends.
 
 `RUN_DIR/wandb.json` keeps each stage's wandb run id and last step logged: syncing again (after
-more steps, or after a kill and `trellis resume`) logs into the same runs, every step once.
+more steps, or after a kill and `trellis resume`) logs into the same runs, every step once. A
+server's job is read through the job API (its metric rows, watched until it ends with
+`--follow`); its state file defaults to `trellis-wandb-job-ID.json` in the current folder.
 """
 
 from __future__ import annotations
@@ -56,8 +59,6 @@ def sync(
     follow: bool = False,
 ) -> Dict[str, int]:
     """Logs `run_dir`'s metrics to wandb; returns the rows logged per stage."""
-    import wandb  # the sidecar's one extra dependency, imported only here
-
     run_dir = os.path.abspath(run_dir)
     if not os.path.isdir(run_dir):
         raise ValueError(f"{run_dir}: no such run directory")
@@ -68,13 +69,44 @@ def sync(
     if os.path.exists(workflow):
         with open(workflow, encoding="utf-8") as f:
             config = json.load(f)
-    state_path = os.path.join(run_dir, "wandb.json")
+    return _log(_rows(run_dir, follow), config, os.path.join(run_dir, "wandb.json"), project, entity,
+                group or os.path.basename(run_dir))
+
+
+def sync_job(
+    client,
+    job_id: int,
+    state_path: Optional[str] = None,
+    project: Optional[str] = None,
+    entity: Optional[str] = None,
+    group: Optional[str] = None,
+    follow: bool = False,
+) -> Dict[str, int]:
+    """Logs a server job's metrics to wandb through the job API (`client`: a
+    `trellis_client.Client`); with `follow`, until the job ends."""
+    from ._client import MetricRow
+
+    job = client.job(job_id)
+    config = json.loads(job.workflow_json) if job.workflow_json else {}
+    if follow:
+        rows = ({"stage": e.stage, "step": e.step, **e.values} for e in client.watch(job_id)
+                if isinstance(e, MetricRow))
+    else:
+        rows = ({"stage": r.stage, "step": r.step, **r.values} for r in client.metrics(job_id))
+    return _log(rows, config, state_path or f"trellis-wandb-job-{job_id}.json", project, entity,
+                group or f"job-{job_id}")
+
+
+def _log(rows, config: dict, state_path: str, project, entity, group) -> Dict[str, int]:
+    """Logs `rows` (dicts with `stage`, `step` and the metrics) to one wandb run per stage,
+    skipping steps `state_path` says were logged; returns the rows logged per stage."""
+    import wandb  # the sidecar's one extra dependency, imported only here
+
     state: Dict[str, dict] = {}
     if os.path.exists(state_path):
         with open(state_path, encoding="utf-8") as f:
             state = json.load(f)
     project = project or config.get("name") or "trellis"
-    group = group or os.path.basename(run_dir)
     runs = {}
     logged: Dict[str, int] = {}
 
@@ -85,7 +117,7 @@ def sync(
         os.replace(tmp, state_path)
 
     try:
-        for row in _rows(run_dir, follow):
+        for row in rows:
             stage, step = row.pop("stage"), row.pop("step")
             known = state.setdefault(stage, {})
             if known.get("last_step") is not None and step <= known["last_step"]:
