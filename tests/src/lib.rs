@@ -64,6 +64,21 @@ pub fn trellis_bin() -> PathBuf {
     .clone()
 }
 
+/// The URL a server child (`trellis serve`, `trellis engine serve`, started with piped stdout)
+/// prints on its first line, `listening on URL`.
+pub fn listening(child: &mut std::process::Child) -> String {
+    use std::io::BufRead;
+    let mut line = String::new();
+    let out = child.stdout.take().expect("the server's stdout is piped");
+    std::io::BufReader::new(out)
+        .read_line(&mut line)
+        .expect("the server says where it listens");
+    line.trim()
+        .strip_prefix("listening on ")
+        .unwrap_or_else(|| panic!("the server said {line:?}"))
+        .to_string()
+}
+
 /// Runs `cmd` to completion and returns its output, failing the test with its stderr if it
 /// did not succeed.
 pub fn run_ok(cmd: &mut Command) -> std::process::Output {

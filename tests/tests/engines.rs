@@ -14,7 +14,7 @@ use rollout::external::vllm::VllmEngine;
 use rollout::native::NativeEngine;
 use rollout::{Completion, GenerateRequest, InferenceEngine, SamplingParams};
 use serde_json::{Value, json};
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::Arc;
@@ -46,15 +46,7 @@ fn serve(args: &[&str], listen: &str) -> (Killed, String) {
             .spawn()
             .expect("spawn trellis engine serve"),
     );
-    let mut line = String::new();
-    BufReader::new(child.0.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let url = line
-        .trim()
-        .strip_prefix("listening on ")
-        .unwrap_or_else(|| panic!("engine serve said {line:?}"))
-        .to_string();
+    let url = trellis_tests::listening(&mut child.0);
     (child, url)
 }
 

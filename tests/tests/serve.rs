@@ -46,16 +46,7 @@ impl Server {
             .stderr(Stdio::inherit())
             .spawn()
             .expect("start trellis serve");
-        let out = child.stdout.take().unwrap();
-        let mut line = String::new();
-        BufReader::new(out)
-            .read_line(&mut line)
-            .expect("trellis serve says where it listens");
-        let url = line
-            .trim()
-            .strip_prefix("listening on ")
-            .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
-            .to_string();
+        let url = trellis_tests::listening(&mut child);
         Server {
             process: Killed(child),
             url,

@@ -163,7 +163,7 @@ fn metrics_reach_a_real_mlflow_server_once_each_across_a_kill_and_resume() {
         .collect();
     for stage in ["warmup", "rl", "final-eval"] {
         let child: Vec<&Value> = runs.iter().filter(|r| r["name"] == stage).collect();
-        assert_eq!(child.len(), 1, "{stage}: one run");
+        assert_eq!(child.len(), 1, "{stage}: one run: {runs:#?}");
         let child = child[0];
         assert_eq!(child["parent"], parent["id"], "{stage}");
         assert_eq!(child["status"], "FINISHED", "{stage}");
@@ -176,7 +176,7 @@ fn metrics_reach_a_real_mlflow_server_once_each_across_a_kill_and_resume() {
         assert_eq!(
             child["metrics"].as_object().unwrap().len(),
             keys.len(),
-            "{stage}: every key"
+            "{stage}: every key: {runs:#?}"
         );
         for k in keys {
             // Every step once; the values the run recorded (timings differ between the run
@@ -327,6 +327,22 @@ fn assert_wandb_holds(runs: &[Value], metrics: &Path, group: &str) {
     }
 }
 
+/// `python -m trellis_client ARGS` from this checkout, with wandb offline into `dir`.
+fn client(python: &Path, dir: &Path, args: &[&str]) -> Command {
+    let mut cmd = Command::new(python);
+    cmd.args(["-m", "trellis_client"])
+        .args(args)
+        .env(
+            "PYTHONPATH",
+            trellis_tests::root().join("clients/python/src"),
+        )
+        .env("WANDB_MODE", "offline")
+        .env("WANDB_DIR", dir)
+        .env("WANDB_SILENT", "true")
+        .current_dir(dir);
+    cmd
+}
+
 #[test]
 fn the_wandb_sidecar_follows_a_run_and_logs_every_step_once() {
     let Some(python) = trellis_tests::trackers() else {
@@ -337,18 +353,8 @@ fn the_wandb_sidecar_follows_a_run_and_logs_every_step_once() {
     std::fs::create_dir_all(&dir).unwrap();
     let run = dir.join("run");
     let sidecar = |follow: bool| {
-        let mut cmd = Command::new(&python);
-        cmd.args(["-m", "trellis_client", "--json", "wandb"])
-            .arg(&run)
-            .args(["--project", "trellis-e2e"])
-            .env(
-                "PYTHONPATH",
-                trellis_tests::root().join("clients/python/src"),
-            )
-            .env("WANDB_MODE", "offline")
-            .env("WANDB_DIR", &dir)
-            .env("WANDB_SILENT", "true")
-            .current_dir(&dir);
+        let mut cmd = client(&python, &dir, &["--json", "wandb"]);
+        cmd.arg(&run).args(["--project", "trellis-e2e"]);
         if follow {
             cmd.arg("--follow");
         }
@@ -403,13 +409,8 @@ fn the_wandb_sidecar_follows_a_run_and_logs_every_step_once() {
     let logged: Value = serde_json::from_slice(&again.stdout).unwrap();
     assert_eq!(logged["logged"], serde_json::json!({}));
     assert_eq!(wandb_runs(&python, &dir).len(), 3);
-    let out = Command::new(&python)
-        .args(["-m", "trellis_client", "wandb"])
+    let out = client(&python, &dir, &["wandb"])
         .arg(dir.join("nowhere"))
-        .env(
-            "PYTHONPATH",
-            trellis_tests::root().join("clients/python/src"),
-        )
         .output()
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
@@ -443,42 +444,18 @@ fn the_wandb_sidecar_follows_a_server_job_through_the_api() {
             .spawn()
             .unwrap(),
     );
-    let mut line = String::new();
-    std::io::BufRead::read_line(
-        &mut std::io::BufReader::new(server.0.stdout.take().unwrap()),
-        &mut line,
-    )
-    .unwrap();
-    let url = line
-        .trim()
-        .strip_prefix("listening on ")
-        .unwrap()
-        .to_string();
+    let url = trellis_tests::listening(&mut server.0);
     let out = run_ok(trellis().args(["submit", "--server", &url]).arg(recipe()));
     let id = String::from_utf8(out.stdout).unwrap().trim().to_string();
     // Followed from the moment it is submitted until it ends.
-    let out = Command::new(&python)
-        .args([
-            "-m",
-            "trellis_client",
-            "--server",
-            &url,
-            "--json",
-            "wandb",
-            "--job",
-            &id,
-        ])
-        .args(["--project", "trellis-e2e", "--follow"])
-        .env(
-            "PYTHONPATH",
-            trellis_tests::root().join("clients/python/src"),
-        )
-        .env("WANDB_MODE", "offline")
-        .env("WANDB_DIR", &dir)
-        .env("WANDB_SILENT", "true")
-        .current_dir(&dir)
-        .output()
-        .unwrap();
+    let out = client(
+        &python,
+        &dir,
+        &["--server", &url, "--json", "wandb", "--job", &id],
+    )
+    .args(["--project", "trellis-e2e", "--follow"])
+    .output()
+    .unwrap();
     assert!(
         out.status.success(),
         "{}",

@@ -9,7 +9,9 @@
 //! Every run is tagged with its run directory (`trellis.run_dir`): a resumed run finds its runs
 //! on the server and logs into them, each stage after the last step the server holds, so a step
 //! logged before a kill — even one killed between the call and anything written here — is not
-//! logged twice. The ids are also written to `RUN_DIR/mlflow.json`, for people to find them.
+//! logged twice; and a resumed run first sends the rows it kept, so one a kill caught in the
+//! queue is not lost either. The ids are also written to `RUN_DIR/mlflow.json`, for people to
+//! find them.
 //! Rows go to the server from a thread of their own: training never waits on the tracking server. A server that does not answer
 //! keeps the rows queued and retried (a warning says so), and the run ends with what could be
 //! sent; only the first contact, when the run starts, must succeed (so a wrong URI stops the run
@@ -34,9 +36,9 @@ pub struct MlflowTarget {
     pub experiment: String,
 }
 
-/// The ids a run logs into (written to `mlflow.json` for people to find them; the server's
-/// tags, not this file, are what a resumed run goes by).
-#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+/// The ids a run logs into (written to `mlflow.json` when its runs are made, for people to find
+/// them; never read back: the server's tags are what a resumed run goes by).
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
 struct Ids {
     uri: String,
     experiment_id: String,
@@ -47,7 +49,7 @@ struct Ids {
     stages: BTreeMap<String, StageRun>,
 }
 
-#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
 struct StageRun {
     run_id: String,
     last_step: Option<u64>,
@@ -58,6 +60,18 @@ struct StageRun {
 struct Found {
     parent: Option<String>,
     stages: BTreeMap<String, StageRun>,
+}
+
+impl Msg {
+    /// A row to send now: its finite metrics under names MLflow accepts.
+    fn row(stage: &str, step: u64, metrics: impl Iterator<Item = (String, f64)>) -> Self {
+        Msg::Row {
+            stage: stage.to_string(),
+            step,
+            metrics: metrics.filter(|(_, v)| v.is_finite()).collect(),
+            at_ms: now_ms(),
+        }
+    }
 }
 
 enum Msg {
@@ -335,15 +349,33 @@ impl Mlflow {
                 run_id
             }
         };
+        // Stage runs are looked up when their first row comes (see `Worker::send`).
         let ids = Ids {
             uri: client.target.uri.clone(),
             experiment_id,
             run_id,
             run_dir,
-            stages: found.stages,
+            stages: BTreeMap::new(),
         };
         save(&file, &ids).map_err(|e| err(&client.target, e))?;
         let (tx, rx) = channel();
+        // The rows the run kept (a resumed run's `metrics.jsonl`, already rewound to its
+        // checkpoint) go first: the ones a kill caught in the queue reach the server now, and
+        // the ones it holds are skipped by their step.
+        let kept = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap_or_default();
+        for line in kept.lines() {
+            let Ok(Value::Object(row)) = serde_json::from_str::<Value>(line) else {
+                continue;
+            };
+            let (Some(stage), Some(step)) = (row["stage"].as_str(), row["step"].as_u64()) else {
+                continue;
+            };
+            let metrics = row
+                .iter()
+                .filter(|(k, _)| *k != "stage" && *k != "step")
+                .filter_map(|(k, v)| Some((key(k), v.as_f64()?)));
+            let _ = tx.send(Msg::row(stage, step, metrics));
+        }
         let worker = std::thread::Builder::new()
             .name("mlflow".into())
             .spawn(move || Worker::new(client, ids, file).run(rx))
@@ -373,19 +405,9 @@ fn save(file: &Path, ids: &Ids) -> std::io::Result<()> {
 
 impl Recorder for Mlflow {
     fn row(&mut self, row: &Row<'_>) -> Result<(), RecordError> {
-        let metrics = row
-            .metrics
-            .iter()
-            .filter(|(_, v)| v.is_finite())
-            .map(|(k, v)| (key(k), *v))
-            .collect();
+        let metrics = row.metrics.iter().map(|(k, v)| (key(k), *v));
         if let Some(tx) = &self.tx {
-            let _ = tx.send(Msg::Row {
-                stage: row.stage.to_string(),
-                step: row.step,
-                metrics,
-                at_ms: now_ms(),
-            });
+            let _ = tx.send(Msg::row(row.stage, row.step, metrics));
         }
         Ok(())
     }
@@ -497,24 +519,20 @@ impl Worker {
     ) -> Result<(), String> {
         let run = match self.ids.stages.get(stage) {
             Some(r) => r.clone(),
-            None => {
-                let run_id = self.client.create_run(
-                    &self.ids.experiment_id,
-                    stage,
-                    &[
-                        ("mlflow.parentRunId", &self.ids.run_id),
-                        ("trellis.stage", stage),
-                        ("trellis.run_dir", &self.ids.run_dir),
-                    ],
-                )?;
-                let r = StageRun {
-                    run_id,
-                    last_step: None,
-                };
-                self.ids.stages.insert(stage.to_string(), r.clone());
-                save(&self.file, &self.ids).map_err(|e| e.to_string())?;
-                r
-            }
+            // Asked when the stage's first row comes, not when the run starts: a call the
+            // killed process had in flight has landed on the server by then.
+            None => match self
+                .client
+                .search(&self.ids.experiment_id, &self.ids.run_dir)?
+                .stages
+                .remove(stage)
+            {
+                Some(r) => {
+                    self.ids.stages.insert(stage.to_string(), r.clone());
+                    r
+                }
+                None => self.create_stage(stage)?,
+            },
         };
         // A step logged before a kill and run again after the resume: logged once.
         if run.last_step.is_some_and(|last| step <= last) {
@@ -533,7 +551,27 @@ impl Worker {
         if let Some(r) = self.ids.stages.get_mut(stage) {
             r.last_step = Some(step);
         }
-        save(&self.file, &self.ids).map_err(|e| e.to_string())
+        Ok(())
+    }
+
+    /// A new nested run for `stage`, recorded in `mlflow.json`.
+    fn create_stage(&mut self, stage: &str) -> Result<StageRun, String> {
+        let run_id = self.client.create_run(
+            &self.ids.experiment_id,
+            stage,
+            &[
+                ("mlflow.parentRunId", &self.ids.run_id),
+                ("trellis.stage", stage),
+                ("trellis.run_dir", &self.ids.run_dir),
+            ],
+        )?;
+        let r = StageRun {
+            run_id,
+            last_step: None,
+        };
+        self.ids.stages.insert(stage.to_string(), r.clone());
+        save(&self.file, &self.ids).map_err(|e| e.to_string())?;
+        Ok(r)
     }
 
     fn finish(mut self, status: &str, deadline: Duration) {
@@ -548,10 +586,17 @@ impl Worker {
                 self.client.target.uri
             );
         }
-        let runs: Vec<String> = self
+        // Every stage's run, also those of stages that ended before a resume (no rows since).
+        let found = self
+            .client
+            .search(&self.ids.experiment_id, &self.ids.run_dir)
+            .map(|f| f.stages)
+            .unwrap_or_default();
+        let runs: std::collections::BTreeSet<String> = self
             .ids
             .stages
             .values()
+            .chain(found.values())
             .map(|r| r.run_id.clone())
             .chain([self.ids.run_id.clone()])
             .collect();

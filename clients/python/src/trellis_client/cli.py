@@ -134,18 +134,9 @@ def _wandb(args) -> int:
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
-    if args.command == "wandb":
-        try:
-            return _wandb(args)
-        except TrellisError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        except (OSError, ValueError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        except KeyboardInterrupt:
-            return 130
     try:
+        if args.command == "wandb":
+            return _wandb(args)
         with Client(args.server, token_file=args.token_file, tls_ca=args.tls_ca) as c:
             if args.command == "submit":
                 job = c.submit(args.file, args.override)
