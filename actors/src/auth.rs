@@ -104,6 +104,16 @@ impl Token {
             })
     }
 
+    /// Whether `given` is this token (constant time).
+    pub fn matches(&self, given: &str) -> bool {
+        constant_time_eq(given.as_bytes(), self.secret.as_bytes())
+    }
+
+    /// Whether `other` is the same token (constant time).
+    pub fn matches_token(&self, other: &Token) -> bool {
+        self.matches(&other.secret)
+    }
+
     /// An interceptor that adds this token to outgoing calls.
     pub fn bearer(&self) -> Bearer {
         Bearer(self.header.clone())
@@ -148,14 +158,18 @@ pub struct Guard {
     required: bool,
 }
 
+/// The bearer token a call presents (`authorization: Bearer <token>`), if any.
+pub fn presented<T>(request: &Request<T>) -> Option<&str> {
+    request
+        .metadata()
+        .get("authorization")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+}
+
 impl tonic::service::Interceptor for Guard {
     fn call(&mut self, request: Request<()>) -> Result<Request<()>, Status> {
-        let given = request
-            .metadata()
-            .get("authorization")
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "));
-        match given {
+        match presented(&request) {
             Some(given) if constant_time_eq(given.as_bytes(), self.secret.as_bytes()) => {
                 Ok(request)
             }

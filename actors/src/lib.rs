@@ -26,7 +26,7 @@ pub use actor::{
     Actor, ActorRef, BoxFuture, RestartHook, RestartPolicy, SpawnOptions, spawn_local,
 };
 pub use agent::{AgentError, AgentOptions};
-pub use auth::{Bearer, Guard, Token, TokenError};
+pub use auth::{Bearer, Guard, Token, TokenError, presented};
 pub use error::{ActorError, CallError};
 pub use head::{AgentInfo, Head, HeadConfig};
 pub use placement::{Demand, Device, PoolSpec, Resources, Strategy};

@@ -127,6 +127,10 @@ pub struct Job {
     pub updated_ms: u64,
     /// Step counter and checkpoint index.
     pub progress: Progress,
+    /// The user who submitted it (a server's user name); `None` for the server's admin and for
+    /// `trellis train` (stores written before owners existed read as `None`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner: Option<String>,
 }
 
 /// A checkpoint written by a job.
@@ -246,12 +250,13 @@ impl Store {
         f(&tx).map_err(|e| self.db_err(e))
     }
 
-    /// Records a new job in `state`; returns its id.
+    /// Records a new job in `state`, owned by `owner` (see [`Job::owner`]); returns its id.
     pub fn create_job(
         &self,
         name: &str,
         spec: serde_json::Value,
         state: JobState,
+        owner: Option<&str>,
     ) -> Result<u64, StoreError> {
         self.write(|tx| {
             let mut jobs = tx.open_table(JOBS)?;
@@ -266,6 +271,7 @@ impl Store {
                 created_ms: t,
                 updated_ms: t,
                 progress: Progress::default(),
+                owner: owner.map(str::to_string),
             };
             jobs.insert(id, to_json(&job).as_slice())?;
             Ok(id)
@@ -506,7 +512,9 @@ mod tests {
     fn metric_values_survive_the_store_bit_for_bit() {
         let p = tmp("bits");
         let s = Store::open(&p).unwrap();
-        let id = s.create_job("a", json!({}), JobState::Running).unwrap();
+        let id = s
+            .create_job("a", json!({}), JobState::Running, None)
+            .unwrap();
         // Seeded values across magnitudes, and f32s widened to f64 (what learning rates are).
         let mut x = 0x9e37_79b9_7f4a_7c15_u64;
         let mut want = vec![f64::from(1.0e-4_f32), f64::from(3.0e-3_f32), 0.1 + 0.2];
@@ -550,9 +558,11 @@ mod tests {
         {
             let s = Store::open(&p).unwrap();
             let a = s
-                .create_job("a", json!({"x": 1}), JobState::Running)
+                .create_job("a", json!({"x": 1}), JobState::Running, Some("alice"))
                 .unwrap();
-            let b = s.create_job("b", json!({}), JobState::Pending).unwrap();
+            let b = s
+                .create_job("b", json!({}), JobState::Pending, None)
+                .unwrap();
             assert_eq!((a, b), (1, 2));
             for step in 1..=3u64 {
                 s.append_metrics(a, &json!({"stage": "rl", "step": step}))
@@ -598,6 +608,10 @@ mod tests {
         assert_eq!(jobs.len(), 2);
         assert_eq!(jobs[0].progress.step, 2);
         assert_eq!(jobs[0].spec, json!({"x": 1}));
+        assert_eq!(
+            (jobs[0].owner.as_deref(), jobs[1].owner.as_deref()),
+            (Some("alice"), None)
+        );
         assert_eq!(jobs[1].state, JobState::Failed);
         assert_eq!(jobs[1].error.as_deref(), Some("boom"));
         assert_eq!(s.metrics(1, 0).unwrap().len(), 3);
@@ -619,6 +633,13 @@ mod tests {
         let logs = s.logs(1, 1).unwrap();
         assert_eq!((logs.len(), logs[0].1.text.as_str()), (1, "b"));
         assert!(matches!(s.job(9), Err(StoreError::NoJob { id: 9, .. })));
+    }
+
+    #[test]
+    fn a_job_recorded_before_owners_existed_reads_as_the_admins() {
+        let old = br#"{"id":1,"name":"a","spec":{},"state":"pending","error":null,"created_ms":1,"updated_ms":1,"progress":{"completed":[],"stage":null,"step":0,"checkpoint":null,"weight_version":0}}"#;
+        let job: Job = from_json(old).unwrap();
+        assert_eq!((job.id, job.owner), (1, None));
     }
 
     #[test]

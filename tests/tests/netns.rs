@@ -193,6 +193,7 @@ fn a_job_across_namespaces_survives_a_cut_link_and_the_agent_rejoins() {
     let _head = Killed(head);
     let token = data.join("token");
     let token_arg = token.display().to_string();
+    let agent_token_arg = data.join("agent-token").display().to_string();
 
     // Two agents on their own "hosts"; they find the address the head reaches them at from
     // their route to it.
@@ -210,7 +211,7 @@ fn a_job_across_namespaces_survives_a_cut_link_and_the_agent_rejoins() {
                         "--head",
                         &url,
                         "--token-file",
-                        &token_arg,
+                        &agent_token_arg,
                         "--resources",
                         "cpu=2",
                         "--listen",

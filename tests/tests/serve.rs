@@ -1,7 +1,8 @@
 //! `trellis serve` and its clients, with real processes on loopback: the CLI and the Python
 //! client package (pip-installed) submit and watch jobs that run on an agent's pool; a running job is cancelled and resumed; a
 //! server killed with -9 mid-job is restarted and finishes it with every step recorded once;
-//! calls without the token are refused off loopback; TLS; health and reflection answer; 50
+//! calls without the token are refused off loopback; users see and change only their own jobs
+//! and the agents' token runs none; TLS; health and reflection answer; 50
 //! concurrent submissions all finish.
 
 use serde_json::Value;
@@ -86,6 +87,27 @@ impl Server {
         }
     }
 
+    /// Waits until job `id` is in `state`, asking with the token in `token_file`.
+    fn wait_for_with(&self, token_file: &Path, id: u64, state: &str) {
+        let t0 = Instant::now();
+        loop {
+            let out = run_ok(
+                self.cli(&["status", &id.to_string(), "--json"])
+                    .arg("--token-file")
+                    .arg(token_file),
+            );
+            let j: Value = serde_json::from_slice(&out.stdout).unwrap();
+            if j["state"] == state {
+                return;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(180),
+                "job {id} never {state}: {j:#}"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
     /// Every metric row of job `id`, without timings.
     fn metrics(&self, id: u64) -> Vec<Value> {
         let out = run_ok(&mut self.cli(&["logs", &id.to_string(), "--metrics"]));
@@ -118,7 +140,7 @@ fn agent(server: &Server, name: &str) -> Killed {
             .args(["--log", "warn", "agent", "--head", &server.url])
             .args(["--resources", "cpu=2", "--name", name])
             .arg("--token-file")
-            .arg(server.data.join("token"))
+            .arg(server.data.join("agent-token"))
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -322,11 +344,7 @@ fn off_loopback_calls_need_the_token_and_tls_health_and_reflection_work() {
         .output()
         .unwrap();
     assert!(!out.status.success());
-    assert!(
-        text(&out).contains("missing cluster token"),
-        "{}",
-        text(&out)
-    );
+    assert!(text(&out).contains("missing token"), "{}", text(&out));
     // Requests are bounded.
     let big = dir.join("big.yaml");
     std::fs::write(&big, format!("name: big\n# {}\n", "x".repeat(2 << 20))).unwrap();
@@ -348,7 +366,7 @@ fn off_loopback_calls_need_the_token_and_tls_health_and_reflection_work() {
         .arg(&wrong)
         .output()
         .unwrap();
-    assert!(text(&out).contains("wrong cluster token"), "{}", text(&out));
+    assert!(text(&out).contains("wrong token"), "{}", text(&out));
     run_ok(
         trellis()
             .args(["jobs", "--server", &url, "--token-file"])
@@ -637,7 +655,8 @@ fn the_python_client_installs_with_pip_and_submits_watches_cancels_and_resumes()
 fn doctor_checks_the_host_and_the_head_and_names_what_fails() {
     let dir = scratch("doctor");
     let server = Server::start(&dir.join("data"), &[]);
-    let token = server.data.join("token");
+    // What a host about to join has: the agents' token.
+    let token = server.data.join("agent-token");
     let out = run_ok(
         trellis()
             .args(["doctor", "--json", "--head", &server.url, "--token-file"])
@@ -703,6 +722,180 @@ fn a_job_waiting_for_agents_is_cancelled_at_once() {
     assert!(
         j["error"].as_str().unwrap().contains("waiting for agents"),
         "{j:#}"
+    );
+    drop(server);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn users_see_and_change_only_their_own_jobs_and_the_agents_token_runs_none() {
+    let dir = scratch("users");
+    let data = dir.join("data");
+    let add_user = |name: &str| -> PathBuf {
+        let out = run_ok(
+            trellis()
+                .args(["user", "add", name, "--data-dir"])
+                .arg(&data),
+        );
+        PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
+    };
+    // One user made before the server starts, one while it runs (taken at once).
+    let alice = add_user("alice");
+    let server = Server::start(&data, &["--max-running", "1"]);
+    let bob = add_user("bob");
+    let (admin, agents) = (data.join("token"), data.join("agent-token"));
+    let with = |token: &Path, args: &[&str]| -> Output {
+        server
+            .cli(args)
+            .arg("--token-file")
+            .arg(token)
+            .env_remove("TRELLIS_TOKEN_FILE")
+            .output()
+            .unwrap()
+    };
+    let ok = |token: &Path, args: &[&str]| -> String {
+        let out = with(token, args);
+        assert!(out.status.success(), "{args:?}: {}", text(&out));
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let state = |token: &Path, id: u64| -> Value {
+        let j: Value =
+            serde_json::from_str(&ok(token, &["status", &id.to_string(), "--json"])).unwrap();
+        j["state"].clone()
+    };
+    let file = recipe().display().to_string();
+    let submit_as = |token: &Path, overrides: &[&str]| -> u64 {
+        let mut args = vec!["submit", file.as_str()];
+        for o in overrides {
+            args.extend(["-o", o]);
+        }
+        ok(token, &args).trim().parse().unwrap()
+    };
+    let listed = |token: &Path| -> Vec<(u64, Value)> {
+        ok(token, &["jobs", "--json"])
+            .lines()
+            .map(|l| {
+                let j: Value = serde_json::from_str(l).unwrap();
+                (j["id"].as_u64().unwrap(), j["owner"].clone())
+            })
+            .collect()
+    };
+
+    // A server with users takes no call without a token, even on loopback.
+    let out = server
+        .cli(&["jobs"])
+        .env_remove("TRELLIS_TOKEN_FILE")
+        .output()
+        .unwrap();
+    assert!(
+        !out.status.success() && text(&out).contains("this server has users"),
+        "{}",
+        text(&out)
+    );
+
+    // The admin's job waits for an agent and holds the one running slot; alice's and bob's
+    // queue behind it.
+    let j1 = submit_as(&admin, &["pools.rollout.placement=spread"]);
+    let j2 = submit_as(&alice, &[]);
+    let j3 = submit_as(&bob, &[]);
+    assert_eq!(listed(&alice), vec![(j2, "alice".into())]);
+    assert_eq!(listed(&bob), vec![(j3, "bob".into())]);
+    assert_eq!(
+        listed(&admin),
+        vec![(j1, Value::Null), (j2, "alice".into()), (j3, "bob".into())]
+    );
+    assert!(
+        ok(&admin, &["jobs"]).contains("alice"),
+        "the table names owners"
+    );
+
+    // Bob can neither see, follow, cancel nor resume alice's job.
+    let j2s = j2.to_string();
+    for args in [
+        ["status", &j2s],
+        ["logs", &j2s],
+        ["cancel", &j2s],
+        ["resume", &j2s],
+    ] {
+        let out = with(&bob, &args);
+        assert!(
+            !out.status.success() && text(&out).contains(&format!("job {j2} is not yours")),
+            "{args:?}: {}",
+            text(&out)
+        );
+    }
+    assert_eq!(state(&alice, j2), "pending", "bob's cancel did nothing");
+    // Alice cancels her own; the admin cancels anyone's.
+    ok(&alice, &["cancel", &j2s]);
+    assert_eq!(state(&alice, j2), "cancelled");
+    ok(&admin, &["cancel", &j3.to_string()]);
+    assert_eq!(state(&bob, j3), "cancelled");
+    ok(&admin, &["cancel", &j1.to_string()]);
+    server.wait_for_with(&admin, j1, "cancelled");
+
+    // The agents' token submits and sees no job, but reads the cluster (`trellis doctor`,
+    // `trellis agents` on a host about to join).
+    let out = with(&agents, &["submit", &file]);
+    assert!(
+        !out.status.success() && text(&out).contains("agents' token cannot submit"),
+        "{}",
+        text(&out)
+    );
+    let out = with(&agents, &["jobs"]);
+    assert!(!out.status.success(), "{}", text(&out));
+    assert_eq!(ok(&agents, &["agents", "--count"]).trim(), "0");
+    assert_eq!(listed(&admin).len(), 3, "nothing was queued");
+
+    // A user's token does not make an agent: the head refuses it, and the agent says which
+    // token it needs.
+    let mut agent = trellis()
+        .args([
+            "--log",
+            "error",
+            "agent",
+            "--head",
+            &server.url,
+            "--token-file",
+        ])
+        .arg(&alice)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t0 = Instant::now();
+    let status = loop {
+        if let Some(s) = agent.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "the agent with a user's token was never refused"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut agent.stderr.take().unwrap(), &mut err).unwrap();
+    assert!(
+        !status.success() && err.contains("agent-token"),
+        "{status}: {err}"
+    );
+
+    // A removed user's token (bob kept his copy) stops working at once; their jobs stay, for
+    // the admin.
+    let bob_copy = dir.join("bob.token");
+    std::fs::copy(&bob, &bob_copy).unwrap();
+    run_ok(
+        trellis()
+            .args(["user", "remove", "bob", "--data-dir"])
+            .arg(&data),
+    );
+    let out = with(&bob_copy, &["jobs"]);
+    assert!(text(&out).contains("wrong token"), "{}", text(&out));
+    assert_eq!(state(&admin, j3), "cancelled");
+    let users = run_ok(trellis().args(["user", "list", "--data-dir"]).arg(&data));
+    assert_eq!(
+        String::from_utf8(users.stdout).unwrap(),
+        format!("alice\t{}\n", alice.display())
     );
     drop(server);
     let _ = std::fs::remove_dir_all(&dir);

@@ -330,7 +330,7 @@ async fn head_checks(opts: &ClientOptions) -> Vec<Check> {
         Ok(Ok(r)) => r.into_inner(),
         Ok(Err(s)) => {
             let fix = if s.code() == tonic::Code::Unauthenticated {
-                "pass --token-file with the head's token (its DATA_DIR/token)"
+                "pass --token-file with the head's agents' token (its DATA_DIR/agent-token) or the admin's (DATA_DIR/token)"
             } else {
                 "check the head's log"
             };

@@ -8,6 +8,7 @@
 // The binary is what prints: its subcommands' output and messages.
 #![allow(clippy::print_stdout, clippy::print_stderr)]
 
+mod access;
 mod client;
 mod cmd;
 mod doctor;
@@ -62,6 +63,12 @@ enum Command {
     Cancel(cmd::jobs::CancelArgs),
     /// List the agents registered with a server.
     Agents(cmd::jobs::AgentsArgs),
+    /// A server's users: each has a token of their own and sees and changes only their own
+    /// jobs.
+    User {
+        #[command(subcommand)]
+        what: cmd::user::UserCommand,
+    },
     /// Run a node agent: host actors on this machine for the head at --head.
     Agent(cmd::agent::AgentArgs),
     /// Check this host before it joins a cluster: cores, memory, CPU features, /dev/shm, open
@@ -130,6 +137,7 @@ fn run() -> anyhow::Result<()> {
         Command::Cancel(a) => a.run(),
         Command::Agents(a) => a.run(),
         Command::Agent(a) => a.run(),
+        Command::User { what } => what.run(),
         Command::Doctor(a) => a.run(),
         Command::Config { what } => what.run(),
         Command::Score(a) => a.run(),

@@ -4,9 +4,10 @@
 //! their pools on the registered agents (or in this process, for `placement: local`).
 //!
 //! Data dir: `store.redb` (every job, its state, progress, checkpoint index, metric rows and log
-//! lines), `token` (mode 0600: the bearer token of the API and the cluster token agents
-//! present), and `jobs/<id>/` (each job's run directory: checkpoints, `metrics.jsonl`,
-//! `tensorboard/`, `plot.png`).
+//! lines), `token` (mode 0600: the admin's bearer token for the API), `agent-token` (the cluster
+//! token agents present), `users/NAME.token` (users' API tokens: see [`crate::access`]), and
+//! `jobs/<id>/` (each job's run directory: checkpoints, `metrics.jsonl`, `tensorboard/`,
+//! `plot.png`).
 //!
 //! Restart safety: a job is marked running in the store before it starts; a server that finds
 //! running jobs at start (it was killed) queues them again, and they continue from their last
@@ -18,6 +19,7 @@
 //! Never: runs a step itself (that is [`crate::train::run_job`]'s), touches tensors, or
 //! deletes a job's files.
 
+use crate::access::{ApiGuard, Caller, Users};
 use actors::{Head, HeadConfig, Token};
 use orchestrator::jobs::queue::{Queue, QueueError, SinkMaker};
 use orchestrator::store::{Job, JobState, Store, StoreError};
@@ -48,8 +50,27 @@ pub struct ServeOptions {
     pub tls: Option<(PathBuf, PathBuf)>,
     /// How long a job waits for agents that can take its pools.
     pub agent_wait: Duration,
-    /// The token file (default `DATA_DIR/token`); created, mode 0600, when missing.
+    /// The admin's token file (default `DATA_DIR/token`); created, mode 0600, when missing.
     pub token_file: Option<PathBuf>,
+    /// The agents' token file (default `DATA_DIR/agent-token`); created, mode 0600, when
+    /// missing.
+    pub agent_token_file: Option<PathBuf>,
+}
+
+impl ServeOptions {
+    /// The admin's token file.
+    pub fn token_path(&self) -> PathBuf {
+        self.token_file
+            .clone()
+            .unwrap_or_else(|| self.data_dir.join("token"))
+    }
+
+    /// The agents' token file.
+    pub fn agent_token_path(&self) -> PathBuf {
+        self.agent_token_file
+            .clone()
+            .unwrap_or_else(|| self.data_dir.join("agent-token"))
+    }
 }
 
 /// Why a server could not start or stopped with an error.
@@ -76,7 +97,8 @@ pub enum ServeError {
     },
 }
 
-/// Whether the API must be called with the token: always, unless only this host can reach it.
+/// Whether the API must be called with a token: always, unless only this host can reach it (and
+/// it has no users: [`crate::access`]).
 pub fn token_required(listen: &SocketAddr) -> bool {
     !listen.ip().is_loopback()
 }
@@ -111,8 +133,17 @@ pub async fn serve(
         message: e.to_string(),
     };
     std::fs::create_dir_all(dir.join("jobs")).map_err(|e| file(dir, e))?;
-    let token_path = opts.token_file.clone().unwrap_or_else(|| dir.join("token"));
-    let token = token_at(&token_path)?;
+    let token = token_at(&opts.token_path())?;
+    let agent_token = token_at(&opts.agent_token_path())?;
+    if token.matches_token(&agent_token) {
+        return Err(ServeError::File {
+            path: opts.agent_token_path(),
+            message: format!(
+                "the agents' token is the admin's ({}): an agent could then run jobs; give agents a token of their own",
+                opts.token_path().display()
+            ),
+        });
+    }
     let store = Arc::new(Store::open(&dir.join("store.redb"))?);
     let tls = match &opts.tls {
         Some((cert, key)) => {
@@ -135,7 +166,7 @@ pub async fn serve(
     let address = listener
         .local_addr()
         .map_err(|e| listen_err(e.to_string()))?;
-    let (head, routes) = Head::new(address, token.clone(), HeadConfig::default());
+    let (head, routes) = Head::new(address, agent_token.clone(), HeadConfig::default());
     let jobs = Queue::new(
         store,
         dir,
@@ -144,11 +175,12 @@ pub async fn serve(
         opts.max_running,
         sinks,
     )?;
-    let guard = if token_required(&opts.listen) {
-        token.guard()
-    } else {
-        token.guard_optional()
-    };
+    let guard = ApiGuard::new(
+        token,
+        agent_token,
+        Users::at(dir),
+        !token_required(&opts.listen),
+    );
     let api = InterceptedService::new(
         JobServiceServer::new(Api(jobs.clone())).max_decoding_message_size(MAX_REQUEST_BYTES),
         guard,
@@ -229,6 +261,7 @@ fn proto_job(jobs: &Queue, job: &Job, with_workflow: bool) -> Result<pb::Job, St
             String::new()
         },
         cancel_requested: jobs.cancel_requested(job.id),
+        owner: job.owner.clone().unwrap_or_default(),
     })
 }
 
@@ -261,6 +294,13 @@ fn queue_status(e: QueueError) -> Status {
 impl Api {
     fn job(&self, id: u64) -> Result<Job, Status> {
         self.0.store().job(id).map_err(status)
+    }
+
+    /// Job `id`, if `caller` may see and change it.
+    fn job_for(&self, caller: &Caller, id: u64) -> Result<Job, Status> {
+        let job = self.job(id)?;
+        caller.check(&job)?;
+        Ok(job)
     }
 
     /// Job `id` as an answer (without its workflow).
@@ -305,6 +345,8 @@ impl JobService for Api {
         &self,
         request: Request<pb::SubmitJobRequest>,
     ) -> Result<Response<pb::SubmitJobReply>, Status> {
+        let caller = Caller::of(&request);
+        let owner = caller.owner()?.map(str::to_string);
         let r = request.into_inner();
         if self.0.is_stopping() {
             return Err(Status::unavailable("the server is stopping"));
@@ -326,6 +368,7 @@ impl JobService for Api {
                 &r.workflow_yaml,
                 &origin.display().to_string(),
                 &r.overrides,
+                owner.as_deref(),
             )
         })
         .await
@@ -342,7 +385,8 @@ impl JobService for Api {
         &self,
         request: Request<pb::GetJobRequest>,
     ) -> Result<Response<pb::Job>, Status> {
-        let job = self.job(request.into_inner().job_id)?;
+        let caller = Caller::of(&request);
+        let job = self.job_for(&caller, request.into_inner().job_id)?;
         Ok(Response::new(
             proto_job(&self.0, &job, true).map_err(status)?,
         ))
@@ -350,11 +394,14 @@ impl JobService for Api {
 
     async fn list_jobs(
         &self,
-        _: Request<pb::ListJobsRequest>,
+        request: Request<pb::ListJobsRequest>,
     ) -> Result<Response<pb::ListJobsReply>, Status> {
+        let caller = Caller::of(&request);
+        caller.owner()?;
         let jobs = self.0.store().jobs().map_err(status)?;
         let jobs = jobs
             .iter()
+            .filter(|j| caller.may_use(j.owner.as_deref()))
             .map(|j| proto_job(&self.0, j, false))
             .collect::<Result<_, _>>()
             .map_err(status)?;
@@ -365,7 +412,9 @@ impl JobService for Api {
         &self,
         request: Request<pb::CancelJobRequest>,
     ) -> Result<Response<pb::Job>, Status> {
+        let caller = Caller::of(&request);
         let id = request.into_inner().job_id;
+        self.job_for(&caller, id)?;
         self.0.cancel(id).map_err(queue_status)?;
         self.reply(id)
     }
@@ -374,7 +423,9 @@ impl JobService for Api {
         &self,
         request: Request<pb::ResumeJobRequest>,
     ) -> Result<Response<pb::Job>, Status> {
+        let caller = Caller::of(&request);
         let id = request.into_inner().job_id;
+        self.job_for(&caller, id)?;
         self.0.resume(id).map_err(queue_status)?;
         self.reply(id)
     }
@@ -385,8 +436,9 @@ impl JobService for Api {
         &self,
         request: Request<pb::WatchJobRequest>,
     ) -> Result<Response<Watch>, Status> {
+        let caller = Caller::of(&request);
         let r = request.into_inner();
-        self.job(r.job_id)?;
+        self.job_for(&caller, r.job_id)?;
         let (tx, rx) = mpsc::channel(256);
         tokio::spawn(watch(self.0.clone(), r, tx));
         Ok(Response::new(ReceiverStream::new(rx)))
@@ -396,8 +448,9 @@ impl JobService for Api {
         &self,
         request: Request<pb::GetMetricsRequest>,
     ) -> Result<Response<pb::GetMetricsReply>, Status> {
+        let caller = Caller::of(&request);
         let r = request.into_inner();
-        self.job(r.job_id)?;
+        self.job_for(&caller, r.job_id)?;
         let rows = self
             .0
             .store()

@@ -120,13 +120,15 @@ impl Queue {
             .is_some_and(|c| c.stop.reason() == Some(StopReason::Cancel))
     }
 
-    /// Plans `text` (the workflow file `origin`, with `overrides`) and queues it; returns the
+    /// Plans `text` (the workflow file `origin`, with `overrides`) and queues it for `owner`
+    /// (a server user's name; `None` for the admin); returns the
     /// job's id. Planning reads datasets and checkpoints' config: call it off async threads.
     pub fn submit(
         &self,
         text: &str,
         origin: &str,
         overrides: &[String],
+        owner: Option<&str>,
     ) -> Result<u64, QueueError> {
         if self.stopping.load(Ordering::SeqCst) {
             return Err(QueueError::Stopping);
@@ -134,7 +136,9 @@ impl Queue {
         let plan = crate::plan::parse(text, origin, overrides)?;
         let spec = serde_json::to_value(&plan.spec)
             .map_err(|e| QueueError::State(format!("cannot store the workflow: {e}")))?;
-        let id = self.store.create_job(&plan.name, spec, JobState::Pending)?;
+        let id = self
+            .store
+            .create_job(&plan.name, spec, JobState::Pending, owner)?;
         self.wake.notify_one();
         tracing::info!(job = id, name = %plan.name, "job submitted");
         Ok(id)

@@ -316,7 +316,7 @@ pub fn start(
     write_atomic(&dir.join("workflow.json"), text.as_bytes())?;
     let _ = std::fs::remove_file(dir.join("metrics.jsonl"));
     let store = Store::open(&store_path(dir))?;
-    let job = store.create_job(&plan.name, spec, JobState::Running)?;
+    let job = store.create_job(&plan.name, spec, JobState::Running, None)?;
     execute(plan, dir, &store, job, Some(backend), opts).into_result()
 }
 

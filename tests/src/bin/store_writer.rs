@@ -14,7 +14,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let store = Store::open(std::path::Path::new(&path))?;
     let id = match store.jobs()?.first() {
         Some(job) => job.id,
-        None => store.create_job("stress", serde_json::json!({}), JobState::Running)?,
+        None => store.create_job("stress", serde_json::json!({}), JobState::Running, None)?,
     };
     let mut step = store.job(id)?.progress.step;
     let mut out = std::io::stdout().lock();

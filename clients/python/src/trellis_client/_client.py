@@ -67,6 +67,8 @@ class Job:
     run_dir: str
     #: A cancel was asked and the job is finishing its current step.
     cancel_requested: bool
+    #: The user who submitted it (`trellis user add`); empty for the server's admin.
+    owner: str = ""
     #: The resolved workflow as JSON text (from `submit` and `job` only; empty otherwise).
     workflow_json: str = field(repr=False, default="")
 
@@ -88,6 +90,7 @@ class Job:
             weight_version=j.weight_version,
             run_dir=j.run_dir,
             cancel_requested=j.cancel_requested,
+            owner=j.owner,
             workflow_json=j.workflow_json,
         )
 

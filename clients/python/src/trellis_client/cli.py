@@ -77,7 +77,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="trellis-client", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--server", help="the server's URL (default: $TRELLIS_SERVER, else http://127.0.0.1:7070)")
-    p.add_argument("--token-file", help="the server's DATA_DIR/token (default: $TRELLIS_TOKEN_FILE)")
+    p.add_argument("--token-file", help="the server's DATA_DIR/token (the admin's) or a user's token file from `trellis user add` (default: $TRELLIS_TOKEN_FILE)")
     p.add_argument("--tls-ca", help="PEM certificate to trust for https:// (default: $TRELLIS_TLS_CA)")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     sub = p.add_subparsers(dest="command", required=True)

@@ -10,7 +10,8 @@ pub struct AgentArgs {
     /// The head's URL, e.g. http://10.0.0.1:7070.
     #[arg(long)]
     head: String,
-    /// File holding the cluster token (the head refuses agents without it).
+    /// File holding the cluster token: a `trellis serve` head's DATA_DIR/agent-token (the head
+    /// refuses agents without it).
     #[arg(long, env = "TRELLIS_TOKEN_FILE")]
     token_file: PathBuf,
     /// What this machine offers, e.g. cpu=2,gpu=0,tpu=4,memory=64G.
@@ -63,7 +64,20 @@ impl AgentArgs {
             registry: orchestrator::kinds::registry(),
             wire: actors::Wire::default(),
         };
-        runtime()?.block_on(actors::agent::run(options, terminated()))?;
+        let token_file = a.token_file.display().to_string();
+        runtime()?
+            .block_on(actors::agent::run(options, terminated()))
+            .map_err(|e| {
+                let hint = matches!(&e, actors::AgentError::Refused { message, .. } if message.contains("token"));
+                let e = anyhow::Error::from(e);
+                if hint {
+                    e.context(format!(
+                        "--token-file {token_file}: agents present the head's agents' token (`trellis serve` keeps it in DATA_DIR/agent-token; the admin's and users' tokens only call the job API)"
+                    ))
+                } else {
+                    e
+                }
+            })?;
         Ok(())
     }
 }

@@ -97,14 +97,19 @@ impl JobsArgs {
             return Ok(());
         }
         println!(
-            "{:>5}  {:<10}  {:<24}  {:<10}  {:>6}  error",
-            "id", "state", "name", "stage", "step"
+            "{:>5}  {:<10}  {:<12}  {:<24}  {:<10}  {:>6}  error",
+            "id", "state", "owner", "name", "stage", "step"
         );
         for j in &jobs {
             println!(
-                "{:>5}  {:<10}  {:<24}  {:<10}  {:>6}  {}",
+                "{:>5}  {:<10}  {:<12}  {:<24}  {:<10}  {:>6}  {}",
                 j.id,
                 state_name(j.state),
+                if j.owner.is_empty() {
+                    "admin"
+                } else {
+                    &j.owner
+                },
                 j.name,
                 j.stage,
                 j.step,
@@ -248,6 +253,7 @@ fn job_json(j: &proto::v1::Job) -> serde_json::Value {
         "checkpoint": j.checkpoint, "checkpoint_stage": j.checkpoint_stage,
         "checkpoint_step": j.checkpoint_step, "weight_version": j.weight_version,
         "run_dir": j.run_dir, "cancel_requested": j.cancel_requested, "workflow": workflow,
+        "owner": (!j.owner.is_empty()).then_some(&j.owner),
     })
 }
 
@@ -257,6 +263,9 @@ pub fn print_job(j: &proto::v1::Job, json: bool) -> Result<()> {
         return Ok(());
     }
     println!("job {} `{}`: {}", j.id, j.name, state_name(j.state));
+    if !j.owner.is_empty() {
+        println!("  owner: {}", j.owner);
+    }
     if !j.error.is_empty() {
         println!("  error: {}", j.error);
     }

@@ -10,6 +10,7 @@ pub mod jobs;
 pub mod model;
 pub mod serve;
 pub mod train;
+pub mod user;
 
 use anyhow::{Context, Result};
 use orchestrator::jobs::{JobError, StopReason};

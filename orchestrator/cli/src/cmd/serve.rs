@@ -8,10 +8,10 @@ use std::path::PathBuf;
 /// `trellis serve`.
 #[derive(Debug, clap::Args)]
 pub struct ServeArgs {
-    /// Address to listen on; a non-loopback address requires the token on every call.
+    /// Address to listen on; a non-loopback address requires a token on every call.
     #[arg(long, default_value = "127.0.0.1:7070")]
     listen: std::net::SocketAddr,
-    /// Where the job store, the token and the jobs' run directories live.
+    /// Where the job store, the tokens, the users and the jobs' run directories live.
     #[arg(long, default_value = "trellis-data")]
     data_dir: PathBuf,
     /// Jobs run at once; the others wait in the queue.
@@ -26,10 +26,14 @@ pub struct ServeArgs {
     /// Seconds a job waits for agents that can take its pools.
     #[arg(long, default_value_t = 120.0)]
     agent_wait: f64,
-    /// The token of the API and the cluster (default DATA_DIR/token); created, mode 0600,
-    /// when missing.
+    /// The admin's token for the job API (default DATA_DIR/token); created, mode 0600, when
+    /// missing. Users get their own with `trellis user add`.
     #[arg(long)]
     token_file: Option<PathBuf>,
+    /// The token agents present (default DATA_DIR/agent-token); created, mode 0600, when
+    /// missing. It cannot call the job API.
+    #[arg(long)]
+    agent_token_file: Option<PathBuf>,
 }
 
 impl ServeArgs {
@@ -42,10 +46,12 @@ impl ServeArgs {
             tls: self.tls_cert.zip(self.tls_key),
             agent_wait: std::time::Duration::from_secs_f64(self.agent_wait.max(0.0)),
             token_file: self.token_file,
+            agent_token_file: self.agent_token_file,
         };
         let rt = runtime()?;
         let required = crate::server::token_required(&opts.listen);
-        let token_path = opts.data_dir.join("token");
+        let token_path = opts.token_path();
+        let agent_token_path = opts.agent_token_path();
         let scheme = if opts.tls.is_some() { "https" } else { "http" };
         // Each job's run directory gets its plot when the job finishes.
         let sinks: orchestrator::jobs::queue::SinkMaker = Box::new(|_, dir| {
@@ -60,11 +66,11 @@ impl ServeArgs {
                 println!("listening on {scheme}://{address}");
                 eprintln!(
                     "agents: trellis agent --head {scheme}://{address} --token-file {}",
-                    token_path.display()
+                    agent_token_path.display()
                 );
                 if required {
                     eprintln!(
-                        "clients must pass --token-file {} (the listener is not loopback)",
+                        "clients must pass --token-file {} (the admin's) or a user's (`trellis user add NAME`): the listener is not loopback",
                         token_path.display()
                     );
                 }

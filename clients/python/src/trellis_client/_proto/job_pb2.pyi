@@ -25,7 +25,7 @@ JOB_STATE_FAILED: JobState
 JOB_STATE_CANCELLED: JobState
 
 class Job(_message.Message):
-    __slots__ = ("id", "name", "state", "error", "created_ms", "updated_ms", "stages_completed", "checkpoint_stage", "checkpoint_step", "checkpoint", "weight_version", "stage", "step", "run_dir", "workflow_json", "cancel_requested")
+    __slots__ = ("id", "name", "state", "error", "created_ms", "updated_ms", "stages_completed", "checkpoint_stage", "checkpoint_step", "checkpoint", "weight_version", "stage", "step", "run_dir", "workflow_json", "cancel_requested", "owner")
     ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -42,6 +42,7 @@ class Job(_message.Message):
     RUN_DIR_FIELD_NUMBER: _ClassVar[int]
     WORKFLOW_JSON_FIELD_NUMBER: _ClassVar[int]
     CANCEL_REQUESTED_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
     id: int
     name: str
     state: JobState
@@ -58,7 +59,8 @@ class Job(_message.Message):
     run_dir: str
     workflow_json: str
     cancel_requested: bool
-    def __init__(self, id: _Optional[int] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., error: _Optional[str] = ..., created_ms: _Optional[int] = ..., updated_ms: _Optional[int] = ..., stages_completed: _Optional[_Iterable[str]] = ..., checkpoint_stage: _Optional[str] = ..., checkpoint_step: _Optional[int] = ..., checkpoint: _Optional[str] = ..., weight_version: _Optional[int] = ..., stage: _Optional[str] = ..., step: _Optional[int] = ..., run_dir: _Optional[str] = ..., workflow_json: _Optional[str] = ..., cancel_requested: _Optional[bool] = ...) -> None: ...
+    owner: str
+    def __init__(self, id: _Optional[int] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., error: _Optional[str] = ..., created_ms: _Optional[int] = ..., updated_ms: _Optional[int] = ..., stages_completed: _Optional[_Iterable[str]] = ..., checkpoint_stage: _Optional[str] = ..., checkpoint_step: _Optional[int] = ..., checkpoint: _Optional[str] = ..., weight_version: _Optional[int] = ..., stage: _Optional[str] = ..., step: _Optional[int] = ..., run_dir: _Optional[str] = ..., workflow_json: _Optional[str] = ..., cancel_requested: _Optional[bool] = ..., owner: _Optional[str] = ...) -> None: ...
 
 class SubmitJobRequest(_message.Message):
     __slots__ = ("workflow_yaml", "overrides", "file_name", "base_dir")
