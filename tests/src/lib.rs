@@ -16,11 +16,14 @@ pub fn trellis_bin() -> PathBuf {
     static BIN: OnceLock<PathBuf> = OnceLock::new();
     BIN.get_or_init(|| {
         let exe = std::env::current_exe().expect("test executable path");
-        // target/<profile>/deps/<test> → target/<profile>/trellis
-        let profile_dir = exe
-            .parent()
-            .and_then(|deps| deps.parent())
-            .expect("test executable lives in target/<profile>/deps");
+        // target/<profile>/deps/<test> (a test) or target/<profile>/<bin> (this crate's
+        // binaries, such as `chaos`) → target/<profile>/trellis
+        let parent = exe.parent().expect("the executable lives in a folder");
+        let profile_dir = if parent.file_name().is_some_and(|n| n == "deps") {
+            parent.parent().expect("target/<profile>/deps has a parent")
+        } else {
+            parent
+        };
         let bin = profile_dir.join(format!("trellis{}", std::env::consts::EXE_SUFFIX));
         if let Ok(cargo) = std::env::var("CARGO") {
             let mut cmd = Command::new(cargo);

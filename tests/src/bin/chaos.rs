@@ -1,0 +1,346 @@
+//! `chaos`: kill -9 the head and the agents of a server's running job at random moments, start
+//! them again, and check that the job still finishes with the metric rows of an undisturbed run
+//! — the same job on the same cluster left alone — every step recorded once (a sync run is a
+//! pure function of its seed). Prints one JSON report; exits 1 when a job failed or its rows
+//! differ.
+//!
+//! ```text
+//! cargo run --release -p tests --bin chaos -- [--kills N | --minutes M] [--seed S] [--steps RL_STEPS] [--dir DIR]
+//! ```
+//!
+//! `--kills N` (default 4): disturbed jobs until N kills were made (most often one job). `--minutes M`: disturbed jobs one after
+//! another, killing all the while, until M minutes passed (each job checked). The cluster: a
+//! `trellis serve` head on loopback and two `trellis agent`s (`cpu=2`), the rollout pool spread
+//! over both (one engine each), a checkpoint every RL step. A killed head comes back on the same
+//! port and data dir at once (its running job continues from its checkpoint); a killed agent
+//! comes back after 0.2–2 s (its engine restarts on the other agent meanwhile, or waits for
+//! room). The e2e test `chaos::…` runs the CI-sized version.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+use trellis_tests::{Killed, listening, trellis, without_timings, xorshift};
+
+type Error = Box<dyn std::error::Error>;
+
+struct Options {
+    kills: usize,
+    minutes: Option<f64>,
+    seed: u64,
+    steps: u64,
+    dir: PathBuf,
+}
+
+fn options() -> Result<Options, Error> {
+    let mut o = Options {
+        kills: 4,
+        minutes: None,
+        seed: 1,
+        steps: 16,
+        dir: std::env::temp_dir().join(format!("trellis-chaos-{}", std::process::id())),
+    };
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        let mut value = || args.next().ok_or_else(|| format!("{a} needs a value"));
+        match a.as_str() {
+            "--kills" => o.kills = value()?.parse()?,
+            "--minutes" => o.minutes = Some(value()?.parse()?),
+            "--seed" => o.seed = value()?.parse()?,
+            "--steps" => o.steps = value()?.parse()?,
+            "--dir" => o.dir = PathBuf::from(value()?),
+            _ => {
+                return Err(format!(
+                    "unknown argument {a}: chaos [--kills N | --minutes M] [--seed S] [--steps RL_STEPS] [--dir DIR]"
+                )
+                .into());
+            }
+        }
+    }
+    Ok(o)
+}
+
+fn say(text: &str) {
+    let _ = writeln!(std::io::stderr(), "chaos: {text}");
+}
+
+/// The head and the agents, each restartable.
+struct Cluster {
+    dir: PathBuf,
+    data: PathBuf,
+    listen: String,
+    url: String,
+    head: Killed,
+    agents: Vec<(String, Option<Killed>)>,
+}
+
+fn log_file(dir: &Path, name: &str) -> Result<std::fs::File, Error> {
+    Ok(std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(dir.join(format!("{name}.log")))?)
+}
+
+impl Cluster {
+    fn start(dir: &Path) -> Result<Cluster, Error> {
+        let data = dir.join("data");
+        let (head, url) = Cluster::head(dir, &data, "127.0.0.1:0")?;
+        let listen = url.trim_start_matches("http://").to_string();
+        let mut c = Cluster {
+            dir: dir.to_path_buf(),
+            data,
+            listen,
+            url,
+            head,
+            agents: Vec::new(),
+        };
+        for name in ["a1", "a2"] {
+            let agent = c.agent(name)?;
+            c.agents.push((name.to_string(), Some(agent)));
+        }
+        Ok(c)
+    }
+
+    fn head(dir: &Path, data: &Path, listen: &str) -> Result<(Killed, String), Error> {
+        let mut child = trellis()
+            .args(["--log", "warn", "serve", "--listen", listen, "--data-dir"])
+            .arg(data)
+            .args(["--agent-wait", "120"])
+            .stdout(Stdio::piped())
+            .stderr(log_file(dir, "head")?)
+            .spawn()?;
+        let url = listening(&mut child);
+        Ok((Killed(child), url))
+    }
+
+    fn agent(&self, name: &str) -> Result<Killed, Error> {
+        Ok(Killed(
+            trellis()
+                .args(["--log", "warn", "agent", "--head", &self.url])
+                .args(["--resources", "cpu=2", "--name", name, "--token-file"])
+                .arg(self.data.join("agent-token"))
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(log_file(&self.dir, name)?)
+                .spawn()?,
+        ))
+    }
+
+    /// `trellis ARGS --server URL --token-file ADMIN`.
+    fn cli(&self, args: &[&str]) -> Command {
+        let mut c = trellis();
+        c.args(args)
+            .args(["--server", &self.url, "--token-file"])
+            .arg(self.data.join("token"));
+        c
+    }
+
+    fn submit(&self, steps: u64) -> Result<u64, Error> {
+        let recipe = trellis_tests::root().join("tests/data/tiny-arith.yaml");
+        let steps = format!("stages.rl.trainer.steps={steps}");
+        let out = self
+            .cli(&["submit"])
+            .arg(recipe)
+            .args(["-o", "pools.rollout.placement=spread"])
+            .args(["-o", "pools.rollout.count=2"])
+            .args(["-o", &steps])
+            .args(["-o", "stages.rl.trainer.save_freq=1"])
+            .output()?;
+        if !out.status.success() {
+            return Err(format!("submit: {}", String::from_utf8_lossy(&out.stderr)).into());
+        }
+        Ok(String::from_utf8(out.stdout)?.trim().parse()?)
+    }
+
+    /// The job's state, or `None` while the head does not answer.
+    fn state(&self, id: u64) -> Option<String> {
+        let out = self
+            .cli(&["status", &id.to_string(), "--json"])
+            .output()
+            .ok()?;
+        let j: serde_json::Value = serde_json::from_slice(&out.stdout).ok()?;
+        j["state"].as_str().map(str::to_string)
+    }
+
+    fn rows(&self, id: u64) -> Result<Vec<serde_json::Value>, Error> {
+        let out = self.cli(&["logs", &id.to_string(), "--metrics"]).output()?;
+        let mut rows = Vec::new();
+        for line in String::from_utf8(out.stdout)?.lines() {
+            if line.starts_with('{') {
+                rows.push(without_timings(serde_json::from_str(line)?));
+            }
+        }
+        Ok(rows)
+    }
+
+    fn kill_head(&mut self) -> Result<(), Error> {
+        let _ = self.head.0.kill();
+        let _ = self.head.0.wait();
+        // Back at once, on the same port and data dir (the agents find it there again).
+        let t0 = Instant::now();
+        loop {
+            match Cluster::head(&self.dir, &self.data, &self.listen) {
+                Ok((head, _)) => {
+                    self.head = head;
+                    return Ok(());
+                }
+                Err(e) if t0.elapsed() < Duration::from_secs(30) => {
+                    say(&format!("the head did not come back yet: {e}"));
+                    std::thread::sleep(Duration::from_millis(200));
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+}
+
+/// Waits for job `id` to end; while `disturb` (given the kills so far) says so, kills a random
+/// member every 0.3–1.5 s.
+/// Returns the final state, the seconds it took and the kills by target.
+fn run_job(
+    c: &mut Cluster,
+    id: u64,
+    rng: &mut impl FnMut() -> u64,
+    mut disturb: impl FnMut(usize) -> bool,
+    kills: &mut [usize; 2],
+) -> Result<(String, f64), Error> {
+    let t0 = Instant::now();
+    let mut next_kill: Option<Instant> = None;
+    let mut revive: Vec<(usize, Instant)> = Vec::new();
+    loop {
+        if t0.elapsed() > Duration::from_secs(900) {
+            return Err(format!("job {id} did not end within 15 minutes").into());
+        }
+        let state = c.state(id);
+        match state.as_deref() {
+            Some(s @ ("succeeded" | "failed" | "cancelled")) => {
+                for (i, _) in revive.drain(..) {
+                    let name = c.agents[i].0.clone();
+                    c.agents[i].1 = Some(c.agent(&name)?);
+                }
+                return Ok((s.to_string(), t0.elapsed().as_secs_f64()));
+            }
+            Some("running") if next_kill.is_none() => {
+                next_kill = Some(Instant::now() + Duration::from_millis(300 + rng() % 1200));
+            }
+            _ => {}
+        }
+        let now = Instant::now();
+        revive.retain(|&(i, at)| {
+            if at > now {
+                return true;
+            }
+            let name = c.agents[i].0.clone();
+            match c.agent(&name) {
+                Ok(a) => c.agents[i].1 = Some(a),
+                Err(e) => say(&format!("agent {name} did not start: {e}")),
+            }
+            false
+        });
+        if next_kill.is_some_and(|at| at <= now) && disturb(kills[0] + kills[1]) {
+            // The head, or an agent that is up (a down one counts as the head).
+            let target = (rng() % 3) as usize;
+            match target
+                .checked_sub(1)
+                .and_then(|i| Some((i, c.agents[i].1.take()?)))
+            {
+                Some((i, mut agent)) => {
+                    say(&format!("kill -9 agent {} (job {id})", c.agents[i].0));
+                    let _ = agent.0.kill();
+                    let _ = agent.0.wait();
+                    revive.push((
+                        i,
+                        Instant::now() + Duration::from_millis(200 + rng() % 1800),
+                    ));
+                    kills[1] += 1;
+                }
+                None => {
+                    say(&format!("kill -9 the head (job {id})"));
+                    c.kill_head()?;
+                    kills[0] += 1;
+                }
+            }
+            next_kill = Some(Instant::now() + Duration::from_millis(300 + rng() % 1200));
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn main() -> Result<(), Error> {
+    let o = options()?;
+    let _ = std::fs::remove_dir_all(&o.dir);
+    std::fs::create_dir_all(&o.dir)?;
+    let mut rng = xorshift(o.seed);
+    let mut c = Cluster::start(&o.dir)?;
+    let mut kills = [0usize; 2];
+
+    // The undisturbed run: the same job on the same cluster, left alone.
+    let reference_id = c.submit(o.steps)?;
+    let (state, undisturbed_s) = run_job(&mut c, reference_id, &mut rng, |_| false, &mut kills)?;
+    if state != "succeeded" {
+        return Err(format!("the undisturbed job {state}: see {}", o.dir.display()).into());
+    }
+    let reference = c.rows(reference_id)?;
+    say(&format!(
+        "undisturbed job: {undisturbed_s:.1} s, {} rows",
+        reference.len()
+    ));
+
+    let started = Instant::now();
+    let mut jobs = Vec::new();
+    let mut ok = true;
+    loop {
+        let id = c.submit(o.steps)?;
+        let before = kills;
+        let (state, seconds) = match o.minutes {
+            Some(m) => {
+                let end = started + Duration::from_secs_f64(m * 60.0);
+                run_job(&mut c, id, &mut rng, |_| Instant::now() < end, &mut kills)?
+            }
+            None => run_job(&mut c, id, &mut rng, |n| n < o.kills, &mut kills)?,
+        };
+        let rows = c.rows(id)?;
+        let equal = state == "succeeded" && rows == reference;
+        ok &= equal;
+        say(&format!(
+            "job {id}: {state} in {seconds:.1} s, kills head {} agents {}, rows equal: {equal}",
+            kills[0] - before[0],
+            kills[1] - before[1]
+        ));
+        jobs.push(serde_json::json!({
+            "job": id, "state": state, "seconds": seconds, "rows": rows.len(), "rows_equal": equal,
+            "kills": {"head": kills[0] - before[0], "agent": kills[1] - before[1]},
+        }));
+        // Jobs until the time is up, or until the kills were all made (a short job may end
+        // before them).
+        let more = match o.minutes {
+            Some(m) => started.elapsed() < Duration::from_secs_f64(m * 60.0),
+            None => kills[0] + kills[1] < o.kills,
+        };
+        if !more || !equal {
+            break;
+        }
+    }
+    let disturbed_s: f64 = jobs.iter().filter_map(|j| j["seconds"].as_f64()).sum();
+    let report = serde_json::json!({
+        "seed": o.seed,
+        "rl_steps": o.steps,
+        "kills": {"head": kills[0], "agent": kills[1]},
+        "undisturbed_s": undisturbed_s,
+        "disturbed_s_mean": disturbed_s / jobs.len().max(1) as f64,
+        "reference_rows": reference.len(),
+        "jobs": jobs,
+        "ok": ok,
+    });
+    writeln!(std::io::stdout().lock(), "{report}")?;
+    if !ok {
+        say(&format!(
+            "rows differ or a job failed: see {}",
+            o.dir.display()
+        ));
+        std::process::exit(1);
+    }
+    drop(c);
+    let _ = std::fs::remove_dir_all(&o.dir);
+    Ok(())
+}

@@ -1,0 +1,39 @@
+//! The chaos test, CI-sized: `chaos` (tests/src/bin/chaos.rs) kills the head and the agents of a
+//! server's running job with -9 at seeded random moments and starts them again; the job must
+//! finish with the rows of the same job left alone, every step once. The long version is the
+//! same binary with `--minutes N` (docs/jobs.md).
+
+use std::process::Command;
+
+#[test]
+fn a_job_whose_head_and_agents_are_killed_at_random_finishes_as_if_undisturbed() {
+    let dir = std::env::temp_dir().join(format!("trellis-chaos-test-{}", std::process::id()));
+    let out = Command::new(env!("CARGO_BIN_EXE_chaos"))
+        .args(["--kills", "5", "--seed", "11", "--steps", "48", "--dir"])
+        .arg(&dir)
+        .output()
+        .expect("run chaos");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "chaos failed:\n{err}");
+    let report: serde_json::Value =
+        serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {err}"));
+    eprintln!("{report}");
+    let kills = &report["kills"];
+    assert_eq!(
+        kills["head"].as_u64().unwrap() + kills["agent"].as_u64().unwrap(),
+        5,
+        "{report}"
+    );
+    assert!(
+        kills["head"].as_u64() >= Some(1),
+        "the seed kills the head: {report}"
+    );
+    assert!(kills["agent"].as_u64() >= Some(1), "and an agent: {report}");
+    for job in report["jobs"].as_array().unwrap() {
+        assert_eq!(job["state"], "succeeded", "{report}");
+        assert_eq!(job["rows_equal"], true, "{report}");
+    }
+    // warmup (30 rows and its evals) + 48 RL steps + evals: the comparison is not of nothing.
+    assert!(report["reference_rows"].as_u64() > Some(78), "{report}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
