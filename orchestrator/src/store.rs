@@ -49,6 +49,14 @@ pub enum StoreError {
         /// The store file.
         path: PathBuf,
     },
+    /// The server holding the store, for a job in a child process, did not answer.
+    #[error("job store {path} (through the server): {msg}")]
+    Remote {
+        /// The server's store file.
+        path: PathBuf,
+        /// What went wrong.
+        msg: String,
+    },
     /// A job id the store does not have.
     #[error("job store {path}: no job {id}")]
     NoJob {
@@ -447,6 +455,90 @@ impl Store {
             })?;
             Ok(dropped)
         })
+    }
+}
+
+impl Progress {
+    /// Whether a metric row survives a resume from this progress: rows of finished stages and of
+    /// the checkpointed stage up to its step stay; the steps after it run again.
+    pub fn keeps(&self, row: &serde_json::Value) -> bool {
+        let stage = row.get("stage").and_then(|s| s.as_str()).unwrap_or("");
+        let step = row.get("step").and_then(|s| s.as_u64()).unwrap_or(0);
+        self.completed.iter().any(|c| c == stage)
+            || (Some(stage) == self.stage.as_deref() && step <= self.step)
+    }
+}
+
+/// What a running job asks of its store — its own record — whether the store is in this
+/// process ([`Store`]) or in a server that started the job in a child process
+/// (`jobs::worker::Remote`). The methods are [`Store`]'s of the same names.
+pub trait JobStore: Send + Sync {
+    /// The store file (for messages).
+    fn path(&self) -> &Path;
+    /// The job `id`.
+    fn job(&self, id: u64) -> Result<Job, StoreError>;
+    /// Sets job `id`'s state and error.
+    fn set_state(&self, id: u64, state: JobState, error: Option<String>)
+    -> Result<Job, StoreError>;
+    /// Appends a metric row; returns its row number.
+    fn append_metrics(&self, id: u64, row: &serde_json::Value) -> Result<u64, StoreError>;
+    /// Appends a log line; returns its line number.
+    fn append_log(&self, id: u64, text: &str) -> Result<u64, StoreError>;
+    /// Metric rows from row `from` on.
+    fn metrics(&self, id: u64, from: u64) -> Result<Vec<(u64, serde_json::Value)>, StoreError>;
+    /// Checkpoints, oldest first.
+    fn checkpoints(&self, id: u64) -> Result<Vec<CheckpointRecord>, StoreError>;
+    /// Records a checkpoint and moves the progress there; returns the records forgotten.
+    fn checkpoint(
+        &self,
+        id: u64,
+        progress: &Progress,
+        record: &CheckpointRecord,
+        keep: usize,
+    ) -> Result<Vec<CheckpointRecord>, StoreError>;
+    /// Deletes the metric rows a resume from `progress` runs again ([`Progress::keeps`]);
+    /// returns how many.
+    fn rewind(&self, id: u64, progress: &Progress) -> Result<usize, StoreError>;
+}
+
+impl JobStore for Store {
+    fn path(&self) -> &Path {
+        Store::path(self)
+    }
+    fn job(&self, id: u64) -> Result<Job, StoreError> {
+        Store::job(self, id)
+    }
+    fn set_state(
+        &self,
+        id: u64,
+        state: JobState,
+        error: Option<String>,
+    ) -> Result<Job, StoreError> {
+        Store::set_state(self, id, state, error)
+    }
+    fn append_metrics(&self, id: u64, row: &serde_json::Value) -> Result<u64, StoreError> {
+        Store::append_metrics(self, id, row)
+    }
+    fn append_log(&self, id: u64, text: &str) -> Result<u64, StoreError> {
+        Store::append_log(self, id, text)
+    }
+    fn metrics(&self, id: u64, from: u64) -> Result<Vec<(u64, serde_json::Value)>, StoreError> {
+        Store::metrics(self, id, from)
+    }
+    fn checkpoints(&self, id: u64) -> Result<Vec<CheckpointRecord>, StoreError> {
+        Store::checkpoints(self, id)
+    }
+    fn checkpoint(
+        &self,
+        id: u64,
+        progress: &Progress,
+        record: &CheckpointRecord,
+        keep: usize,
+    ) -> Result<Vec<CheckpointRecord>, StoreError> {
+        Store::checkpoint(self, id, progress, record, keep)
+    }
+    fn rewind(&self, id: u64, progress: &Progress) -> Result<usize, StoreError> {
+        self.retain_metrics(id, |row| progress.keeps(row))
     }
 }
 

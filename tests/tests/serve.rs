@@ -900,3 +900,51 @@ fn users_see_and_change_only_their_own_jobs_and_the_agents_token_runs_none() {
     drop(server);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn a_job_whose_process_aborts_fails_alone_and_resumes_from_its_checkpoint() {
+    let dir = scratch("isolated");
+    let server = Server::start(&dir.join("data"), &["--max-running", "2"]);
+    let long = [
+        "stages.rl.trainer.steps=300",
+        "stages.rl.trainer.save_freq=10",
+    ];
+    let a = submit(&server, &long);
+    let b = submit(&server, &long);
+    let log = |id: u64| text(&run_ok(&mut server.cli(&["logs", &id.to_string()])));
+    // Both run at once, each in a process of its own, named in its log.
+    let pid = |id: u64| -> i32 {
+        let l = log(id);
+        let (_, rest) = l
+            .split_once(&format!("job {id} runs in process "))
+            .unwrap_or_else(|| panic!("job {id} names no process: {l}"));
+        rest.split_whitespace().next().unwrap().parse().unwrap()
+    };
+    server.wait_for(b, "checkpointed in RL", |j| {
+        j["checkpoint_stage"] == "rl" && j["state"] == "running"
+    });
+    assert_eq!(server.job(a)["state"], "running", "both jobs run at once");
+    assert_ne!(pid(a), pid(b));
+    // Job b's process aborts (as a C++ CHECK in a plugin would).
+    // SAFETY: signalling a process of the test's own server.
+    unsafe { libc::kill(pid(b), libc::SIGABRT) };
+    let jb = server.wait_for(b, "failed", |j| j["state"] == "failed");
+    assert!(
+        jb["error"].as_str().unwrap().contains("SIGABRT"),
+        "the error names the abort: {jb:#}"
+    );
+    assert!(
+        log(b).contains("continue it with `trellis resume"),
+        "{}",
+        log(b)
+    );
+    // The server and the other job go on.
+    server.wait_for(a, "succeeded", |j| j["state"] == "succeeded");
+    // Job b continues from its last checkpoint and ends as the undisturbed job a (the same
+    // workflow and seed): no step lost or doubled.
+    run_ok(&mut server.cli(&["resume", &b.to_string()]));
+    server.wait_for(b, "succeeded after resuming", |j| j["state"] == "succeeded");
+    assert_eq!(server.metrics(b), server.metrics(a));
+    drop(server);
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -94,6 +94,9 @@ enum Command {
         #[command(subcommand)]
         what: cmd::engine::EngineCommand,
     },
+    /// One job of a server, in a process of its own (started by `trellis serve`).
+    #[command(hide = true)]
+    JobWorker(cmd::worker::WorkerArgs),
     /// Print a shell's completions for `trellis` (e.g. `trellis completions bash >
     /// ~/.local/share/bash-completion/completions/trellis`).
     Completions {
@@ -130,7 +133,7 @@ fn run() -> anyhow::Result<()> {
         Command::Resume(a) => a.run(),
         Command::Status(a) => a.run(),
         Command::Plot(a) => a.run(),
-        Command::Serve(a) => a.run(),
+        Command::Serve(a) => a.run(&cli.log, cli.threads),
         Command::Submit(a) => a.run(),
         Command::Jobs(a) => a.run(),
         Command::Logs(a) => a.run(),
@@ -138,6 +141,7 @@ fn run() -> anyhow::Result<()> {
         Command::Agents(a) => a.run(),
         Command::Agent(a) => a.run(),
         Command::User { what } => what.run(),
+        Command::JobWorker(a) => a.run(),
         Command::Doctor(a) => a.run(),
         Command::Config { what } => what.run(),
         Command::Score(a) => a.run(),

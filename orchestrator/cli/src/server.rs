@@ -55,6 +55,47 @@ pub struct ServeOptions {
     /// The agents' token file (default `DATA_DIR/agent-token`); created, mode 0600, when
     /// missing.
     pub agent_token_file: Option<PathBuf>,
+    /// Run jobs whose pools are local in processes of their own (`trellis job-worker`), with
+    /// this log filter and kernel thread count; `None`: every job on a thread of the server.
+    pub job_processes: Option<JobProcesses>,
+}
+
+/// How a server starts a job's process.
+#[derive(Clone, Debug)]
+pub struct JobProcesses {
+    /// The `--log` filter.
+    pub log: String,
+    /// The `--threads` count.
+    pub threads: usize,
+}
+
+impl JobProcesses {
+    /// The command for job `id` in `dir` of the store `store`: this binary's `job-worker`, in a
+    /// process group of its own (a terminal's Ctrl-C reaches the server, which stops its jobs
+    /// itself) that dies with the server (`PR_SET_PDEATHSIG`: a server killed with -9 takes its
+    /// jobs' processes with it, and its restart continues them).
+    fn command(&self, id: u64, dir: &Path, store: &Path) -> std::process::Command {
+        use std::os::unix::process::CommandExt;
+        let exe = std::env::current_exe().unwrap_or_else(|_| PathBuf::from("trellis"));
+        let mut cmd = std::process::Command::new(exe);
+        cmd.args(["--log", &self.log, "--threads", &self.threads.to_string()])
+            .args(["job-worker", "--job", &id.to_string(), "--run-dir"])
+            .arg(dir)
+            .arg("--store")
+            .arg(store);
+        // SAFETY: only async-signal-safe calls between fork and exec.
+        unsafe {
+            cmd.pre_exec(|| {
+                if libc::setpgid(0, 0) != 0
+                    || libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0
+                {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        cmd
+    }
 }
 
 impl ServeOptions {
@@ -167,6 +208,10 @@ pub async fn serve(
         .local_addr()
         .map_err(|e| listen_err(e.to_string()))?;
     let (head, routes) = Head::new(address, agent_token.clone(), HeadConfig::default());
+    let worker = opts.job_processes.clone().map(|p| {
+        Box::new(move |id: u64, dir: &Path, store: &Path| p.command(id, dir, store))
+            as orchestrator::jobs::queue::WorkerCommand
+    });
     let jobs = Queue::new(
         store,
         dir,
@@ -174,6 +219,7 @@ pub async fn serve(
         opts.agent_wait,
         opts.max_running,
         sinks,
+        worker,
     )?;
     let guard = ApiGuard::new(
         token,

@@ -99,7 +99,7 @@ pub struct Job<'a> {
     /// The run directory (checkpoints).
     pub dir: &'a std::path::Path,
     /// The job store and the job's id in it.
-    pub store: &'a crate::store::Store,
+    pub store: &'a dyn crate::store::JobStore,
     /// The job's id.
     pub id: u64,
     /// Where rows and progress go.

@@ -1,6 +1,8 @@
 //! A server's job queue: jobs submitted as workflows wait in the store, and run `max_running` at
-//! a time, each on its own thread through the one lifecycle ([`super::run::execute`]), with
-//! their pools on the agents of the server's head. Cancel, resume and shutdown move jobs between
+//! a time through the one lifecycle ([`super::run::execute`]): a job whose pools are all local
+//! in a process of its own when the server gives a [`WorkerCommand`] ([`super::worker`]: a job
+//! that aborts or is killed fails alone), a job with pools on the server's agents on a thread of
+//! the server (its pools need the server's head). Cancel, resume and shutdown move jobs between
 //! states only while holding the queue's one table of running jobs, so a job never runs twice.
 //!
 //! Restart safety: a job is marked running in the store before it starts; a queue that finds
@@ -11,7 +13,7 @@
 //! server does), or deletes a job's files.
 
 use super::run::{self, RunOptions, StopFlag, StopReason};
-use crate::plan::{Plan, PlanError};
+use crate::plan::{Placement, Plan, PlanError};
 use crate::pools::{Cluster, ClusterHead, lock};
 use crate::record::Recorder;
 use crate::store::{Job, JobState, Store, StoreError};
@@ -40,8 +42,13 @@ pub enum QueueError {
     State(String),
 }
 
-/// Extra sinks of each job's record (the server's plot), by job id and run directory.
+/// Extra sinks of each job's record (the server's plot), by job id and run directory, for jobs
+/// on the server's threads (a job's own process makes its own).
 pub type SinkMaker = Box<dyn Fn(u64, &Path) -> Vec<Box<dyn Recorder>> + Send + Sync>;
+
+/// The command that runs job `id` (run directory `dir`, server store file `store`) in a process
+/// of its own, speaking [`super::worker`]'s protocol on its stdin and stdout.
+pub type WorkerCommand = Box<dyn Fn(u64, &Path, &Path) -> std::process::Command + Send + Sync>;
 
 /// How a running job is stopped.
 #[derive(Default)]
@@ -62,12 +69,13 @@ pub struct Queue {
     wake: Notify,
     stopping: AtomicBool,
     sinks: SinkMaker,
+    worker: Option<WorkerCommand>,
 }
 
 impl Queue {
     /// The queue of `store`, its jobs' files under `data_dir/jobs/<id>`, their pools on
-    /// `head`'s agents (waited for up to `agent_wait`). Jobs a killed server left running are
-    /// queued again.
+    /// `head`'s agents (waited for up to `agent_wait`); local jobs in processes of their own
+    /// when `worker` is given. Jobs a killed server left running are queued again.
     pub fn new(
         store: Arc<Store>,
         data_dir: &Path,
@@ -75,6 +83,7 @@ impl Queue {
         agent_wait: Duration,
         max_running: usize,
         sinks: SinkMaker,
+        worker: Option<WorkerCommand>,
     ) -> Result<Arc<Self>, StoreError> {
         for job in store.jobs()? {
             if job.state == JobState::Running {
@@ -95,6 +104,7 @@ impl Queue {
             wake: Notify::new(),
             stopping: AtomicBool::new(false),
             sinks,
+            worker,
         }))
     }
 
@@ -175,7 +185,10 @@ impl Queue {
             let running = lock(&self.running);
             let job = self.store.job(id)?;
             match job.state {
-                JobState::Failed | JobState::Cancelled if !running.contains_key(&id) => {
+                // Also while its thread is still winding down after recording the ending (a
+                // watcher may see the ending first): the scheduler starts no job in `running`,
+                // so it runs again only once that thread is gone.
+                JobState::Failed | JobState::Cancelled => {
                     self.store.set_state(id, JobState::Pending, None)?;
                     self.store
                         .append_log(id, "resumed: continuing from the last checkpoint")?;
@@ -233,29 +246,37 @@ impl Queue {
         Ok(())
     }
 
-    /// Runs one job on this thread; the lifecycle records how it ended.
+    /// Runs one job from this thread (in a process of its own, or here); the lifecycle records
+    /// how it ended.
     fn run(self: &Arc<Self>, job: Job, control: &Control) {
         let id = job.id;
         let dir = self.run_dir(id);
-        let opts = RunOptions {
-            cluster: Some(Cluster {
-                head: ClusterHead::Shared(self.head.clone()),
-                wait: self.agent_wait,
-            }),
-            stop: Some(control.stop.clone()),
-            log_to_store: true,
-            resume_hint: Some(format!("trellis resume {id}")),
-            sinks: (self.sinks)(id, &dir),
-        };
-        let planned: Result<Plan, run::JobError> = run::replan(&self.store, &job).and_then(|p| {
+        let planned: Result<Plan, run::JobError> = run::replan(&*self.store, &job).and_then(|p| {
             std::fs::create_dir_all(&dir).map_err(|source| run::JobError::Io {
                 path: dir.clone(),
                 source,
             })?;
             Ok(p)
         });
-        let outcome = match planned {
-            Ok(plan) => run::execute(&plan, &dir, &self.store, id, None, opts),
+        let state = match planned {
+            Ok(plan) => match &self.worker {
+                Some(worker) if plan.rollout.placement == Placement::Local => {
+                    self.run_in_process(id, &dir, worker, control)
+                }
+                _ => {
+                    let opts = RunOptions {
+                        cluster: Some(Cluster {
+                            head: ClusterHead::Shared(self.head.clone()),
+                            wait: self.agent_wait,
+                        }),
+                        stop: Some(control.stop.clone()),
+                        log_to_store: true,
+                        resume_hint: Some(format!("trellis resume {id}")),
+                        sinks: (self.sinks)(id, &dir),
+                    };
+                    run::execute(&plan, &dir, &*self.store, id, None, opts).state()
+                }
+            },
             Err(e) => {
                 let outcome = run::Outcome::Failed(e);
                 let recorded = self
@@ -272,12 +293,90 @@ impl Queue {
                 if let Err(e) = recorded {
                     tracing::error!(job = id, "cannot record how the job ended: {e}");
                 }
-                outcome
+                outcome.state()
             }
         };
-        tracing::info!(job = id, state = outcome.state().name(), "job ended");
+        tracing::info!(job = id, state = state.name(), "job ended");
         lock(&self.running).remove(&id);
         self.wake.notify_one();
+    }
+
+    /// Runs job `id` in a process of its own: serves its calls to the store until it ends,
+    /// passes a stop request on as a signal (SIGUSR1: cancel, SIGTERM: stop and stay pending),
+    /// and fails the job when the process ended without recording an ending.
+    fn run_in_process(
+        &self,
+        id: u64,
+        dir: &Path,
+        worker: &WorkerCommand,
+        control: &Control,
+    ) -> JobState {
+        let fail = |why: String| {
+            let recorded = self
+                .store
+                .append_log(
+                    id,
+                    &format!("job {id} failed: {why}; continue it with `trellis resume {id}`"),
+                )
+                .and_then(|_| self.store.set_state(id, JobState::Failed, Some(why)));
+            if let Err(e) = recorded {
+                tracing::error!(job = id, "cannot record how the job ended: {e}");
+            }
+            JobState::Failed
+        };
+        let mut cmd = worker(id, dir, self.store.path());
+        cmd.stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped());
+        let mut child = match cmd.spawn() {
+            Ok(c) => c,
+            Err(e) => return fail(format!("cannot start its process: {e}")),
+        };
+        let pid = child.id();
+        let _ = self
+            .store
+            .append_log(id, &format!("job {id} runs in process {pid}"));
+        let (Some(to), Some(from)) = (child.stdin.take(), child.stdout.take()) else {
+            let _ = child.kill();
+            let _ = child.wait();
+            return fail("its process has no pipes".into());
+        };
+        let ended = Arc::new(AtomicBool::new(false));
+        let forward = {
+            let (ended, stop) = (ended.clone(), control.stop.clone());
+            std::thread::spawn(move || {
+                while !ended.load(Ordering::SeqCst) {
+                    if let Some(reason) = stop.reason() {
+                        let sig = match reason {
+                            StopReason::Cancel => libc::SIGUSR1,
+                            StopReason::Preempt => libc::SIGTERM,
+                        };
+                        // SAFETY: signalling the job's process, which we have not reaped yet
+                        // (the pid cannot have been reused).
+                        unsafe { libc::kill(pid as libc::pid_t, sig) };
+                        return;
+                    }
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+            })
+        };
+        let served = super::worker::serve(&self.store, std::io::BufReader::new(from), to);
+        if let Err(e) = served {
+            tracing::warn!(job = id, "the job's process: {e}");
+            let _ = child.kill();
+        }
+        let status = child.wait();
+        ended.store(true, Ordering::SeqCst);
+        let _ = forward.join();
+        let state = self.store.job(id).map(|j| j.state);
+        match (state, status) {
+            (Ok(JobState::Running), Ok(status)) => fail(super::worker::describe_exit(status)),
+            (Ok(JobState::Running), Err(e)) => fail(format!("its process was lost: {e}")),
+            (Ok(state), _) => state,
+            (Err(e), _) => {
+                tracing::error!(job = id, "cannot read how the job ended: {e}");
+                JobState::Failed
+            }
+        }
     }
 
     /// Starts queued jobs whenever something may have freed a slot or queued a job, until

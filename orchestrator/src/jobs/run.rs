@@ -17,7 +17,7 @@ use crate::record::mlflow::Mlflow;
 use crate::record::tensorboard::TensorBoard;
 use crate::record::{Event, JsonlSink, LiveStatus, RecordError, Recorder, Records, StoreSink};
 use crate::roles::{LocalPolicy, LocalRoles};
-use crate::store::{Job, JobState, JobStatus, Progress, Store, StoreError};
+use crate::store::{Job, JobState, JobStatus, JobStore, Progress, Store, StoreError};
 use kernels::tensor::WeightSnapshot;
 use learner::Model;
 use learner::checkpoint::Checkpoint;
@@ -335,7 +335,7 @@ pub fn resume(dir: &Path, opts: RunOptions) -> Result<Summary, JobError> {
 }
 
 /// The plan of a stored job (its workflow, checked again: the files it names may have changed).
-pub fn replan(store: &Store, job: &Job) -> Result<Plan, JobError> {
+pub fn replan(store: &dyn JobStore, job: &Job) -> Result<Plan, JobError> {
     let origin = format!("{} (job {})", store.path().display(), job.id);
     let spec = serde_json::from_value(job.spec.clone())
         .map_err(|e| PlanError::new(&origin, e.to_string()))?;
@@ -352,7 +352,7 @@ fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), JobError> {
 pub fn execute(
     plan: &Plan,
     dir: &Path,
-    store: &Store,
+    store: &dyn JobStore,
     id: u64,
     backend: Option<Backend>,
     opts: RunOptions,
@@ -427,7 +427,7 @@ pub fn execute(
 fn run(
     plan: &Plan,
     dir: &Path,
-    store: &Store,
+    store: &dyn JobStore,
     id: u64,
     backend: Option<Backend>,
     opts: RunOptions,
@@ -580,13 +580,13 @@ fn policy_engine(e: &LearnerEngine) -> &'static str {
 
 /// Drops the metric rows written after the checkpoint being resumed from (those steps run
 /// again), then rewrites `metrics.jsonl` from the store's rows.
-fn rewind_metrics(store: &Store, job: u64, state: &Progress, path: &Path) -> Result<(), JobError> {
-    store.retain_metrics(job, |v| {
-        let stage = v.get("stage").and_then(|s| s.as_str()).unwrap_or("");
-        let step = v.get("step").and_then(|s| s.as_u64()).unwrap_or(0);
-        state.completed.iter().any(|c| c == stage)
-            || (Some(stage) == state.stage.as_deref() && step <= state.step)
-    })?;
+fn rewind_metrics(
+    store: &dyn JobStore,
+    job: u64,
+    state: &Progress,
+    path: &Path,
+) -> Result<(), JobError> {
+    store.rewind(job, state)?;
     let mut out = String::new();
     for (_, row) in store.metrics(job, 0)? {
         out.push_str(&row.to_string());

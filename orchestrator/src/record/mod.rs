@@ -10,7 +10,7 @@
 pub mod mlflow;
 pub mod tensorboard;
 
-use crate::store::{CheckpointRecord, JobStatus, Progress, Store, StoreError};
+use crate::store::{CheckpointRecord, JobStatus, JobStore, Progress, StoreError};
 use learner::rl::Metrics;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -212,14 +212,14 @@ impl<'a> Records<'a> {
 
 /// The job store: rows always; progress lines as the job's log when `log` (server jobs).
 pub struct StoreSink<'s> {
-    store: &'s Store,
+    store: &'s dyn JobStore,
     job: u64,
     log: bool,
 }
 
 impl<'s> StoreSink<'s> {
     /// Records job `job` in `store`, its progress lines too when `log`.
-    pub fn new(store: &'s Store, job: u64, log: bool) -> Self {
+    pub fn new(store: &'s dyn JobStore, job: u64, log: bool) -> Self {
         Self { store, job, log }
     }
 }

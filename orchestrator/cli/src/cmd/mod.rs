@@ -11,6 +11,7 @@ pub mod model;
 pub mod serve;
 pub mod train;
 pub mod user;
+pub mod worker;
 
 use anyhow::{Context, Result};
 use orchestrator::jobs::{JobError, StopReason};

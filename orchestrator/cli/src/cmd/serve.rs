@@ -34,11 +34,15 @@ pub struct ServeArgs {
     /// missing. It cannot call the job API.
     #[arg(long)]
     agent_token_file: Option<PathBuf>,
+    /// Run every job on a thread of the server instead of jobs with local pools in processes
+    /// of their own (where a job that aborts or is killed fails alone).
+    #[arg(long)]
+    jobs_in_server: bool,
 }
 
 impl ServeArgs {
     /// Prints where it listens, serves until Ctrl-C or SIGTERM (a second one exits at once).
-    pub fn run(self) -> Result<()> {
+    pub fn run(self, log: &str, threads: usize) -> Result<()> {
         let opts = crate::server::ServeOptions {
             listen: self.listen,
             data_dir: self.data_dir,
@@ -47,6 +51,10 @@ impl ServeArgs {
             agent_wait: std::time::Duration::from_secs_f64(self.agent_wait.max(0.0)),
             token_file: self.token_file,
             agent_token_file: self.agent_token_file,
+            job_processes: (!self.jobs_in_server).then(|| crate::server::JobProcesses {
+                log: log.to_string(),
+                threads,
+            }),
         };
         let rt = runtime()?;
         let required = crate::server::token_required(&opts.listen);
