@@ -1,15 +1,16 @@
-//! The chaos test, CI-sized: `chaos` (tests/src/bin/chaos.rs) kills the head and the agents of a
-//! server's running job with -9 at seeded random moments and starts them again; the job must
-//! finish with the rows of the same job left alone, every step once. The long version is the
-//! same binary with `--minutes N` (docs/jobs.md).
+//! The chaos tests, CI-sized: `chaos` (tests/src/bin/chaos.rs) kills the head and the agents —
+//! or the served engines — of a server's running job with -9 at seeded random moments and starts
+//! them again; the job must finish with the rows of the same job left alone, every step once.
+//! The long version is the same binary with `--minutes N` (docs/jobs.md).
 
 use std::process::Command;
 
-#[test]
-fn a_job_whose_head_and_agents_are_killed_at_random_finishes_as_if_undisturbed() {
-    let dir = std::env::temp_dir().join(format!("trellis-chaos-test-{}", std::process::id()));
+/// Runs `chaos ARGS --kills 5`; returns its report after checking it.
+fn chaos(tag: &str, args: &[&str]) -> serde_json::Value {
+    let dir = std::env::temp_dir().join(format!("trellis-chaos-{tag}-{}", std::process::id()));
     let out = Command::new(env!("CARGO_BIN_EXE_chaos"))
-        .args(["--kills", "5", "--seed", "11", "--steps", "48", "--dir"])
+        .args(args)
+        .args(["--kills", "5", "--steps", "48", "--dir"])
         .arg(&dir)
         .output()
         .expect("run chaos");
@@ -20,7 +21,7 @@ fn a_job_whose_head_and_agents_are_killed_at_random_finishes_as_if_undisturbed()
     eprintln!("{report}");
     let kills = &report["kills"];
     assert_eq!(
-        kills["head"].as_u64().unwrap() + kills["agent"].as_u64().unwrap(),
+        kills["head"].as_u64().unwrap() + kills["member"].as_u64().unwrap(),
         5,
         "{report}"
     );
@@ -28,7 +29,10 @@ fn a_job_whose_head_and_agents_are_killed_at_random_finishes_as_if_undisturbed()
         kills["head"].as_u64() >= Some(1),
         "the seed kills the head: {report}"
     );
-    assert!(kills["agent"].as_u64() >= Some(1), "and an agent: {report}");
+    assert!(
+        kills["member"].as_u64() >= Some(1),
+        "and a member: {report}"
+    );
     for job in report["jobs"].as_array().unwrap() {
         assert_eq!(job["state"], "succeeded", "{report}");
         assert_eq!(job["rows_equal"], true, "{report}");
@@ -36,4 +40,17 @@ fn a_job_whose_head_and_agents_are_killed_at_random_finishes_as_if_undisturbed()
     // warmup (30 rows and its evals) + 48 RL steps + evals: the comparison is not of nothing.
     assert!(report["reference_rows"].as_u64() > Some(78), "{report}");
     let _ = std::fs::remove_dir_all(&dir);
+    report
+}
+
+#[test]
+fn a_job_whose_head_and_agents_are_killed_at_random_finishes_as_if_undisturbed() {
+    let report = chaos("agents", &["--seed", "11"]);
+    assert_eq!(report["members"], "agents");
+}
+
+#[test]
+fn a_job_whose_head_and_served_engines_are_killed_at_random_finishes_as_if_undisturbed() {
+    let report = chaos("engines", &["--engines", "--seed", "3"]);
+    assert_eq!(report["members"], "engines");
 }

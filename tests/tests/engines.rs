@@ -526,6 +526,75 @@ fn an_engine_that_hangs_in_a_weight_push_is_out_of_service_at_the_push_deadline(
 }
 
 #[test]
+fn an_engine_that_freezes_mid_run_is_out_of_service_within_seconds() {
+    // Engine b's process is stopped (SIGSTOP) once the RL stage runs: it still accepts
+    // connections (the kernel does) but answers nothing, as a hung engine or a vanished host.
+    // The call waiting on it checks /health after 2 s (pools.rollout.health_check_s), gets no
+    // answer within 2 s, and b is out of service — long before the call's own 120 s deadline:
+    // the run goes on with engine a and trains as in process.
+    let dir = scratch("frozen");
+    let recipe = data("tiny-arith.yaml");
+    let steps = "stages.rl.trainer.steps=40";
+    let reference = in_process(&dir, steps);
+    let recipe_arg = recipe.to_str().unwrap();
+    let (_a, url_a) = serve(&["--recipe", recipe_arg], "127.0.0.1:0");
+    let (b, url_b) = serve(&["--recipe", recipe_arg], "127.0.0.1:0");
+    let run = dir.join("run");
+    let mut train = Killed(
+        trellis()
+            .arg("train")
+            .arg(&recipe)
+            .args(["--quiet", "-o", steps, "-o", "pools.rollout.engine=served"])
+            .args([
+                "-o",
+                "pools.rollout.timeout_s=120",
+                "-o",
+                "pools.rollout.health_check_s=2",
+            ])
+            .arg("-o")
+            .arg(format!("pools.rollout.endpoints=[{url_a},{url_b}]"))
+            .arg("--run-dir")
+            .arg(&run)
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let t0 = Instant::now();
+    let metrics = run.join("metrics.jsonl");
+    while !std::fs::read_to_string(&metrics).is_ok_and(|m| m.contains("\"stage\":\"rl\"")) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(120),
+            "the RL stage never started"
+        );
+        if let Some(status) = train.0.try_wait().unwrap() {
+            panic!("the run ended early: {status}");
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // SAFETY: signalling the engine process this test started.
+    unsafe { libc::kill(b.0.id() as i32, libc::SIGSTOP) };
+    let frozen = Instant::now();
+    let status = train.0.wait().unwrap();
+    let took = frozen.elapsed();
+    let mut log = String::new();
+    std::io::Read::read_to_string(&mut train.0.stderr.take().unwrap(), &mut log).unwrap();
+    // SAFETY: as above; the engine is killed when `b` drops.
+    unsafe { libc::kill(b.0.id() as i32, libc::SIGCONT) };
+    assert!(status.success(), "{log}");
+    assert!(
+        log.contains("stopped answering its health check") && log.contains("out of service"),
+        "{log}"
+    );
+    // One frozen call at its own deadline would have taken 120 s.
+    assert!(took < Duration::from_secs(60), "{took:?}\n{log}");
+    assert_eq!(comparable(&run), reference);
+    let rows = metric_rows(&run);
+    let last = rows.iter().rfind(|r| r["stage"] == "rl").unwrap();
+    assert_eq!(last["rollout/engines_down"], json!(1.0));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
 fn bad_endpoints_are_named_and_a_run_that_could_not_reach_its_engine_resumes() {
     let dir = scratch("errors");
     let recipe = data("tiny-arith.yaml");

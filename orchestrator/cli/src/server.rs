@@ -76,8 +76,9 @@ impl JobProcesses {
     /// jobs' processes with it, and its restart continues them).
     fn command(&self, id: u64, dir: &Path, store: &Path) -> std::process::Command {
         use std::os::unix::process::CommandExt;
-        let exe = std::env::current_exe().unwrap_or_else(|_| PathBuf::from("trellis"));
-        let mut cmd = std::process::Command::new(exe);
+        // This very binary, even if its file was replaced or deleted since the server started
+        // (an upgrade in place): a job's process speaks the server's version of the protocol.
+        let mut cmd = std::process::Command::new("/proc/self/exe");
         cmd.args(["--log", &self.log, "--threads", &self.threads.to_string()])
             .args(["job-worker", "--job", &id.to_string(), "--run-dir"])
             .arg(dir)

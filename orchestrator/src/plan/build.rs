@@ -393,6 +393,13 @@ fn rollout(p: &schema::Pool, e: &Errs<'_>) -> Result<RolloutPlan, PlanError> {
                 format!("must be a positive number of seconds, got {push_timeout_s}"),
             ));
         }
+        let health_check_s = p.health_check_s.unwrap_or(10.0);
+        if !(health_check_s >= 0.0 && health_check_s.is_finite()) {
+            return Err(e.at(
+                "pools.rollout.health_check_s",
+                format!("must be a number of seconds (0: never), got {health_check_s}"),
+            ));
+        }
         if !(p.verify_tolerance > 0.0) {
             return Err(e.at(
                 "pools.rollout.verify_tolerance",
@@ -411,6 +418,8 @@ fn rollout(p: &schema::Pool, e: &Errs<'_>) -> Result<RolloutPlan, PlanError> {
                 weights_dir: p.weights_dir.clone(),
                 timeout: Duration::from_secs_f64(p.timeout_s),
                 push_timeout: Duration::from_secs_f64(push_timeout_s),
+                health_check: (health_check_s > 0.0)
+                    .then(|| Duration::from_secs_f64(health_check_s)),
                 weights_dtype: p.weights_dtype.unwrap_or_default(),
                 tolerance: p.verify_tolerance,
                 api_key,
@@ -422,6 +431,7 @@ fn rollout(p: &schema::Pool, e: &Errs<'_>) -> Result<RolloutPlan, PlanError> {
     for (set, field) in [
         (p.weights_dtype.is_some(), "weights_dtype"),
         (p.push_timeout_s.is_some(), "push_timeout_s"),
+        (p.health_check_s.is_some(), "health_check_s"),
         (p.api_key_env.is_some(), "api_key_env"),
     ] {
         if set {

@@ -146,6 +146,8 @@ pub struct ExternalPlan {
     pub timeout: Duration,
     /// How long one engine's weight push (reload, version, probe) may take.
     pub push_timeout: Duration,
+    /// A call waiting longer than this checks the engine's `/health` (`None`: never).
+    pub health_check: Option<Duration>,
     /// The number format of the pushed weight folders.
     pub weights_dtype: learner::params::WeightDtype,
     /// Largest log-prob difference the push probe allows.

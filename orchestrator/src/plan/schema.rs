@@ -165,6 +165,12 @@ pub struct Pool {
     /// it answers again. Pushes to the engines run at once.
     #[serde(default)]
     pub push_timeout_s: Option<f64>,
+    /// Seconds after which a call still waiting on an engine (a generation, a reload) checks
+    /// that the engine is alive: `GET /health`, answered within as many seconds, again every
+    /// as many while the call waits (default 10). An engine that does not answer — a frozen
+    /// process, a host gone — is out of service at once instead of at `timeout_s`. 0: never.
+    #[serde(default)]
+    pub health_check_s: Option<f64>,
     /// The number format of the weight folders pushed to the engines: `f32` (default) or
     /// `bf16` (half the bytes to write and reload; the push's probe expects the rounded
     /// weights, so it stays exact).
@@ -197,6 +203,7 @@ impl Default for Pool {
             weights_dir: None,
             timeout_s: default_timeout(),
             push_timeout_s: None,
+            health_check_s: None,
             weights_dtype: None,
             verify_tolerance: default_tolerance(),
             plugin: None,

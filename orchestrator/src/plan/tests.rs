@@ -282,6 +282,16 @@ fn bad_workflows_get_messages_that_say_where_and_why() {
         ),
         (
             "stages:\n",
+            "pools: {rollout: {health_check_s: 5}}\nstages:\n",
+            "t.yaml: pools.rollout.health_check_s: is for external engines (engine: vllm, sglang or served), not `native`",
+        ),
+        (
+            "stages:\n",
+            "pools: {rollout: {engine: vllm, endpoints: ['http://e:8000'], health_check_s: -1}}\nstages:\n",
+            "t.yaml: pools.rollout.health_check_s: must be a number of seconds (0: never), got -1",
+        ),
+        (
+            "stages:\n",
             "pools: {learner: {engine: vllm}}\nstages:\n",
             "t.yaml: pools.learner.engine: `vllm` serves rollouts only; the learner trains on native or pjrt",
         ),

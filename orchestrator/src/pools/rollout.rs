@@ -97,28 +97,52 @@ impl RolloutPool {
         let plan = start.plan;
         let (engine, kv_cache_bytes) = match &plan.engine {
             RolloutEngine::External(x) => {
-                let engines = rt.block_on(async {
-                    let mut out = Vec::new();
-                    for (index, url) in x.endpoints.iter().enumerate() {
-                        let cfg = ExternalConfig {
-                            url: url.clone(),
-                            model: x.model.clone(),
-                            timeout: x.timeout,
-                            api_key: x.api_key.clone(),
-                        };
-                        let (api, name) = api(x.api);
-                        let e = rollout::external::connect(api, cfg)
-                            .await
-                            .map_err(|source| PoolError::Endpoint {
-                                index,
-                                url: url.clone(),
-                                api: name,
-                                source,
-                            })?;
-                        out.push(Member::External(Arc::from(e)));
+                // Every endpoint at once. One that does not answer starts out of service (it
+                // is connected when it answers, as an engine that went down later is), so an
+                // engine restarting does not stop a job from starting or resuming; one that
+                // answers wrongly, or none answering, stops the job before it starts.
+                let (api, name) = api(x.api);
+                let configs: Vec<ExternalConfig> = x
+                    .endpoints
+                    .iter()
+                    .map(|url| ExternalConfig {
+                        url: url.clone(),
+                        model: x.model.clone(),
+                        timeout: x.timeout,
+                        health_check: x.health_check,
+                        api_key: x.api_key.clone(),
+                    })
+                    .collect();
+                let connected = rt.block_on(futures_util::future::join_all(
+                    configs
+                        .iter()
+                        .map(|cfg| rollout::external::connect(api, cfg.clone())),
+                ));
+                let endpoint_error = |index: usize, source| PoolError::Endpoint {
+                    index,
+                    url: x.endpoints[index].clone(),
+                    api: name,
+                    source,
+                };
+                let mut engines = Vec::new();
+                let mut down = Vec::new();
+                let mut first_down = None;
+                for (index, (result, cfg)) in connected.into_iter().zip(configs).enumerate() {
+                    match result {
+                        Ok(e) => engines.push(Member::External(Arc::from(e))),
+                        Err(EngineError::Unavailable(msg)) => {
+                            down.push((index, msg.clone()));
+                            first_down.get_or_insert((index, msg));
+                            engines.push(Member::External(Arc::new(
+                                rollout::external::Pending::new(api, cfg),
+                            )));
+                        }
+                        Err(source) => return Err(endpoint_error(index, source)),
                     }
-                    Ok::<_, PoolError>(out)
-                })?;
+                }
+                if let Some((index, msg)) = first_down.filter(|_| down.len() == engines.len()) {
+                    return Err(endpoint_error(index, EngineError::Unavailable(msg)));
+                }
                 let root = x
                     .weights_dir
                     .clone()
@@ -144,6 +168,9 @@ impl RolloutPool {
                         raw_warned: Default::default(),
                     }),
                 };
+                for (index, msg) in down {
+                    this.take_out(index, msg);
+                }
                 // Whatever they served before, every engine starts on the job's weights.
                 this.update_weights(start.weights)?;
                 return Ok(this);

@@ -17,24 +17,31 @@ pub struct ExternalConfig {
     pub model: Option<String>,
     /// Deadline of one HTTP request (a generation call included).
     pub timeout: Duration,
+    /// A call waiting longer than this checks the engine's `/health` (answered within as long,
+    /// again every as long): a frozen or vanished engine ends the call then; `None`: never.
+    pub health_check: Option<Duration>,
     /// Sent as `Authorization: Bearer KEY` (vLLM's and `trellis engine serve`'s `--api-key`,
     /// SGLang's `--api-key`).
     pub api_key: Option<ApiKey>,
 }
 
 impl ExternalConfig {
-    /// A config for `url` with the default deadline (10 minutes), any model, no API key.
+    /// A config for `url` with the default deadline (10 minutes), health checks after 10 s,
+    /// any model, no API key.
     pub fn new(url: impl Into<String>) -> Self {
         Self {
             url: url.into(),
             model: None,
             timeout: Duration::from_secs(600),
+            health_check: Some(Duration::from_secs(10)),
             api_key: None,
         }
     }
 
     pub(crate) fn client(&self) -> Result<HttpClient, EngineError> {
-        Ok(HttpClient::new(&self.url, self.timeout)?.with_api_key(self.api_key.as_ref()))
+        Ok(HttpClient::new(&self.url, self.timeout)?
+            .with_api_key(self.api_key.as_ref())
+            .with_health_check(self.health_check))
     }
 }
 

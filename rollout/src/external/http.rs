@@ -6,7 +6,10 @@
 //! Owns: requests with a deadline, and turning every failure into an [`EngineError`] that names
 //! the URL: `Unavailable` when the engine does not answer (refused, reset, timeout, 5xx) so a
 //! router can take it out of service, `Protocol` when it answers wrongly (4xx, malformed JSON).
-//! Never: retries (the router decides).
+//! A call still waiting after the health-check interval checks that the engine is alive (`GET
+//! /health`, answered within the same interval, again at every interval while the call waits):
+//! a frozen engine or a host gone from the network ends the call within seconds, not at the
+//! call's own deadline (which a long generation needs). Never: retries (the router decides).
 
 use crate::EngineError;
 use bytes::Bytes;
@@ -19,6 +22,9 @@ use hyper_util::rt::TokioExecutor;
 use serde_json::Value;
 use std::sync::Arc;
 use std::time::Duration;
+
+/// The liveness route every engine serves (vLLM, SGLang, `trellis engine serve`).
+const HEALTH: &str = "/health";
 
 /// An engine's API key: sent as `Authorization: Bearer KEY`, never shown (`Debug` prints
 /// `ApiKey(…)`).
@@ -54,6 +60,9 @@ pub struct HttpClient {
     base: String,
     client: Client<HttpsConnector<HttpConnector>, Full<Bytes>>,
     timeout: Duration,
+    /// After this long without an answer, and again every as long, a call checks the engine's
+    /// `/health` with this deadline; `None`: never.
+    health_check: Option<Duration>,
     /// `Bearer KEY`.
     authorization: Option<hyper::header::HeaderValue>,
 }
@@ -86,6 +95,10 @@ impl HttpClient {
         }
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
+        // A host that vanished (power, network) is noticed on an idle connection too.
+        connector.set_keepalive(Some(Duration::from_secs(10)));
+        connector.set_keepalive_interval(Some(Duration::from_secs(2)));
+        connector.set_keepalive_retries(Some(3));
         connector.enforce_http(false);
         connector.set_connect_timeout(Some(timeout.min(Duration::from_secs(10))));
         let connector = hyper_rustls::HttpsConnectorBuilder::new()
@@ -100,8 +113,15 @@ impl HttpClient {
             base: base.to_string(),
             client,
             timeout,
+            health_check: None,
             authorization: None,
         })
+    }
+
+    /// Checks the engine's `/health` while a call waits longer than `every` (see the module).
+    pub fn with_health_check(mut self, every: Option<Duration>) -> Self {
+        self.health_check = every.filter(|d| !d.is_zero());
+        self
     }
 
     /// Sends `key` as a bearer token with every request.
@@ -222,12 +242,59 @@ impl HttpClient {
                 .to_bytes();
             Ok::<_, EngineError>((status, bytes))
         };
-        let (status, bytes) = tokio::time::timeout(self.timeout, work)
+        let watched = async {
+            match self.health_check {
+                Some(every) if path != HEALTH => {
+                    let waited = std::time::Instant::now();
+                    let watchdog = async {
+                        loop {
+                            tokio::time::sleep(every).await;
+                            if let Err(why) = self.alive(every).await {
+                                return why;
+                            }
+                        }
+                    };
+                    tokio::select! {
+                        r = work => r,
+                        why = watchdog => Err(EngineError::Unavailable(format!(
+                            "{url}: no answer after {:.0?}, and the engine stopped answering its health check: {why}",
+                            waited.elapsed()
+                        ))),
+                    }
+                }
+                _ => work.await,
+            }
+        };
+        // A health check itself gets the health-check deadline, not a generation's.
+        let deadline = match self.health_check {
+            Some(every) if path == HEALTH => every,
+            _ => self.timeout,
+        };
+        let (status, bytes) = tokio::time::timeout(deadline, watched)
             .await
             .map_err(|_| {
-                EngineError::Unavailable(format!("{url}: no answer within {:.0?}", self.timeout))
+                EngineError::Unavailable(format!("{url}: no answer within {deadline:.0?}"))
             })??;
         Ok((status_code(status), bytes))
+    }
+
+    /// `GET /health` answered 2xx within `deadline`; else what happened instead.
+    async fn alive(&self, deadline: Duration) -> Result<(), String> {
+        let mut req = Request::builder()
+            .method(Method::GET)
+            .uri(format!("{}{HEALTH}", self.base));
+        if let Some(auth) = &self.authorization {
+            req = req.header(hyper::header::AUTHORIZATION, auth.clone());
+        }
+        let req = req
+            .body(Full::new(Bytes::new()))
+            .map_err(|e| e.to_string())?;
+        match tokio::time::timeout(deadline, self.client.request(req)).await {
+            Ok(Ok(resp)) if resp.status().is_success() => Ok(()),
+            Ok(Ok(resp)) => Err(format!("{HEALTH} answered HTTP {}", resp.status().as_u16())),
+            Ok(Err(e)) => Err(format!("{HEALTH}: {}", chain(&e))),
+            Err(_) => Err(format!("{HEALTH} did not answer within {deadline:.0?}")),
+        }
     }
 }
 
@@ -302,6 +369,77 @@ mod tests {
         assert!(ApiKey::new("  ").is_none());
         let e = HttpClient::new("http://", t).unwrap_err().to_string();
         assert!(e.contains("is not a URL"), "{e}");
+    }
+
+    /// A server on loopback that answers `/health` after `health` (never, for `None`) and
+    /// everything else after `work`.
+    fn slow_server(health: Option<Duration>, work: Duration) -> String {
+        use std::io::{Read, Write};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                let Ok(mut conn) = conn else { continue };
+                std::thread::spawn(move || {
+                    let mut buf = [0u8; 4096];
+                    let n = conn.read(&mut buf).unwrap_or(0);
+                    let is_health = buf[..n].starts_with(b"GET /health");
+                    let wait = if is_health { health } else { Some(work) };
+                    let Some(wait) = wait else {
+                        // Accepted, and then nothing, as a frozen process.
+                        std::thread::sleep(Duration::from_secs(30));
+                        return;
+                    };
+                    std::thread::sleep(wait);
+                    let _ = conn.write_all(
+                        b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{}",
+                    );
+                });
+            }
+        });
+        format!("http://{addr}")
+    }
+
+    #[test]
+    fn a_waiting_call_ends_when_the_engine_stops_answering_its_health_check() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let every = Some(Duration::from_millis(200));
+        // A frozen engine: the call ends after about two intervals, not at its 30 s deadline.
+        let frozen = slow_server(None, Duration::from_secs(30));
+        let c = HttpClient::new(&frozen, Duration::from_secs(30))
+            .unwrap()
+            .with_health_check(every);
+        let t0 = std::time::Instant::now();
+        let e = rt
+            .block_on(c.post_json("/v1/completions", &Value::Null))
+            .unwrap_err();
+        assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+        assert!(matches!(e, EngineError::Unavailable(_)), "{e}");
+        assert!(
+            e.to_string().contains("stopped answering its health check"),
+            "{e}"
+        );
+        // A busy engine that answers its health check keeps its call, however long it takes.
+        let busy = slow_server(Some(Duration::ZERO), Duration::from_millis(1500));
+        let c = HttpClient::new(&busy, Duration::from_secs(30))
+            .unwrap()
+            .with_health_check(every);
+        assert_eq!(
+            rt.block_on(c.post_json("/v1/completions", &Value::Null))
+                .unwrap(),
+            serde_json::json!({})
+        );
+        // Off: only the call's own deadline.
+        let c = HttpClient::new(&frozen, Duration::from_millis(800))
+            .unwrap()
+            .with_health_check(Some(Duration::ZERO));
+        let e = rt
+            .block_on(c.post_json("/v1/completions", &Value::Null))
+            .unwrap_err();
+        assert!(e.to_string().contains("no answer within"), "{e}");
     }
 
     #[test]

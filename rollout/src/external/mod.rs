@@ -16,8 +16,10 @@ pub use common::{ExternalConfig, Load, prometheus_sum};
 pub use folders::WeightFolders;
 pub use http::ApiKey;
 
-use crate::{BoxFuture, EngineError, InferenceEngine};
+use crate::{BoxFuture, Completion, EngineError, GenerateRequest, InferenceEngine};
+use kernels::tensor::WeightSnapshot;
 use std::path::Path;
+use std::sync::OnceLock;
 
 /// A server's API.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -106,4 +108,75 @@ pub async fn connect(
         Api::Vllm => Box::new(vllm::VllmEngine::connect(cfg).await?),
         Api::Sglang => Box::new(sglang::SglangEngine::connect(cfg).await?),
     })
+}
+
+/// A server that did not answer when its pool started: every call is `Unavailable` until a
+/// health check reaches it, which [`connect`]s it (and checks its model) then; from there on it
+/// is the connected adapter. A pool starts an engine that is down this way, out of service, so
+/// one engine restarting does not stop a job from starting or resuming.
+pub struct Pending {
+    api: Api,
+    cfg: ExternalConfig,
+    engine: OnceLock<Box<dyn ExternalEngine>>,
+}
+
+impl Pending {
+    /// An engine of `api` at `cfg.url`, connected at its first answered health check.
+    pub fn new(api: Api, cfg: ExternalConfig) -> Self {
+        Self {
+            api,
+            cfg,
+            engine: OnceLock::new(),
+        }
+    }
+
+    fn engine(&self) -> Result<&dyn ExternalEngine, EngineError> {
+        self.engine
+            .get()
+            .map(|e| &**e)
+            .ok_or_else(|| EngineError::Unavailable(format!("{}: not reached yet", self.cfg.url)))
+    }
+}
+
+impl InferenceEngine for Pending {
+    fn generate(
+        &self,
+        reqs: Vec<GenerateRequest>,
+    ) -> BoxFuture<'_, Result<Vec<Completion>, EngineError>> {
+        Box::pin(async move { self.engine()?.generate(reqs).await })
+    }
+
+    fn update_weights(&self, snapshot: WeightSnapshot) -> BoxFuture<'_, Result<(), EngineError>> {
+        Box::pin(async move { self.engine()?.update_weights(snapshot).await })
+    }
+
+    fn weight_version(&self) -> u64 {
+        self.engine().map_or(0, |e| e.weight_version())
+    }
+}
+
+impl ExternalEngine for Pending {
+    fn url(&self) -> &str {
+        &self.cfg.url
+    }
+
+    fn reload<'a>(&'a self, dir: &'a Path, version: u64) -> BoxFuture<'a, Result<(), EngineError>> {
+        Box::pin(async move { self.engine()?.reload(dir, version).await })
+    }
+
+    fn health(&self) -> BoxFuture<'_, Result<(), EngineError>> {
+        Box::pin(async move {
+            if let Ok(e) = self.engine() {
+                return e.health().await;
+            }
+            let e = connect(self.api, self.cfg.clone()).await?;
+            // Two checks at once may both connect: either connection is as good.
+            let _ = self.engine.set(e);
+            Ok(())
+        })
+    }
+
+    fn load(&self) -> BoxFuture<'_, Result<Load, EngineError>> {
+        Box::pin(async move { self.engine()?.load().await })
+    }
 }
