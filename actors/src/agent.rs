@@ -52,6 +52,9 @@ pub struct AgentOptions {
     /// PEM certificate(s) to trust for a head served over TLS (`https://` URL); `None` for
     /// plain HTTP/2.
     pub tls_ca: Option<Vec<u8>>,
+    /// PEM certificate chain and private key: serve the agent protocol over TLS (and advertise
+    /// `https://`), as a head that serves TLS requires.
+    pub tls_identity: Option<(Vec<u8>, Vec<u8>)>,
     pub registry: Registry,
     pub wire: Wire,
 }
@@ -361,6 +364,11 @@ pub async fn run(
         address: options.listen,
         source,
     })?;
+    let scheme = if options.tls_identity.is_some() {
+        "https"
+    } else {
+        "http"
+    };
     let advertise = match &options.advertise {
         Some(a) => a.clone(),
         None if bound.ip().is_unspecified() => {
@@ -369,9 +377,9 @@ pub async fn run(
                     "listening on {bound}: cannot tell which address the head reaches this agent at ({e}); pass --advertise URL"
                 ))
             })?;
-            format!("http://{}", SocketAddr::new(ip, bound.port()))
+            format!("{scheme}://{}", SocketAddr::new(ip, bound.port()))
         }
-        None => format!("http://{bound}"),
+        None => format!("{scheme}://{bound}"),
     };
     let (stop, mut stopped) = watch::channel(false);
     let state = Arc::new(State {
@@ -391,8 +399,16 @@ pub async fn run(
     );
     let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
     let mut server_stop = stopped.clone();
+    let mut builder = tonic::transport::Server::builder();
+    if let Some((cert, key)) = &options.tls_identity {
+        builder = builder
+            .tls_config(tonic::transport::ServerTlsConfig::new().identity(
+                tonic::transport::Identity::from_pem(cert.clone(), key.clone()),
+            ))
+            .map_err(|e| AgentError::Config(format!("TLS: {e}")))?;
+    }
     let server = tokio::spawn(
-        tonic::transport::Server::builder()
+        builder
             .initial_stream_window_size(Some(32 << 20))
             .initial_connection_window_size(Some(64 << 20))
             .max_frame_size(Some(crate::remote::MAX_FRAME))

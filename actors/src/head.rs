@@ -38,6 +38,10 @@ pub struct HeadConfig {
     /// Silence after which an agent is declared lost.
     pub heartbeat_timeout: Duration,
     pub wire: Wire,
+    /// PEM certificate(s) to check agents' TLS certificates against. `Some`: the head reaches
+    /// agents only over TLS (an agent advertising `http://` is refused at registration);
+    /// `None`: plain HTTP/2.
+    pub agent_tls_ca: Option<Vec<u8>>,
 }
 
 impl Default for HeadConfig {
@@ -46,6 +50,7 @@ impl Default for HeadConfig {
             heartbeat_interval: Duration::from_millis(500),
             heartbeat_timeout: Duration::from_secs(3),
             wire: Wire::default(),
+            agent_tls_ca: None,
         }
     }
 }
@@ -534,6 +539,12 @@ impl HeadRpc for Service {
                 "an agent must give its name and address",
             ));
         }
+        if inner.config.agent_tls_ca.is_some() && !r.address.starts_with("https://") {
+            return Err(Status::failed_precondition(format!(
+                "this head reaches its agents over TLS, and agent `{}` advertises {}: start it with --tls-cert and --tls-key (it then serves and advertises https://)",
+                r.name, r.address
+            )));
+        }
         let n = inner.next_agent.fetch_add(1, Ordering::Relaxed);
         let id = format!("{}#{n}", r.name);
         let same_host = r.host_id == inner.host_id;
@@ -554,6 +565,7 @@ impl HeadRpc for Service {
             &r.name,
             &r.address,
             &inner.token,
+            inner.config.agent_tls_ca.as_deref(),
             same_host,
             inner.config.wire.clone(),
             lost,
@@ -643,6 +655,7 @@ mod tests {
                 max_message_bytes: 1 << 20,
                 shared_memory: true,
             },
+            agent_tls_ca: None,
         }
     }
 
@@ -664,6 +677,7 @@ mod tests {
             labels: BTreeMap::new(),
             token: token.clone(),
             tls_ca: None,
+            tls_identity: None,
             registry: builtin::registry(),
             wire: config().wire,
         };

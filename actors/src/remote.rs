@@ -90,19 +90,29 @@ pub(crate) struct AgentConn {
 }
 
 impl AgentConn {
-    /// Connects to the agent at `address` and opens the call stream; `on_lost` runs once when
+    /// Connects to the agent at `address` (over TLS checked against `tls_ca`, when given) and
+    /// opens the call stream; `on_lost` runs once when
     /// the stream ends (the agent died or the link broke), after every pending call has failed;
     /// `on_actor_died` when a call finds its actor dead (faster than the next heartbeat).
     pub(crate) async fn connect(
         name: &str,
         address: &str,
         token: &Token,
+        tls_ca: Option<&[u8]>,
         same_host: bool,
         wire: Wire,
         on_lost: impl FnOnce(String) + Send + 'static,
         on_actor_died: impl Fn(&str, String) + Send + Sync + 'static,
     ) -> Result<Arc<AgentConn>, String> {
-        let channel = endpoint(address)?
+        let mut endpoint = endpoint(address)?;
+        if let Some(ca) = tls_ca {
+            let tls = tonic::transport::ClientTlsConfig::new()
+                .ca_certificate(tonic::transport::Certificate::from_pem(ca));
+            endpoint = endpoint
+                .tls_config(tls)
+                .map_err(|e| format!("TLS to {address}: {e}"))?;
+        }
+        let channel = endpoint
             .connect()
             .await
             .map_err(|e| format!("cannot connect to {address}: {e}"))?;

@@ -2,7 +2,7 @@
 //! client package (pip-installed) submit and watch jobs that run on an agent's pool; a running job is cancelled and resumed; a
 //! server killed with -9 mid-job is restarted and finishes it with every step recorded once;
 //! calls without the token are refused off loopback; users see and change only their own jobs
-//! and the agents' token runs none; TLS; health and reflection answer; 50
+//! and the agents' token runs none; TLS, to the agents too; health and reflection answer; 50
 //! concurrent submissions all finish.
 
 use serde_json::Value;
@@ -443,6 +443,51 @@ fn off_loopback_calls_need_the_token_and_tls_health_and_reflection_work() {
         trellis()
             .args(["jobs", "--server", &https, "--tls-ca"])
             .arg(tls_dir().join("cert.pem")),
+    );
+    // A head that serves TLS reaches its agents over TLS: an agent without a certificate is
+    // refused, saying what it needs; one with a certificate (here the server's, which the head
+    // trusts by default) serves TLS and runs a job's engine.
+    let agent_token = tls.data.join("agent-token");
+    let agent = |name: &str, secure: bool| {
+        let mut c = trellis();
+        c.args(["--log", "warn", "agent", "--head", &https, "--name", name])
+            .args(["--resources", "cpu=2", "--tls-ca"])
+            .arg(tls_dir().join("cert.pem"))
+            .arg("--token-file")
+            .arg(&agent_token);
+        if secure {
+            c.arg("--tls-cert")
+                .arg(tls_dir().join("cert.pem"))
+                .arg("--tls-key")
+                .arg(tls_dir().join("key.pem"));
+        }
+        c
+    };
+    let out = agent("plain", false).output().unwrap();
+    assert!(
+        !out.status.success() && text(&out).contains("--tls-cert and --tls-key"),
+        "{}",
+        text(&out)
+    );
+    let _secure = Killed(
+        agent("secure", true)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let out = run_ok(
+        trellis()
+            .args(["submit", "-f", "--server", &https, "--tls-ca"])
+            .arg(tls_dir().join("cert.pem"))
+            .arg(recipe())
+            .args(["-o", "pools.rollout.placement=spread"])
+            .args(["-o", "stages.rl.trainer.steps=2"]),
+    );
+    let log = text(&out);
+    assert!(
+        log.contains("rollout pool: secure") && log.contains("succeeded"),
+        "{log}"
     );
     drop(tls);
     let _ = std::fs::remove_dir_all(&dir);

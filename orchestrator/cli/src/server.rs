@@ -46,8 +46,11 @@ pub struct ServeOptions {
     pub data_dir: PathBuf,
     /// Jobs run at once; the others wait in the queue.
     pub max_running: usize,
-    /// PEM certificate chain and private key: serve TLS.
+    /// PEM certificate chain and private key: serve TLS (and reach agents over TLS only).
     pub tls: Option<(PathBuf, PathBuf)>,
+    /// PEM certificate(s) to check agents' certificates against when serving TLS (default: the
+    /// server's own certificate file, for agents that share it).
+    pub agent_tls_ca: Option<PathBuf>,
     /// How long a job waits for agents that can take its pools.
     pub agent_wait: Duration,
     /// The admin's token file (default `DATA_DIR/token`); created, mode 0600, when missing.
@@ -208,7 +211,23 @@ pub async fn serve(
     let address = listener
         .local_addr()
         .map_err(|e| listen_err(e.to_string()))?;
-    let (head, routes) = Head::new(address, agent_token.clone(), HeadConfig::default());
+    // A head that serves TLS reaches its agents over TLS too.
+    let agent_tls_ca = match (&opts.tls, &opts.agent_tls_ca) {
+        (Some(_), Some(ca)) => Some(std::fs::read(ca).map_err(|e| file(ca, e))?),
+        (Some((cert, _)), None) => Some(std::fs::read(cert).map_err(|e| file(cert, e))?),
+        (None, Some(ca)) => {
+            return Err(ServeError::File {
+                path: ca.clone(),
+                message: "--agent-tls-ca is for a server with --tls-cert and --tls-key".into(),
+            });
+        }
+        (None, None) => None,
+    };
+    let config = HeadConfig {
+        agent_tls_ca,
+        ..HeadConfig::default()
+    };
+    let (head, routes) = Head::new(address, agent_token.clone(), config);
     let worker = opts.job_processes.clone().map(|p| {
         Box::new(move |id: u64, dir: &Path, store: &Path| p.command(id, dir, store))
             as orchestrator::jobs::queue::WorkerCommand

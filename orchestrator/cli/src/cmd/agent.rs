@@ -32,6 +32,13 @@ pub struct AgentArgs {
     /// PEM certificate to trust when the head serves TLS (an https:// --head).
     #[arg(long, env = "TRELLIS_TLS_CA")]
     tls_ca: Option<PathBuf>,
+    /// Serve the agent protocol over TLS with this PEM certificate chain (with --tls-key), as a
+    /// head that serves TLS requires; the agent then advertises https://.
+    #[arg(long, requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// The certificate's PEM private key.
+    #[arg(long, requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
 }
 
 impl AgentArgs {
@@ -61,6 +68,14 @@ impl AgentArgs {
             labels,
             token,
             tls_ca: read_tls_ca(a.tls_ca.as_ref())?,
+            tls_identity: match (&a.tls_cert, &a.tls_key) {
+                (Some(cert), Some(key)) => Some((
+                    std::fs::read(cert)
+                        .with_context(|| format!("--tls-cert {}", cert.display()))?,
+                    std::fs::read(key).with_context(|| format!("--tls-key {}", key.display()))?,
+                )),
+                _ => None,
+            },
             registry: orchestrator::kinds::registry(),
             wire: actors::Wire::default(),
         };

@@ -23,6 +23,10 @@ pub struct ServeArgs {
     /// The certificate's PEM private key.
     #[arg(long, requires = "tls_cert")]
     tls_key: Option<PathBuf>,
+    /// With TLS, the PEM certificate(s) agents' certificates are checked against (agents serve
+    /// TLS with --tls-cert/--tls-key); default: this server's --tls-cert, for agents sharing it.
+    #[arg(long, requires = "tls_cert")]
+    agent_tls_ca: Option<PathBuf>,
     /// Seconds a job waits for agents that can take its pools.
     #[arg(long, default_value_t = 120.0)]
     agent_wait: f64,
@@ -48,6 +52,7 @@ impl ServeArgs {
             data_dir: self.data_dir,
             max_running: self.max_running,
             tls: self.tls_cert.zip(self.tls_key),
+            agent_tls_ca: self.agent_tls_ca,
             agent_wait: std::time::Duration::from_secs_f64(self.agent_wait.max(0.0)),
             token_file: self.token_file,
             agent_token_file: self.agent_token_file,
@@ -60,7 +65,8 @@ impl ServeArgs {
         let required = crate::server::token_required(&opts.listen);
         let token_path = opts.token_path();
         let agent_token_path = opts.agent_token_path();
-        let scheme = if opts.tls.is_some() { "https" } else { "http" };
+        let tls = opts.tls.is_some();
+        let scheme = if tls { "https" } else { "http" };
         // Each job's run directory gets its plot when the job finishes.
         let sinks: orchestrator::jobs::queue::SinkMaker = Box::new(|_, dir| {
             vec![Box::new(PlotSink::new(dir.to_path_buf()))
@@ -73,8 +79,13 @@ impl ServeArgs {
                 // One line a script can read, then how to use it.
                 println!("listening on {scheme}://{address}");
                 eprintln!(
-                    "agents: trellis agent --head {scheme}://{address} --token-file {}",
-                    agent_token_path.display()
+                    "agents: trellis agent --head {scheme}://{address} --token-file {}{}",
+                    agent_token_path.display(),
+                    if tls {
+                        " --tls-ca CA --tls-cert CERT --tls-key KEY (this server reaches agents over TLS)"
+                    } else {
+                        ""
+                    }
                 );
                 if required {
                     eprintln!(
