@@ -400,7 +400,37 @@ fn runs_are_reproducible() {
         std::fs::remove_dir_all(&dir).unwrap();
     }
     assert_eq!(runs[0], runs[1]);
-    assert_eq!(runs[0], runs[2], "a pool of 3 engines changed the run");
+    // Three engines batch the prompts otherwise, so their log-probs of the same tokens may differ
+    // in the last bits: the learner-vs-engine gap agrees to float precision, not bit for bit.
+    let gap = |rows: &[Value]| -> Vec<f64> {
+        rows.iter()
+            .filter_map(|r| r.get("rollout/logprob_diff_mean")?.as_f64())
+            .collect()
+    };
+    let (one, three) = (gap(&runs[0]), gap(&runs[2]));
+    assert!(
+        !one.is_empty() && one.len() == three.len(),
+        "{one:?} {three:?}"
+    );
+    for (a, b) in one.iter().zip(&three) {
+        assert!((a - b).abs() < 1e-5 && *a < 1e-5, "{one:?} {three:?}");
+    }
+    let without_gap = |rows: &[Value]| -> Vec<Value> {
+        rows.iter()
+            .map(|r| {
+                let mut r = r.clone();
+                r.as_object_mut()
+                    .unwrap()
+                    .retain(|k, _| !k.starts_with("rollout/logprob_diff"));
+                r
+            })
+            .collect()
+    };
+    assert_eq!(
+        without_gap(&runs[0]),
+        without_gap(&runs[2]),
+        "a pool of 3 engines changed the run"
+    );
     assert_eq!(samples[0], samples[1]);
     assert_eq!(samples[0], samples[2]);
 }
