@@ -586,6 +586,26 @@ fn from_json<T: for<'de> Deserialize<'de>>(b: &[u8]) -> Result<T, String> {
     serde_json::from_slice(b).map_err(|e| format!("unreadable record: {e}"))
 }
 
+/// A checkpoint of stage `rl` at `step` holding `weight_version`, and the progress that points
+/// at it (for tests here and of the store's remote face).
+#[cfg(test)]
+pub(crate) fn rl_checkpoint(step: u64, weight_version: u64) -> (Progress, CheckpointRecord) {
+    let path = format!("checkpoints/rl/step_{step:06}");
+    let progress = Progress {
+        stage: Some("rl".into()),
+        step,
+        checkpoint: Some(path.clone()),
+        ..Progress::default()
+    };
+    let record = CheckpointRecord {
+        stage: "rl".into(),
+        step,
+        path,
+        weight_version,
+    };
+    (progress, record)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -662,18 +682,7 @@ mod tests {
             }
             s.append_metrics(b, &json!({"stage": "x", "step": 1}))
                 .unwrap();
-            let progress = Progress {
-                stage: Some("rl".into()),
-                step: 2,
-                checkpoint: Some("checkpoints/rl/step_000002".into()),
-                ..Default::default()
-            };
-            let rec = CheckpointRecord {
-                stage: "rl".into(),
-                step: 2,
-                path: "checkpoints/rl/step_000002".into(),
-                weight_version: 7,
-            };
+            let (progress, rec) = rl_checkpoint(2, 7);
             assert!(s.checkpoint(a, &progress, &rec, 2).unwrap().is_empty());
             let later = CheckpointRecord {
                 step: 3,

@@ -477,6 +477,45 @@ fn stalling_proxy(upstream: &str, stall: &'static str) -> String {
     format!("http://{addr}")
 }
 
+/// `trellis train` of the tiny recipe for `steps` on the served engines at `endpoints`, with
+/// the pool settings `pool` (`key=value` under `pools.rollout`), into `run`.
+fn served_run(run: &Path, steps: &str, endpoints: &[&str], pool: &[&str]) -> std::process::Command {
+    let mut c = trellis();
+    c.arg("train")
+        .arg(data("tiny-arith.yaml"))
+        .args(["--quiet", "-o", steps, "-o", "pools.rollout.engine=served"])
+        .arg("-o")
+        .arg(format!("pools.rollout.endpoints=[{}]", endpoints.join(",")));
+    for p in pool {
+        c.arg("-o").arg(format!("pools.rollout.{p}"));
+    }
+    c.arg("--run-dir").arg(run);
+    c
+}
+
+/// A run that lost one of its two engines: it succeeded within `within`, said `said` and that
+/// the engine is out of service, trained as in process, and ended with one engine down.
+fn lost_one_engine(
+    run: &Path,
+    ok: bool,
+    log: &str,
+    said: &str,
+    took: Duration,
+    within: Duration,
+    reference: &[Value],
+) {
+    assert!(ok, "{log}");
+    assert!(
+        log.contains(said) && log.contains("out of service"),
+        "{log}"
+    );
+    assert!(took < within, "{took:?}\n{log}");
+    assert_eq!(comparable(run), reference);
+    let rows = metric_rows(run);
+    let last = rows.iter().rfind(|r| r["stage"] == "rl").unwrap();
+    assert_eq!(last["rollout/engines_down"], json!(1.0));
+}
+
 #[test]
 fn an_engine_that_hangs_in_a_weight_push_is_out_of_service_at_the_push_deadline() {
     // Engine b accepts every call, but its weight reload never answers. The pushes run at once
@@ -492,36 +531,24 @@ fn an_engine_that_hangs_in_a_weight_push_is_out_of_service_at_the_push_deadline(
     let hung = stalling_proxy(&url_b, "POST /collective_rpc");
     let run = dir.join("run");
     let started = Instant::now();
-    let out = trellis()
-        .arg("train")
-        .arg(&recipe)
-        .args(["-o", steps, "-o", "pools.rollout.engine=served"])
-        .args([
-            "-o",
-            "pools.rollout.timeout_s=60",
-            "-o",
-            "pools.rollout.push_timeout_s=2",
-        ])
-        .arg("-o")
-        .arg(format!("pools.rollout.endpoints=[{url_a},{hung}]"))
-        .arg("--run-dir")
-        .arg(&run)
-        .output()
-        .unwrap();
-    let took = started.elapsed();
-    let log = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{log}");
-    assert!(
-        log.contains("did not finish within 2s (pools.rollout.push_timeout_s)")
-            && log.contains("out of service"),
-        "{log}"
-    );
+    let out = served_run(
+        &run,
+        steps,
+        &[&url_a, &hung],
+        &["timeout_s=60", "push_timeout_s=2"],
+    )
+    .output()
+    .unwrap();
     // One stalled call at its own timeout would have taken 60 s.
-    assert!(took < Duration::from_secs(60), "{took:?}\n{log}");
-    assert_eq!(comparable(&run), reference);
-    let rows = metric_rows(&run);
-    let last = rows.iter().rfind(|r| r["stage"] == "rl").unwrap();
-    assert_eq!(last["rollout/engines_down"], json!(1.0));
+    lost_one_engine(
+        &run,
+        out.status.success(),
+        &String::from_utf8_lossy(&out.stderr),
+        "did not finish within 2s (pools.rollout.push_timeout_s)",
+        started.elapsed(),
+        Duration::from_secs(60),
+        &reference,
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -541,23 +568,15 @@ fn an_engine_that_freezes_mid_run_is_out_of_service_within_seconds() {
     let (b, url_b) = serve(&["--recipe", recipe_arg], "127.0.0.1:0");
     let run = dir.join("run");
     let mut train = Killed(
-        trellis()
-            .arg("train")
-            .arg(&recipe)
-            .args(["--quiet", "-o", steps, "-o", "pools.rollout.engine=served"])
-            .args([
-                "-o",
-                "pools.rollout.timeout_s=120",
-                "-o",
-                "pools.rollout.health_check_s=2",
-            ])
-            .arg("-o")
-            .arg(format!("pools.rollout.endpoints=[{url_a},{url_b}]"))
-            .arg("--run-dir")
-            .arg(&run)
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap(),
+        served_run(
+            &run,
+            steps,
+            &[&url_a, &url_b],
+            &["timeout_s=120", "health_check_s=2"],
+        )
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap(),
     );
     let t0 = Instant::now();
     let metrics = run.join("metrics.jsonl");
@@ -580,17 +599,16 @@ fn an_engine_that_freezes_mid_run_is_out_of_service_within_seconds() {
     std::io::Read::read_to_string(&mut train.0.stderr.take().unwrap(), &mut log).unwrap();
     // SAFETY: as above; the engine is killed when `b` drops.
     unsafe { libc::kill(b.0.id() as i32, libc::SIGCONT) };
-    assert!(status.success(), "{log}");
-    assert!(
-        log.contains("stopped answering its health check") && log.contains("out of service"),
-        "{log}"
-    );
     // One frozen call at its own deadline would have taken 120 s.
-    assert!(took < Duration::from_secs(60), "{took:?}\n{log}");
-    assert_eq!(comparable(&run), reference);
-    let rows = metric_rows(&run);
-    let last = rows.iter().rfind(|r| r["stage"] == "rl").unwrap();
-    assert_eq!(last["rollout/engines_down"], json!(1.0));
+    lost_one_engine(
+        &run,
+        status.success(),
+        &log,
+        "stopped answering its health check",
+        took,
+        Duration::from_secs(60),
+        &reference,
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

@@ -284,18 +284,7 @@ mod tests {
             );
         }
         assert_eq!(r.append_log(id, "hello").unwrap(), 0);
-        let progress = Progress {
-            stage: Some("rl".into()),
-            step: 2,
-            checkpoint: Some("checkpoints/rl/step_000002".into()),
-            ..Progress::default()
-        };
-        let record = CheckpointRecord {
-            stage: "rl".into(),
-            step: 2,
-            path: "checkpoints/rl/step_000002".into(),
-            weight_version: 2,
-        };
+        let (progress, record) = crate::store::rl_checkpoint(2, 2);
         assert!(r.checkpoint(id, &progress, &record, 1).unwrap().is_empty());
         assert_eq!(r.checkpoints(id).unwrap(), vec![record]);
         assert_eq!(
