@@ -259,7 +259,6 @@ impl RolloutPool {
         let mut all = Vec::with_capacity(reqs.iter().map(|r| r.params.n).sum());
         let mut waiting_since: Option<Instant> = None;
         while !todo.is_empty() {
-            self.revive().await?;
             let loads = self.loads().await;
             let batch: Vec<GenerateRequest> = todo.iter().map(|&i| reqs[i].clone()).collect();
             let route = lock(&self.router).route(&batch, &loads);
@@ -270,6 +269,7 @@ impl RolloutPool {
                 if since.elapsed() >= wait {
                     return Err(self.all_down(wait));
                 }
+                self.revive().await?;
                 tokio::time::sleep(Duration::from_millis(200)).await;
                 continue;
             };
@@ -290,6 +290,10 @@ impl RolloutPool {
                     (e, index, call)
                 })
                 .collect();
+            // Engines out of service are tried while the others generate: a frozen one costs
+            // its health check's time in parallel, not on the step's path. One that is back
+            // takes prompts from the next round on.
+            self.revive().await?;
             todo.clear();
             for (e, index, call) in calls {
                 let out = call
@@ -372,18 +376,26 @@ impl RolloutPool {
             .filter(|(_, d)| d.as_ref().is_some_and(|d| d.next_try <= Instant::now()))
             .map(|(i, _)| i)
             .collect();
-        for i in due {
-            let Member::External(e) = &self.members[i] else {
-                continue;
-            };
-            let probe = lock(&x.probe).clone();
-            let result = match e.health().await {
-                Ok(()) => match &probe {
-                    Some(p) => x.reload_and_verify(&**e, p).await,
-                    None => Ok(()),
-                },
-                Err(err) => Err(err),
-            };
+        let probe = lock(&x.probe).clone();
+        // Every engine due at once: each costs at most its health check's deadline.
+        let attempts = due.into_iter().filter_map(|i| match &self.members[i] {
+            Member::External(e) => Some((i, e)),
+            Member::Actor(_) => None,
+        });
+        let attempts = attempts.map(|(i, e)| {
+            let probe = &probe;
+            async move {
+                let result = match e.health().await {
+                    Ok(()) => match probe {
+                        Some(p) => x.reload_and_verify(&**e, p).await,
+                        None => Ok(()),
+                    },
+                    Err(err) => Err(err),
+                };
+                (i, e, result)
+            }
+        });
+        for (i, e, result) in futures_util::future::join_all(attempts).await {
             let mut down = lock(&self.down);
             match result {
                 Ok(()) => {
