@@ -33,14 +33,14 @@ pub enum Caller {
 }
 
 impl Caller {
-    /// The caller of a request the guard let through (the admin for requests that did not pass
-    /// a guard, as in tests of the API itself).
+    /// The caller of a request the guard let through; a request that did not pass the guard
+    /// (a wiring mistake) gets the least: the agents' rights, no job.
     pub fn of<T>(request: &Request<T>) -> Caller {
         request
             .extensions()
             .get::<Caller>()
             .cloned()
-            .unwrap_or(Caller::Admin)
+            .unwrap_or(Caller::Agent)
     }
 
     /// The owner of the jobs this caller submits ([`Job::owner`]); PERMISSION_DENIED for the
