@@ -277,28 +277,27 @@ impl Queue {
                     run::execute(&plan, &dir, &*self.store, id, None, opts).state()
                 }
             },
-            Err(e) => {
-                let outcome = run::Outcome::Failed(e);
-                let recorded = self
-                    .store
-                    .append_log(
-                        id,
-                        &format!("job {id} failed: {}", outcome.error().unwrap_or_default()),
-                    )
-                    .and_then(|_| {
-                        self.store
-                            .set_state(id, outcome.state(), outcome.error())
-                            .map(|_| ())
-                    });
-                if let Err(e) = recorded {
-                    tracing::error!(job = id, "cannot record how the job ended: {e}");
-                }
-                outcome.state()
-            }
+            Err(e) => self.fail(id, e.to_string()),
         };
         tracing::info!(job = id, state = state.name(), "job ended");
         lock(&self.running).remove(&id);
         self.wake.notify_one();
+    }
+
+    /// Records that job `id` failed before or outside its lifecycle (it did not plan, or its
+    /// process ended without recording an ending): the last log line, then the state.
+    fn fail(&self, id: u64, why: String) -> JobState {
+        let recorded = self
+            .store
+            .append_log(
+                id,
+                &format!("job {id} failed: {why}; continue it with `trellis resume {id}`"),
+            )
+            .and_then(|_| self.store.set_state(id, JobState::Failed, Some(why)));
+        if let Err(e) = recorded {
+            tracing::error!(job = id, "cannot record how the job ended: {e}");
+        }
+        JobState::Failed
     }
 
     /// Runs job `id` in a process of its own: serves its calls to the store until it ends,
@@ -311,19 +310,7 @@ impl Queue {
         worker: &WorkerCommand,
         control: &Control,
     ) -> JobState {
-        let fail = |why: String| {
-            let recorded = self
-                .store
-                .append_log(
-                    id,
-                    &format!("job {id} failed: {why}; continue it with `trellis resume {id}`"),
-                )
-                .and_then(|_| self.store.set_state(id, JobState::Failed, Some(why)));
-            if let Err(e) = recorded {
-                tracing::error!(job = id, "cannot record how the job ended: {e}");
-            }
-            JobState::Failed
-        };
+        let fail = |why: String| self.fail(id, why);
         let mut cmd = worker(id, dir, self.store.path());
         cmd.stdin(std::process::Stdio::piped())
             .stdout(std::process::Stdio::piped());
