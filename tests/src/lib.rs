@@ -95,6 +95,15 @@ pub fn run_ok(cmd: &mut Command) -> std::process::Output {
     out
 }
 
+/// An empty folder for one test, `TMP/trellis-NAME-PID`, made anew (what an earlier run of the
+/// same name left is removed).
+pub fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("trellis-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+    dir
+}
+
 /// A `Command` for the `trellis` binary.
 pub fn trellis() -> Command {
     Command::new(trellis_bin())

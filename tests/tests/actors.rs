@@ -79,10 +79,7 @@ impl Drop for Agent {
 }
 
 fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("trellis-actors-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("scratch dir");
-    dir
+    trellis_tests::scratch(&format!("actors-{name}"))
 }
 
 fn token_file(dir: &Path, token: &Token) -> PathBuf {

@@ -28,10 +28,7 @@ fn data(p: &str) -> PathBuf {
 }
 
 fn scratch(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("trellis-engines-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    trellis_tests::scratch(&format!("engines-{tag}"))
 }
 
 /// `trellis engine serve ARGS --listen ADDR`, and its URL once it listens.

@@ -148,9 +148,7 @@ fn a_job_across_namespaces_survives_a_cut_link_and_the_agent_rejoins() {
     if !can_run() {
         return;
     }
-    let dir = std::env::temp_dir().join(format!("trellis-netns-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = trellis_tests::scratch("netns");
     let start = Instant::now();
     let mark = |what: &str| eprintln!("[{:5.1} s] {what}", start.elapsed().as_secs_f64());
     let net = Net::make(2);

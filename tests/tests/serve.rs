@@ -21,10 +21,7 @@ fn tls_dir() -> PathBuf {
 }
 
 fn scratch(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("trellis-serve-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    trellis_tests::scratch(&format!("serve-{tag}"))
 }
 
 /// A running `trellis serve`.

@@ -10,9 +10,7 @@ use std::time::Duration;
 
 #[test]
 fn no_acknowledged_commit_is_lost_to_kill_nine() {
-    let dir = std::env::temp_dir().join(format!("trellis-store-stress-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = trellis_tests::scratch("store-stress");
     let path = dir.join("store.redb");
     // Seeded kill delays, so a failure can be replayed.
     let mut next = trellis_tests::xorshift(0x5EED_2026);

@@ -348,9 +348,7 @@ fn the_wandb_sidecar_follows_a_run_and_logs_every_step_once() {
     let Some(python) = trellis_tests::trackers() else {
         return;
     };
-    let dir = std::env::temp_dir().join(format!("trellis-wandb-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = trellis_tests::scratch("wandb");
     let run = dir.join("run");
     let sidecar = |follow: bool| {
         let mut cmd = client(&python, &dir, &["--json", "wandb"]);
@@ -424,9 +422,7 @@ fn the_wandb_sidecar_follows_a_server_job_through_the_api() {
     let Some(python) = trellis_tests::trackers() else {
         return;
     };
-    let dir = std::env::temp_dir().join(format!("trellis-wandb-job-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = trellis_tests::scratch("wandb-job");
     let data = dir.join("data");
     let mut server = trellis_tests::Killed(
         trellis()

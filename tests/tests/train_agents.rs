@@ -14,10 +14,7 @@ fn recipe() -> PathBuf {
 }
 
 fn scratch(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("trellis-agents-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    trellis_tests::scratch(&format!("agents-{tag}"))
 }
 
 fn agent(url: &str, token: &Path, name: &str) -> Killed {
