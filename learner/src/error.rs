@@ -61,6 +61,9 @@ pub enum Error {
     /// A batch handed to the model is invalid (token id out of range, empty, too long).
     #[error("invalid batch: {0}")]
     Batch(String),
+    /// Data-parallel ranks disagree or were sent what does not fit their model.
+    #[error("learner ranks: {0}")]
+    Ranks(String),
     /// An RL formula refused its inputs or settings.
     #[error(transparent)]
     Rl(#[from] crate::rl::RlError),

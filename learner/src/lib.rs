@@ -22,6 +22,7 @@ pub mod pjrt;
 pub mod rl;
 pub mod rng;
 pub mod tokenizer;
+pub mod wire;
 
 pub use config::{Arch, ModelConfig};
 pub use error::{Error, Result};

@@ -8,7 +8,7 @@ use kernels::optim::{AdamW, clip_factor, global_norm, scale};
 use std::path::Path;
 
 /// Shape of the learning-rate curve after warmup.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum ScheduleKind {
     /// Flat at the base rate.
     Constant,
@@ -17,7 +17,7 @@ pub enum ScheduleKind {
 }
 
 /// Learning rate per optimiser call, as `transformers`' schedules with warmup define it.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct LrSchedule {
     /// Peak learning rate.
     pub base_lr: f32,
@@ -61,7 +61,7 @@ impl LrSchedule {
 }
 
 /// What one optimiser call did.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct StepReport {
     /// Global gradient norm before clipping.
     pub grad_norm: f64,

@@ -8,11 +8,12 @@ use crate::model::Batch;
 use crate::rl::Shape;
 
 /// Rows of a prompt followed by its response, in the layout of the RL formulas.
-#[derive(Clone, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct TokenRows {
     /// Rows × the longest response.
     pub shape: Shape,
     /// 1 where a row has a response token, 0 on padding (`[rows, cols]`).
+    #[serde(with = "crate::wire::floats")]
     pub mask: Vec<f32>,
     /// Per row: the prompt's length, and the prompt followed by the response.
     pub seqs: Vec<(usize, Vec<u32>)>,
@@ -70,6 +71,19 @@ impl TokenRows {
             out[r * cols..r * cols + v.len()].copy_from_slice(v);
         }
         out
+    }
+
+    /// The rows `r0..r1`, with the same columns.
+    pub fn rows(&self, r0: usize, r1: usize) -> TokenRows {
+        TokenRows {
+            shape: Shape {
+                rows: r1 - r0,
+                cols: self.shape.cols,
+            },
+            mask: self.slice(&self.mask, r0, r1).to_vec(),
+            seqs: self.seqs[r0..r1].to_vec(),
+            group: self.group[r0..r1].to_vec(),
+        }
     }
 
     /// Response tokens (the mask's sum).

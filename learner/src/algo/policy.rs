@@ -3,15 +3,16 @@
 //! variants, entropy bonus, KL to a reference) aggregated over its mini-batch.
 
 use super::TokenRows;
+use super::dp::{OneEngine, PolicyShard, Ranks, Work, merge, split};
 use crate::engine::TrainEngine;
 use crate::error::Result;
 use crate::optim::{Optimizer, StepReport};
-use crate::rl::Metrics;
 use crate::rl::agg::{AggNorm, LossAgg};
-use crate::rl::loss::{ActorInput, PolicyLossConfig, actor_loss};
+use crate::rl::loss::PolicyLossConfig;
+use crate::rl::{Metrics, Shape};
 
 /// How the policy is updated.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct PolicyUpdate {
     /// The actor loss.
     pub loss: PolicyLossConfig,
@@ -38,44 +39,54 @@ pub struct PolicyBatch<'a> {
     pub ref_logp: Option<&'a [f32]>,
 }
 
-/// Runs the update; returns the loss metrics averaged over the optimiser steps, and the last
-/// step's gradient norm and learning rate (`actor/grad_norm`, `actor/lr`).
+/// Runs the update on one engine; returns the loss metrics averaged over the optimiser steps,
+/// and the last step's gradient norm and learning rate (`actor/grad_norm`, `actor/lr`).
 pub fn update(
     engine: &mut dyn TrainEngine,
     opt: &mut Optimizer,
     batch: PolicyBatch<'_>,
     cfg: &PolicyUpdate,
 ) -> Result<Metrics> {
+    update_ranks(&mut OneEngine { engine, opt }, batch, cfg)
+}
+
+/// Runs the update on data-parallel `ranks`: each mini-batch's rows cut into one share a rank
+/// (its normalisers computed over the whole mini-batch), one optimiser step for the sum.
+/// Returns what [`update`] does.
+pub fn update_ranks<R: Ranks>(
+    ranks: &mut R,
+    batch: PolicyBatch<'_>,
+    cfg: &PolicyUpdate,
+) -> Result<Metrics, R::Error> {
     let rows = batch.rows;
+    let per = cfg.rows_per_update.max(1);
     let mut losses: Vec<Metrics> = Vec::new();
     let mut report: Option<StepReport> = None;
     for _epoch in 0..cfg.epochs {
-        for c in rows.chunks(cfg.rows_per_update) {
-            let sc = engine.forward(&c.batch, cfg.temperature)?;
-            let logp = c.gather(&sc.logp);
-            let ent = c.gather(&sc.entropy);
-            let mask = rows.slice(&rows.mask, c.r0, c.r1);
-            let old = batch
-                .old_logp
-                .map_or(logp.clone(), |o| rows.slice(o, c.r0, c.r1).to_vec());
-            let norm = AggNorm::new(cfg.agg, c.shape(), mask)?;
-            let out = actor_loss(
-                &cfg.loss,
-                &norm,
-                ActorInput {
-                    shape: c.shape(),
-                    logp: &logp,
-                    old_logp: &old,
-                    advantages: rows.slice(batch.advantages, c.r0, c.r1),
-                    mask,
-                    entropy: Some(&ent),
-                    ref_logp: batch.ref_logp.map(|r| rows.slice(r, c.r0, c.r1)),
-                    is_weights: None,
-                },
-            )?;
-            engine.backward(&c.scatter(&out.grad), &c.scatter(&out.grad_entropy))?;
-            report = Some(engine.step(opt)?);
-            losses.push(out.metrics);
+        for r0 in (0..rows.shape.rows).step_by(per) {
+            let r1 = (r0 + per).min(rows.shape.rows);
+            let shape = Shape {
+                rows: r1 - r0,
+                cols: rows.shape.cols,
+            };
+            let norm = AggNorm::new(cfg.agg, shape, rows.slice(&rows.mask, r0, r1))
+                .map_err(crate::Error::from)?;
+            let work = split(r0, r1, ranks.count())
+                .into_iter()
+                .map(|(a, b)| Work::Policy {
+                    shard: PolicyShard {
+                        rows: rows.rows(a, b),
+                        advantages: rows.slice(batch.advantages, a, b).to_vec(),
+                        old_logp: batch.old_logp.map(|o| rows.slice(o, a, b).to_vec()),
+                        ref_logp: batch.ref_logp.map(|r| rows.slice(r, a, b).to_vec()),
+                        norm,
+                    },
+                    cfg: *cfg,
+                })
+                .collect();
+            let outcomes = ranks.gradients(work)?;
+            report = Some(ranks.step()?);
+            losses.push(merge(&outcomes));
         }
     }
     let mut m = Metrics::new();

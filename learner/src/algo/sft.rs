@@ -1,9 +1,9 @@
 //! The SFT step: the mean negative log-likelihood of each example's answer given its prompt,
 //! one optimiser step per batch.
 
+use super::dp::{OneEngine, Ranks, SFT_LOSS, Work, merge, split};
 use crate::engine::TrainEngine;
 use crate::error::Result;
-use crate::model::Batch;
 use crate::optim::{Optimizer, StepReport};
 
 /// What one SFT step did.
@@ -23,30 +23,29 @@ pub fn step(
     opt: &mut Optimizer,
     examples: &[(Vec<u32>, Vec<u32>)],
 ) -> Result<SftStep> {
-    let seqs: Vec<Vec<u32>> = examples
-        .iter()
-        .map(|(p, a)| p.iter().chain(a).copied().collect())
+    step_ranks(&mut OneEngine { engine, opt }, examples)
+}
+
+/// [`step`] on data-parallel `ranks`: the examples cut into one share a rank, each share's
+/// loss a part of the whole batch's mean.
+pub fn step_ranks<R: Ranks>(
+    ranks: &mut R,
+    examples: &[(Vec<u32>, Vec<u32>)],
+) -> Result<SftStep, R::Error> {
+    let tokens: usize = examples.iter().map(|(_, a)| a.len()).sum();
+    let work = split(0, examples.len(), ranks.count())
+        .into_iter()
+        .map(|(a, b)| Work::Sft {
+            examples: examples[a..b].to_vec(),
+            tokens,
+        })
         .collect();
-    let refs: Vec<&[u32]> = seqs.iter().map(|s| s.as_slice()).collect();
-    let batch = Batch::padded(&refs);
-    let count: usize = examples.iter().map(|(_, a)| a.len()).sum();
-    let mut d_logp = vec![0.0; batch.len()];
-    for (r, (p, a)) in examples.iter().enumerate() {
-        let at = r * batch.seq + p.len() - 1;
-        d_logp[at..at + a.len()].fill(-1.0 / count as f32);
-    }
-    let zeros = vec![0.0; batch.len()];
-    let scores = engine.forward_backward(&batch, 1.0, &d_logp, &zeros)?;
-    let report = engine.step(opt)?;
-    let loss: f64 = d_logp
-        .iter()
-        .zip(&scores.logp)
-        .map(|(g, l)| (g * l) as f64)
-        .sum();
+    let outcomes = ranks.gradients(work)?;
+    let report = ranks.step()?;
     Ok(SftStep {
-        loss,
+        loss: merge(&outcomes).get(SFT_LOSS).copied().unwrap_or(0.0),
         report,
-        positions: batch.len(),
+        positions: outcomes.iter().map(|o| o.positions).sum(),
     })
 }
 
@@ -55,7 +54,7 @@ mod tests {
     use super::*;
     use crate::config::ModelConfig;
     use crate::engine::{Backend, open};
-    use crate::model::Model;
+    use crate::model::{Batch, Model};
     use crate::optim::LrSchedule;
 
     #[test]

@@ -42,6 +42,11 @@ pub trait TrainEngine: Send + Sync {
         d_entropy: &[f32],
     ) -> Result<Scores>;
 
+    /// The summed gradients on the host, to be added across data-parallel ranks before
+    /// [`TrainEngine::step`]. The `pjrt` engine keeps them on its device and refuses: ranks of
+    /// device engines reduce with the device's collectives.
+    fn gradients_mut(&mut self) -> Result<&mut crate::Params>;
+
     /// Applies the summed gradients with `opt` (its plan decides rate, clipping and skipping)
     /// and clears them.
     fn step(&mut self, opt: &mut Optimizer) -> Result<StepReport>;

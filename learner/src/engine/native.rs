@@ -62,6 +62,10 @@ impl TrainEngine for NativeTrainer {
         Ok(scores)
     }
 
+    fn gradients_mut(&mut self) -> Result<&mut Params> {
+        Ok(&mut self.grads)
+    }
+
     fn step(&mut self, opt: &mut Optimizer) -> Result<StepReport> {
         let report = opt.step(&mut self.model.params, &mut self.grads);
         self.grads.fill_zero();

@@ -66,6 +66,12 @@ impl TrainEngine for PjrtTrainer {
         self.device.backward(b, temperature, d_logp, d_entropy)
     }
 
+    fn gradients_mut(&mut self) -> Result<&mut crate::Params> {
+        Err(Error::Device(
+            "the pjrt engine keeps its gradients on the device: data parallelism over pjrt ranks needs the device's collectives, not built yet".into(),
+        ))
+    }
+
     fn step(&mut self, opt: &mut Optimizer) -> Result<StepReport> {
         let report = self.device.step(opt)?;
         self.stale = true;

@@ -6,7 +6,7 @@ use super::{Result, RlError, Shape, names};
 use std::str::FromStr;
 
 /// How per-token losses become one number.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub enum LossAgg {
     /// Σ L·m / Σ m over the mini-batch.
     TokenMean,
@@ -52,7 +52,7 @@ impl FromStr for LossAgg {
 }
 
 /// Normalisers of one mini-batch, computed once and shared by its micro-batches.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct AggNorm {
     /// The mode.
     pub mode: LossAgg,

@@ -5,7 +5,7 @@ use super::{Result, RlError, names};
 use std::str::FromStr;
 
 /// A KL estimator of `d = logp − logp_ref`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum KlType {
     /// k1 (`kl`): d.
     K1,
@@ -18,7 +18,7 @@ pub enum KlType {
 }
 
 /// An estimator, optionally straight-through (`+`: its value, k2's gradient).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Kl {
     /// The estimator whose value is used.
     pub kind: KlType,

@@ -8,7 +8,7 @@ use super::{Metrics, Result, RlError, Shape, masked_mean, names};
 use std::str::FromStr;
 
 /// Which policy loss.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum PolicyLoss {
     /// PPO clip with dual-clip and clip-higher.
     Vanilla,
@@ -42,7 +42,7 @@ impl FromStr for PolicyLoss {
 }
 
 /// Settings of the actor loss.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct PolicyLossConfig {
     /// The loss.
     pub loss: PolicyLoss,

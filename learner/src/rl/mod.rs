@@ -52,7 +52,7 @@ pub type Result<T> = std::result::Result<T, RlError>;
 pub type Metrics = BTreeMap<String, f64>;
 
 /// The shape of per-token arrays: `rows` responses × `cols` tokens.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Shape {
     /// Responses.
     pub rows: usize,

@@ -1,0 +1,401 @@
+//! Data parallelism: one optimiser step computed by several ranks, each on its share of the
+//! mini-batch. The driver's loops ([`super::policy::update_ranks`], [`super::sft::step_ranks`])
+//! cut each mini-batch into [`Work`] — one share a rank, with the normalisers of the *whole*
+//! mini-batch, so the shares' losses and gradients add up exactly to the undivided ones — and
+//! hand it to [`Ranks`]: each rank runs [`gradient`] on its engine, the gradients are summed,
+//! and every rank applies the same sum with the same optimiser decision, so their weights stay
+//! equal. One engine in this process is one rank ([`OneEngine`]); the orchestrator's learner
+//! actors are N.
+//!
+//! Owns: what a share is, what a rank computes from it, and how the shares' metrics add up.
+//! Never: moves gradients between ranks (the [`Ranks`] implementation does), or knows where
+//! a rank runs.
+
+use super::TokenRows;
+use super::policy::PolicyUpdate;
+use crate::engine::TrainEngine;
+use crate::error::Result;
+use crate::model::Batch;
+use crate::optim::{Optimizer, StepReport};
+use crate::rl::Metrics;
+use crate::rl::agg::AggNorm;
+use crate::rl::loss::{ActorInput, actor_loss};
+use serde::{Deserialize, Serialize};
+
+/// One rank's share of one optimiser step.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub enum Work {
+    /// Rows of a policy-update mini-batch.
+    Policy {
+        /// The rows and their per-token inputs.
+        shard: PolicyShard,
+        /// The update's settings.
+        cfg: PolicyUpdate,
+    },
+    /// (prompt, answer) pairs of an SFT batch.
+    Sft {
+        /// This rank's pairs.
+        examples: Vec<(Vec<u32>, Vec<u32>)>,
+        /// Answer tokens in the whole batch (the mean's denominator).
+        tokens: usize,
+    },
+}
+
+/// A rank's rows of a policy mini-batch, all `[rows, cols]` over `rows`.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct PolicyShard {
+    /// The prompts and responses.
+    pub rows: TokenRows,
+    /// Per-token advantages.
+    #[serde(with = "crate::wire::floats")]
+    pub advantages: Vec<f32>,
+    /// The behaviour policy's log-probs (`None`: the current ones).
+    #[serde(with = "crate::wire::opt_floats")]
+    pub old_logp: Option<Vec<f32>>,
+    /// The reference policy's log-probs.
+    #[serde(with = "crate::wire::opt_floats")]
+    pub ref_logp: Option<Vec<f32>>,
+    /// Normalisers of the whole mini-batch.
+    pub norm: AggNorm,
+}
+
+/// What a rank reports of its share.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Outcome {
+    /// Its metrics (losses already weighted by the whole mini-batch's normalisers).
+    #[serde(with = "crate::wire::metrics")]
+    pub metrics: Metrics,
+    /// Its response (or answer) tokens.
+    pub tokens: f64,
+    /// Positions of its padded batch.
+    pub positions: usize,
+}
+
+/// The ranks one optimiser step runs on.
+pub trait Ranks {
+    /// What a rank (or the link to it) can fail with.
+    type Error: From<crate::Error>;
+
+    /// How many there are.
+    fn count(&self) -> usize;
+
+    /// Rank `i` computes `work[i]`'s gradient (every rank at once, where they can), keeping it
+    /// for the next [`Ranks::step`].
+    fn gradients(&mut self, work: Vec<Work>) -> Result<Vec<Outcome>, Self::Error>;
+
+    /// Sums the ranks' gradients and applies the sum on every rank with its optimiser (one
+    /// decision everywhere: the same norm, clip and skip); clears the gradients.
+    fn step(&mut self) -> Result<StepReport, Self::Error>;
+}
+
+/// What a rank computes: the gradient of its share, added to `engine`'s summed gradients.
+pub fn gradient(engine: &mut dyn TrainEngine, work: &Work) -> Result<Outcome> {
+    match work {
+        Work::Policy { shard, cfg } => policy_gradient(engine, shard, cfg),
+        Work::Sft { examples, tokens } => sft_gradient(engine, examples, *tokens),
+    }
+}
+
+fn policy_gradient(
+    engine: &mut dyn TrainEngine,
+    shard: &PolicyShard,
+    cfg: &PolicyUpdate,
+) -> Result<Outcome> {
+    let rows = &shard.rows;
+    let Some(c) = rows.chunks(rows.shape.rows).next() else {
+        // More ranks than rows: this one adds nothing.
+        return Ok(Outcome::default());
+    };
+    let sc = engine.forward(&c.batch, cfg.temperature)?;
+    let logp = c.gather(&sc.logp);
+    let ent = c.gather(&sc.entropy);
+    let old = shard.old_logp.as_ref().unwrap_or(&logp);
+    let out = actor_loss(
+        &cfg.loss,
+        &shard.norm,
+        ActorInput {
+            shape: c.shape(),
+            logp: &logp,
+            old_logp: old,
+            advantages: &shard.advantages,
+            mask: &rows.mask,
+            entropy: Some(&ent),
+            ref_logp: shard.ref_logp.as_deref(),
+            is_weights: None,
+        },
+    )?;
+    engine.backward(&c.scatter(&out.grad), &c.scatter(&out.grad_entropy))?;
+    Ok(Outcome {
+        metrics: out.metrics,
+        tokens: rows.response_tokens(),
+        positions: c.batch.len(),
+    })
+}
+
+/// The SFT loss's name in an [`Outcome`].
+pub(crate) const SFT_LOSS: &str = "sft/loss";
+
+fn sft_gradient(
+    engine: &mut dyn TrainEngine,
+    examples: &[(Vec<u32>, Vec<u32>)],
+    tokens: usize,
+) -> Result<Outcome> {
+    if examples.is_empty() {
+        return Ok(Outcome::default());
+    }
+    let seqs: Vec<Vec<u32>> = examples
+        .iter()
+        .map(|(p, a)| p.iter().chain(a).copied().collect())
+        .collect();
+    let refs: Vec<&[u32]> = seqs.iter().map(|s| s.as_slice()).collect();
+    let batch = Batch::padded(&refs);
+    let mut d_logp = vec![0.0; batch.len()];
+    for (r, (p, a)) in examples.iter().enumerate() {
+        let at = r * batch.seq + p.len() - 1;
+        d_logp[at..at + a.len()].fill(-1.0 / tokens as f32);
+    }
+    let zeros = vec![0.0; batch.len()];
+    let scores = engine.forward_backward(&batch, 1.0, &d_logp, &zeros)?;
+    let loss: f64 = d_logp
+        .iter()
+        .zip(&scores.logp)
+        .map(|(g, l)| (g * l) as f64)
+        .sum();
+    Ok(Outcome {
+        metrics: [(SFT_LOSS.to_string(), loss)].into(),
+        tokens: examples.iter().map(|(_, a)| a.len() as f64).sum(),
+        positions: batch.len(),
+    })
+}
+
+/// Metrics that are sums over tokens weighted by the whole mini-batch's normalisers: the
+/// shares' values add up.
+const SUMMED: &[&str] = &[
+    "actor/pg_loss",
+    "actor/entropy",
+    "actor/kl_loss",
+    SFT_LOSS,
+];
+
+/// Metrics that are means over a share's tokens: weighted by its tokens.
+const TOKEN_MEANS: &[&str] = &["actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl"];
+
+/// The mini-batch's metrics from its shares' (any other metric, a coefficient, is the same on
+/// every share). One share's are returned as they are.
+pub fn merge(outcomes: &[Outcome]) -> Metrics {
+    if let [one] = outcomes {
+        return one.metrics.clone();
+    }
+    let tokens: f64 = outcomes.iter().map(|o| o.tokens).sum();
+    let mut m = Metrics::new();
+    for o in outcomes {
+        for (k, &v) in &o.metrics {
+            let add = if SUMMED.contains(&k.as_str()) {
+                v
+            } else if TOKEN_MEANS.contains(&k.as_str()) {
+                if tokens > 0.0 { v * o.tokens / tokens } else { 0.0 }
+            } else {
+                m.entry(k.clone()).or_insert(v);
+                continue;
+            };
+            *m.entry(k.clone()).or_insert(0.0) += add;
+        }
+    }
+    m
+}
+
+/// Rows `r0..r1` cut into `n` consecutive shares, as even as they can be (the first ones one
+/// row longer).
+pub fn split(r0: usize, r1: usize, n: usize) -> Vec<(usize, usize)> {
+    let n = n.max(1);
+    let (len, extra) = ((r1 - r0) / n, (r1 - r0) % n);
+    let mut at = r0;
+    (0..n)
+        .map(|i| {
+            let end = at + len + usize::from(i < extra);
+            let s = (at, end);
+            at = end;
+            s
+        })
+        .collect()
+}
+
+/// One engine in this process with its optimiser: one rank.
+pub struct OneEngine<'a> {
+    /// The engine.
+    pub engine: &'a mut dyn TrainEngine,
+    /// Its optimiser.
+    pub opt: &'a mut Optimizer,
+}
+
+impl Ranks for OneEngine<'_> {
+    type Error = crate::Error;
+
+    fn count(&self) -> usize {
+        1
+    }
+
+    fn gradients(&mut self, work: Vec<Work>) -> Result<Vec<Outcome>> {
+        work.iter().map(|w| gradient(self.engine, w)).collect()
+    }
+
+    fn step(&mut self) -> Result<StepReport> {
+        self.engine.step(self.opt)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::algo::layout::Row;
+    use crate::algo::policy::{PolicyBatch, update, update_ranks};
+    use crate::engine::{Backend, open};
+    use crate::optim::LrSchedule;
+    use crate::rl::agg::LossAgg;
+    use crate::rl::kl::Kl;
+    use crate::rl::loss::PolicyLossConfig;
+    use crate::{Model, ModelConfig};
+
+    /// Ranks as several engines in this process, their gradients summed in rank order.
+    struct InProcess {
+        engines: Vec<Box<dyn TrainEngine>>,
+        opts: Vec<Optimizer>,
+    }
+
+    impl Ranks for InProcess {
+        type Error = crate::Error;
+        fn count(&self) -> usize {
+            self.engines.len()
+        }
+        fn gradients(&mut self, work: Vec<Work>) -> Result<Vec<Outcome>> {
+            (self.engines.iter_mut().zip(&work))
+                .map(|(e, w)| gradient(&mut **e, w))
+                .collect()
+        }
+        fn step(&mut self) -> Result<StepReport> {
+            let mut sum = crate::wire::flatten(self.engines[0].gradients_mut()?);
+            for e in &mut self.engines[1..] {
+                let g = crate::wire::flatten(e.gradients_mut()?);
+                sum.iter_mut().zip(g).for_each(|(s, g)| *s += g);
+            }
+            let mut reports = Vec::new();
+            for (e, o) in self.engines.iter_mut().zip(&mut self.opts) {
+                crate::wire::unflatten_into(e.gradients_mut()?, &sum)?;
+                reports.push(e.step(o)?);
+            }
+            assert!(reports.windows(2).all(|w| w[0] == w[1]), "{reports:?}");
+            Ok(reports[0])
+        }
+    }
+
+    fn model() -> Model {
+        let cfg = serde_json::json!({"model_type": "qwen2", "vocab_size": 40, "hidden_size": 16,
+            "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+            "num_key_value_heads": 1, "max_position_embeddings": 32});
+        Model::init(ModelConfig::from_json(cfg, std::path::Path::new("t")).unwrap(), 5)
+    }
+
+    /// Data parallelism changes where the arithmetic runs, not what it computes: every loss and
+    /// aggregation on 2 and 3 ranks gives the metrics and weights of one engine (to the
+    /// rounding of a different summation order).
+    #[test]
+    fn ranks_train_as_one_engine_does() {
+        let prompts: [&[u32]; 5] = [&[1, 2, 3], &[4, 5], &[6, 7, 8, 9], &[10], &[3, 3]];
+        let responses: [&[u32]; 5] = [&[11, 12], &[13, 14, 15], &[16], &[17, 18, 19, 20], &[]];
+        let rows = TokenRows::new((0..5).map(|i| Row {
+            prompt: prompts[i],
+            response: responses[i],
+            group: (i / 2) as u64,
+        }));
+        let adv: Vec<f32> = (0..rows.shape.len())
+            .map(|i| ((i * 5 % 7) as f32 - 3.0) * 0.4)
+            .collect();
+        let old: Vec<f32> = (0..rows.shape.len()).map(|i| -2.0 - (i % 3) as f32 * 0.1).collect();
+        let reference: Vec<f32> = old.iter().map(|v| v - 0.05).collect();
+        let kl = Some(("low_var_kl".parse::<Kl>().unwrap(), 0.1));
+        for (agg, entropy_coeff, kl, rows_per_update, with_old) in [
+            (LossAgg::TokenMean, 0.01, None, 2, false),
+            (LossAgg::SeqMeanTokenMean, 0.0, kl, 3, true),
+            (LossAgg::SeqMeanTokenSumNorm { scale: None }, 0.0, None, 5, true),
+            (LossAgg::TokenSum, 0.02, kl, 1, false),
+        ] {
+            let cfg = PolicyUpdate {
+                loss: PolicyLossConfig {
+                    entropy_coeff,
+                    kl,
+                    ..Default::default()
+                },
+                agg,
+                temperature: 0.8,
+                epochs: 2,
+                rows_per_update,
+            };
+            let batch = PolicyBatch {
+                rows: &rows,
+                advantages: &adv,
+                old_logp: with_old.then_some(&old[..]),
+                ref_logp: kl.map(|_| &reference[..]),
+            };
+            let m = model();
+            let opt = Optimizer::new(&m.params, Default::default(), LrSchedule::constant(1e-2), Some(1.0));
+            let mut one = open(m.clone(), Backend::Native).unwrap();
+            let mut one_opt = opt.clone();
+            let want = update(&mut *one, &mut one_opt, batch, &cfg).unwrap();
+            let sft = [(vec![1u32, 2], vec![3u32, 4]), (vec![5], vec![6, 7, 8]), (vec![9], vec![1])];
+            let want_sft = crate::algo::sft::step(&mut *one, &mut one_opt, &sft).unwrap();
+            for n in [2, 3] {
+                let mut ranks = InProcess {
+                    engines: (0..n).map(|_| open(m.clone(), Backend::Native).unwrap()).collect(),
+                    opts: vec![opt.clone(); n],
+                };
+                let got = update_ranks(&mut ranks, batch, &cfg).unwrap();
+                let close = |a: f64, b: f64| (a - b).abs() <= 1e-5 * b.abs().max(1.0);
+                assert_eq!(got.keys().collect::<Vec<_>>(), want.keys().collect::<Vec<_>>());
+                for (k, v) in &want {
+                    assert!(close(got[k], *v), "{agg:?} on {n} ranks: {k} {} vs {v}", got[k]);
+                }
+                let got_sft = crate::algo::sft::step_ranks(&mut ranks, &sft).unwrap();
+                assert!(close(got_sft.loss, want_sft.loss), "{} vs {}", got_sft.loss, want_sft.loss);
+                // Adam divides by √v: on weights whose gradient is near zero a rounding
+                // difference moves them by a part of a step (lr 1e-2, 5 steps).
+                for e in &mut ranks.engines {
+                    let (a, b) = (&e.model().unwrap().params, &one.model().unwrap().params);
+                    let worst = (crate::wire::flatten(a).iter().zip(crate::wire::flatten(b)))
+                        .map(|(x, y)| (x - y).abs())
+                        .fold(0.0f32, f32::max);
+                    assert!(worst <= 1e-4, "{agg:?} on {n} ranks: weights differ by {worst}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn shares_are_consecutive_and_even() {
+        for (r0, r1, n, want) in [
+            (0, 4, 2, vec![(0, 2), (2, 4)]),
+            (3, 8, 2, vec![(3, 6), (6, 8)]),
+            (0, 1, 3, vec![(0, 1), (1, 1), (1, 1)]),
+            (2, 9, 1, vec![(2, 9)]),
+        ] {
+            assert_eq!(split(r0, r1, n), want, "{r0}..{r1} over {n}");
+        }
+    }
+
+    #[test]
+    fn shares_metrics_add_up_by_kind() {
+        let out = |pg: f64, clip: f64, tokens: f64| Outcome {
+            metrics: [
+                ("actor/pg_loss".to_string(), pg),
+                ("actor/pg_clipfrac".into(), clip),
+                ("actor/kl_coef".into(), 0.1),
+            ]
+            .into(),
+            tokens,
+            positions: 0,
+        };
+        let m = merge(&[out(1.0, 0.5, 2.0), out(2.0, 0.0, 6.0), Outcome::default()]);
+        assert_eq!(m["actor/pg_loss"], 3.0);
+        assert_eq!(m["actor/pg_clipfrac"], 0.125);
+        assert_eq!(m["actor/kl_coef"], 0.1);
+    }
+}

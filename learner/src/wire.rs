@@ -1,0 +1,157 @@
+//! How the learner's data crosses a process boundary in a serde format (the actor runtime's
+//! JSON calls): f32 arrays as base64 of their little-endian bytes — exact, and a third larger
+//! than the bytes instead of ten characters a number —, metrics as their bit patterns (exact,
+//! NaN included, where JSON has no NaN), and a model's tensors as one flat array in layout
+//! order.
+//!
+//! Owns: those encodings. Never: decides what is sent, or to whom.
+
+use crate::error::{Error, Result};
+use crate::params::Params;
+use base64::Engine as _;
+use base64::engine::general_purpose::STANDARD;
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+/// `#[serde(with = "wire::floats")]` on a `Vec<f32>`.
+pub mod floats {
+    use super::*;
+
+    /// As base64 of the little-endian bytes.
+    pub fn serialize<S: Serializer>(v: &[f32], s: S) -> Result<S::Ok, S::Error> {
+        let mut bytes = Vec::with_capacity(v.len() * 4);
+        for x in v {
+            bytes.extend_from_slice(&x.to_le_bytes());
+        }
+        STANDARD.encode(bytes).serialize(s)
+    }
+
+    /// Back from [`serialize`]'s text.
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<f32>, D::Error> {
+        let text = String::deserialize(d)?;
+        decode(&text).map_err(serde::de::Error::custom)
+    }
+
+    pub(super) fn decode(text: &str) -> Result<Vec<f32>, String> {
+        let bytes = STANDARD
+            .decode(text)
+            .map_err(|e| format!("f32 array: not base64: {e}"))?;
+        if bytes.len() % 4 != 0 {
+            return Err(format!("f32 array: {} bytes, not a multiple of 4", bytes.len()));
+        }
+        Ok(bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect())
+    }
+}
+
+/// `#[serde(with = "wire::opt_floats")]` on an `Option<Vec<f32>>`.
+pub mod opt_floats {
+    use super::*;
+
+    /// `None`, or [`floats`]' text.
+    pub fn serialize<S: Serializer>(v: &Option<Vec<f32>>, s: S) -> Result<S::Ok, S::Error> {
+        #[derive(Serialize)]
+        struct W<'a>(#[serde(with = "super::floats")] &'a [f32]);
+        v.as_deref().map(W).serialize(s)
+    }
+
+    /// Back from [`serialize`]'s value.
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Vec<f32>>, D::Error> {
+        Option::<String>::deserialize(d)?
+            .map(|t| floats::decode(&t).map_err(serde::de::Error::custom))
+            .transpose()
+    }
+}
+
+/// `#[serde(with = "wire::metrics")]` on a [`crate::rl::Metrics`]: each value as its bits.
+pub mod metrics {
+    use super::*;
+    use crate::rl::Metrics;
+    use std::collections::BTreeMap;
+
+    /// Name → the value's IEEE-754 bits.
+    pub fn serialize<S: Serializer>(m: &Metrics, s: S) -> Result<S::Ok, S::Error> {
+        let bits: BTreeMap<&str, u64> = m.iter().map(|(k, v)| (k.as_str(), v.to_bits())).collect();
+        bits.serialize(s)
+    }
+
+    /// Back from [`serialize`]'s map.
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Metrics, D::Error> {
+        let bits = BTreeMap::<String, u64>::deserialize(d)?;
+        Ok(bits.into_iter().map(|(k, b)| (k, f64::from_bits(b))).collect())
+    }
+}
+
+/// Every value of `p`, tensor after tensor in layout order.
+pub fn flatten(p: &Params) -> Vec<f32> {
+    let mut out = Vec::with_capacity(p.numel());
+    for t in &p.tensors {
+        out.extend_from_slice(&t.data);
+    }
+    out
+}
+
+/// Overwrites `p`'s values with `flat` (as [`flatten`] lays them out).
+pub fn unflatten_into(p: &mut Params, flat: &[f32]) -> Result<()> {
+    if flat.len() != p.numel() {
+        return Err(Error::Ranks(format!(
+            "{} values for a model of {}",
+            flat.len(),
+            p.numel()
+        )));
+    }
+    let mut at = 0;
+    for t in &mut p.tensors {
+        let n = t.data.len();
+        t.data.copy_from_slice(&flat[at..at + n]);
+        at += n;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug, PartialEq, Serialize, Deserialize)]
+    struct Msg {
+        #[serde(with = "floats")]
+        v: Vec<f32>,
+        #[serde(with = "opt_floats")]
+        o: Option<Vec<f32>>,
+        #[serde(with = "metrics")]
+        m: crate::rl::Metrics,
+    }
+
+    #[test]
+    fn arrays_and_metrics_come_back_bit_for_bit() {
+        let odd = [
+            0.1f32,
+            -0.0,
+            f32::MIN_POSITIVE / 3.0,
+            f32::MAX,
+            f32::INFINITY,
+            1.0e-45,
+            16_777_217.0,
+        ];
+        let msg = Msg {
+            v: odd.to_vec(),
+            o: Some(vec![3.5]),
+            m: [("a".to_string(), f64::NAN), ("b".into(), 0.1 + 0.2)].into(),
+        };
+        let json = serde_json::to_string(&msg).unwrap();
+        let back: Msg = serde_json::from_str(&json).unwrap();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&back.v), bits(&msg.v));
+        assert_eq!(back.o, msg.o);
+        assert!(back.m["a"].is_nan());
+        assert_eq!(back.m["b"].to_bits(), (0.1f64 + 0.2).to_bits());
+        let none: Msg = serde_json::from_str(r#"{"v":"","o":null,"m":{}}"#).unwrap();
+        assert_eq!(none.o, None);
+        for bad in [r#"{"v":"***","o":null,"m":{}}"#, r#"{"v":"AAA=","o":null,"m":{}}"#] {
+            let err = serde_json::from_str::<Msg>(bad).unwrap_err().to_string();
+            assert!(err.contains("f32 array"), "{err}");
+        }
+    }
+}
