@@ -36,7 +36,10 @@ pub mod floats {
             .decode(text)
             .map_err(|e| format!("f32 array: not base64: {e}"))?;
         if bytes.len() % 4 != 0 {
-            return Err(format!("f32 array: {} bytes, not a multiple of 4", bytes.len()));
+            return Err(format!(
+                "f32 array: {} bytes, not a multiple of 4",
+                bytes.len()
+            ));
         }
         Ok(bytes
             .chunks_exact(4)
@@ -79,7 +82,10 @@ pub mod metrics {
     /// Back from [`serialize`]'s map.
     pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Metrics, D::Error> {
         let bits = BTreeMap::<String, u64>::deserialize(d)?;
-        Ok(bits.into_iter().map(|(k, b)| (k, f64::from_bits(b))).collect())
+        Ok(bits
+            .into_iter()
+            .map(|(k, b)| (k, f64::from_bits(b)))
+            .collect())
     }
 }
 
@@ -110,6 +116,49 @@ pub fn unflatten_into(p: &mut Params, flat: &[f32]) -> Result<()> {
     Ok(())
 }
 
+/// The values `offset..offset + len` of `p`, as [`flatten`] lays them out (a slice of a model
+/// too large for one message).
+pub fn read_range(p: &Params, offset: usize, len: usize) -> Result<Vec<f32>> {
+    check_range(p, offset, len)?;
+    let mut out = Vec::with_capacity(len);
+    let mut at = 0;
+    for t in &p.tensors {
+        let n = t.data.len();
+        let (lo, hi) = (offset.max(at), (offset + len).min(at + n));
+        if lo < hi {
+            out.extend_from_slice(&t.data[lo - at..hi - at]);
+        }
+        at += n;
+    }
+    Ok(out)
+}
+
+/// Overwrites the values `offset..offset + values.len()` of `p`.
+pub fn write_range(p: &mut Params, offset: usize, values: &[f32]) -> Result<()> {
+    check_range(p, offset, values.len())?;
+    let mut at = 0;
+    for t in &mut p.tensors {
+        let n = t.data.len();
+        let (lo, hi) = (offset.max(at), (offset + values.len()).min(at + n));
+        if lo < hi {
+            t.data[lo - at..hi - at].copy_from_slice(&values[lo - offset..hi - offset]);
+        }
+        at += n;
+    }
+    Ok(())
+}
+
+fn check_range(p: &Params, offset: usize, len: usize) -> Result<()> {
+    if offset.checked_add(len).is_none_or(|end| end > p.numel()) {
+        return Err(Error::Ranks(format!(
+            "values {offset}..{} of a model of {}",
+            offset.saturating_add(len),
+            p.numel()
+        )));
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -122,6 +171,23 @@ mod tests {
         o: Option<Vec<f32>>,
         #[serde(with = "metrics")]
         m: crate::rl::Metrics,
+    }
+
+    #[test]
+    fn ranges_cross_tensors() {
+        let mut p = Params::zeros(&[("a".into(), vec![3]), ("b".into(), vec![2, 2])]);
+        let all: Vec<f32> = (0..7).map(|i| i as f32).collect();
+        unflatten_into(&mut p, &all).unwrap();
+        assert_eq!(flatten(&p), all);
+        assert_eq!(read_range(&p, 2, 3).unwrap(), [2.0, 3.0, 4.0]);
+        write_range(&mut p, 1, &[9.0, 8.0, 7.0]).unwrap();
+        assert_eq!(flatten(&p), [0.0, 9.0, 8.0, 7.0, 4.0, 5.0, 6.0]);
+        assert_eq!(read_range(&p, 7, 0).unwrap(), Vec::<f32>::new());
+        for (off, len) in [(6, 2), (usize::MAX, 2)] {
+            let e = read_range(&p, off, len).unwrap_err().to_string();
+            assert!(e.contains("of a model of 7"), "{e}");
+        }
+        assert!(unflatten_into(&mut p, &[1.0]).is_err());
     }
 
     #[test]
@@ -149,7 +215,10 @@ mod tests {
         assert_eq!(back.m["b"].to_bits(), (0.1f64 + 0.2).to_bits());
         let none: Msg = serde_json::from_str(r#"{"v":"","o":null,"m":{}}"#).unwrap();
         assert_eq!(none.o, None);
-        for bad in [r#"{"v":"***","o":null,"m":{}}"#, r#"{"v":"AAA=","o":null,"m":{}}"#] {
+        for bad in [
+            r#"{"v":"***","o":null,"m":{}}"#,
+            r#"{"v":"AAA=","o":null,"m":{}}"#,
+        ] {
             let err = serde_json::from_str::<Msg>(bad).unwrap_err().to_string();
             assert!(err.contains("f32 array"), "{err}");
         }

@@ -170,15 +170,14 @@ fn sft_gradient(
 
 /// Metrics that are sums over tokens weighted by the whole mini-batch's normalisers: the
 /// shares' values add up.
-const SUMMED: &[&str] = &[
-    "actor/pg_loss",
-    "actor/entropy",
-    "actor/kl_loss",
-    SFT_LOSS,
-];
+const SUMMED: &[&str] = &["actor/pg_loss", "actor/entropy", "actor/kl_loss", SFT_LOSS];
 
 /// Metrics that are means over a share's tokens: weighted by its tokens.
-const TOKEN_MEANS: &[&str] = &["actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl"];
+const TOKEN_MEANS: &[&str] = &[
+    "actor/pg_clipfrac",
+    "actor/pg_clipfrac_lower",
+    "actor/ppo_kl",
+];
 
 /// The mini-batch's metrics from its shares' (any other metric, a coefficient, is the same on
 /// every share). One share's are returned as they are.
@@ -193,7 +192,11 @@ pub fn merge(outcomes: &[Outcome]) -> Metrics {
             let add = if SUMMED.contains(&k.as_str()) {
                 v
             } else if TOKEN_MEANS.contains(&k.as_str()) {
-                if tokens > 0.0 { v * o.tokens / tokens } else { 0.0 }
+                if tokens > 0.0 {
+                    v * o.tokens / tokens
+                } else {
+                    0.0
+                }
             } else {
                 m.entry(k.clone()).or_insert(v);
                 continue;
@@ -292,7 +295,10 @@ mod tests {
         let cfg = serde_json::json!({"model_type": "qwen2", "vocab_size": 40, "hidden_size": 16,
             "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
             "num_key_value_heads": 1, "max_position_embeddings": 32});
-        Model::init(ModelConfig::from_json(cfg, std::path::Path::new("t")).unwrap(), 5)
+        Model::init(
+            ModelConfig::from_json(cfg, std::path::Path::new("t")).unwrap(),
+            5,
+        )
     }
 
     /// Data parallelism changes where the arithmetic runs, not what it computes: every loss and
@@ -310,13 +316,21 @@ mod tests {
         let adv: Vec<f32> = (0..rows.shape.len())
             .map(|i| ((i * 5 % 7) as f32 - 3.0) * 0.4)
             .collect();
-        let old: Vec<f32> = (0..rows.shape.len()).map(|i| -2.0 - (i % 3) as f32 * 0.1).collect();
+        let old: Vec<f32> = (0..rows.shape.len())
+            .map(|i| -2.0 - (i % 3) as f32 * 0.1)
+            .collect();
         let reference: Vec<f32> = old.iter().map(|v| v - 0.05).collect();
         let kl = Some(("low_var_kl".parse::<Kl>().unwrap(), 0.1));
         for (agg, entropy_coeff, kl, rows_per_update, with_old) in [
             (LossAgg::TokenMean, 0.01, None, 2, false),
             (LossAgg::SeqMeanTokenMean, 0.0, kl, 3, true),
-            (LossAgg::SeqMeanTokenSumNorm { scale: None }, 0.0, None, 5, true),
+            (
+                LossAgg::SeqMeanTokenSumNorm { scale: None },
+                0.0,
+                None,
+                5,
+                true,
+            ),
             (LossAgg::TokenSum, 0.02, kl, 1, false),
         ] {
             let cfg = PolicyUpdate {
@@ -337,25 +351,48 @@ mod tests {
                 ref_logp: kl.map(|_| &reference[..]),
             };
             let m = model();
-            let opt = Optimizer::new(&m.params, Default::default(), LrSchedule::constant(1e-2), Some(1.0));
+            let opt = Optimizer::new(
+                &m.params,
+                Default::default(),
+                LrSchedule::constant(1e-2),
+                Some(1.0),
+            );
             let mut one = open(m.clone(), Backend::Native).unwrap();
             let mut one_opt = opt.clone();
             let want = update(&mut *one, &mut one_opt, batch, &cfg).unwrap();
-            let sft = [(vec![1u32, 2], vec![3u32, 4]), (vec![5], vec![6, 7, 8]), (vec![9], vec![1])];
+            let sft = [
+                (vec![1u32, 2], vec![3u32, 4]),
+                (vec![5], vec![6, 7, 8]),
+                (vec![9], vec![1]),
+            ];
             let want_sft = crate::algo::sft::step(&mut *one, &mut one_opt, &sft).unwrap();
             for n in [2, 3] {
                 let mut ranks = InProcess {
-                    engines: (0..n).map(|_| open(m.clone(), Backend::Native).unwrap()).collect(),
+                    engines: (0..n)
+                        .map(|_| open(m.clone(), Backend::Native).unwrap())
+                        .collect(),
                     opts: vec![opt.clone(); n],
                 };
                 let got = update_ranks(&mut ranks, batch, &cfg).unwrap();
                 let close = |a: f64, b: f64| (a - b).abs() <= 1e-5 * b.abs().max(1.0);
-                assert_eq!(got.keys().collect::<Vec<_>>(), want.keys().collect::<Vec<_>>());
+                assert_eq!(
+                    got.keys().collect::<Vec<_>>(),
+                    want.keys().collect::<Vec<_>>()
+                );
                 for (k, v) in &want {
-                    assert!(close(got[k], *v), "{agg:?} on {n} ranks: {k} {} vs {v}", got[k]);
+                    assert!(
+                        close(got[k], *v),
+                        "{agg:?} on {n} ranks: {k} {} vs {v}",
+                        got[k]
+                    );
                 }
                 let got_sft = crate::algo::sft::step_ranks(&mut ranks, &sft).unwrap();
-                assert!(close(got_sft.loss, want_sft.loss), "{} vs {}", got_sft.loss, want_sft.loss);
+                assert!(
+                    close(got_sft.loss, want_sft.loss),
+                    "{} vs {}",
+                    got_sft.loss,
+                    want_sft.loss
+                );
                 // Adam divides by √v: on weights whose gradient is near zero a rounding
                 // difference moves them by a part of a step (lr 1e-2, 5 steps).
                 for e in &mut ranks.engines {
@@ -363,7 +400,10 @@ mod tests {
                     let worst = (crate::wire::flatten(a).iter().zip(crate::wire::flatten(b)))
                         .map(|(x, y)| (x - y).abs())
                         .fold(0.0f32, f32::max);
-                    assert!(worst <= 1e-4, "{agg:?} on {n} ranks: weights differ by {worst}");
+                    assert!(
+                        worst <= 1e-4,
+                        "{agg:?} on {n} ranks: weights differ by {worst}"
+                    );
                 }
             }
         }

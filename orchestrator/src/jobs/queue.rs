@@ -260,7 +260,10 @@ impl Queue {
         });
         let state = match planned {
             Ok(plan) => match &self.worker {
-                Some(worker) if plan.rollout.placement == Placement::Local => {
+                Some(worker)
+                    if plan.rollout.placement == Placement::Local
+                        && plan.learner.placement == Placement::Local =>
+                {
                     self.run_in_process(id, &dir, worker, control)
                 }
                 _ => {

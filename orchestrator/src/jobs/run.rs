@@ -11,12 +11,13 @@
 
 use crate::exec::{ExecError, Executor, Prompts, Roles, Summary};
 use crate::plan::{LearnerEngine, ModelSource, Plan, PlanError, RolloutEngine};
+use crate::pools::learner::{LearnerPool, LearnerStart};
 use crate::pools::rollout::{PoolStart, RolloutPool};
-use crate::pools::{Cluster, PoolError};
+use crate::pools::{Cluster, ClusterHead, PoolError};
 use crate::record::mlflow::Mlflow;
 use crate::record::tensorboard::TensorBoard;
 use crate::record::{Event, JsonlSink, LiveStatus, RecordError, Recorder, Records, StoreSink};
-use crate::roles::{LocalPolicy, LocalRoles};
+use crate::roles::{LocalPolicy, LocalRoles, Policy};
 use crate::store::{Job, JobState, JobStatus, JobStore, Progress, Store, StoreError};
 use kernels::tensor::WeightSnapshot;
 use learner::Model;
@@ -512,7 +513,7 @@ fn run(
         RolloutPool::new(PoolStart {
             plan: &plan.rollout,
             config: &model.config,
-            weights,
+            weights: weights.clone(),
             cluster: cluster.as_ref(),
             stop: &stop,
             run_dir: dir,
@@ -520,19 +521,59 @@ fn run(
             note: &mut note,
         })
         .map_err(|e| match e {
-            PoolError::StoppedWaiting => JobError::StoppedWaiting { resume },
+            PoolError::StoppedWaiting => JobError::StoppedWaiting {
+                resume: resume.clone(),
+            },
             e => e.into(),
         })?
     };
-    let engine = learner::engine::open(model, backend)?;
-    tracing::info!(
-        on = engine.describe(),
-        "learner on the {} engine",
-        policy_engine(&plan.learner.engine)
-    );
-    let policy = LocalPolicy::new(engine, assets);
+    let mut learner_ranks = None;
+    let policy: Box<dyn Policy> = if plan.learner.on_actors() {
+        // One port for the job's agents: a learner pool on agents places its ranks through the
+        // head the rollout pool started, when it started one.
+        let shared = pool
+            .own_head()
+            .zip(cluster.as_ref())
+            .map(|(head, c)| Cluster {
+                head: ClusterHead::Shared(head),
+                wait: c.wait,
+            });
+        let mut note = |text: &str| {
+            let _ = records.event(Event::Note { text, always: true });
+        };
+        let ranks = LearnerPool::start(LearnerStart {
+            count: plan.learner.count,
+            placement: plan.learner.placement,
+            device: plan.learner.device,
+            cluster: shared.as_ref().or(cluster.as_ref()),
+            stop: &stop,
+            note: &mut note,
+            config: &model.config,
+            weights,
+            assets,
+        })
+        .map_err(|e| match e {
+            PoolError::StoppedWaiting => JobError::StoppedWaiting { resume },
+            e => e.into(),
+        })?;
+        tracing::info!(
+            ranks = plan.learner.count,
+            "learner on data-parallel ranks of the native engine"
+        );
+        learner_ranks = Some(ranks.locations());
+        Box::new(ranks)
+    } else {
+        drop(weights);
+        let engine = learner::engine::open(model, backend)?;
+        tracing::info!(
+            on = engine.describe(),
+            "learner on the {} engine",
+            policy_engine(&plan.learner.engine)
+        );
+        Box::new(LocalPolicy::new(engine, assets))
+    };
     let roles = Roles {
-        policy: Box::new(policy),
+        policy,
         rollouts: Arc::new(pool),
         maker: Box::new(LocalRoles),
     };
@@ -554,6 +595,9 @@ fn run(
         // Always said: where the engines run is the first thing to check on a cluster.
         let line = format!("rollout pool: {}", executor.rollout_locations().join(", "));
         executor.note(&line, true)?;
+    }
+    if let Some(ranks) = learner_ranks {
+        executor.note(&format!("learner ranks: {}", ranks.join(", ")), true)?;
     }
     Ok(executor.run()?)
 }

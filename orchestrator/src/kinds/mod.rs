@@ -4,9 +4,12 @@
 //! Owns: each kind's start config, requests and responses. Never: routes calls between actors
 //! or restarts them (the pools and the actor runtime do).
 
+pub mod learner;
 pub mod rollout;
 
 /// Every actor kind an agent of this build can host.
 pub fn registry() -> actors::Registry {
-    actors::builtin::registry().with::<rollout::RolloutActor>()
+    actors::builtin::registry()
+        .with::<rollout::RolloutActor>()
+        .with::<learner::LearnerActor>()
 }

@@ -490,15 +490,6 @@ fn learner(p: &schema::Pool, e: &Errs<'_>) -> Result<LearnerPlan, PlanError> {
             "is 0: a pool needs at least one engine",
         ));
     }
-    if p.placement != schema::Placement::Local {
-        return Err(e.at(
-            "pools.learner.placement",
-            format!(
-                "`{}` cannot be placed: this build trains in the driver process (placement: local)",
-                placement_name(p.placement)
-            ),
-        ));
-    }
     if !p.endpoints.is_empty() {
         return Err(e.at(
             "pools.learner.endpoints",
@@ -524,22 +515,22 @@ fn learner(p: &schema::Pool, e: &Errs<'_>) -> Result<LearnerPlan, PlanError> {
                 ),
             ));
         }
-        Engine::Native if p.count != 1 => {
-            return Err(e.at(
-                "pools.learner.count",
-                format!(
-                    "is {}: the learner trains on one engine (data parallelism over several is not built yet)",
-                    p.count
-                ),
-            ));
-        }
         Engine::Native => LearnerEngine::Native,
         Engine::Pjrt if p.count != 1 => {
             return Err(e.at(
                 "pools.learner.count",
                 format!(
-                    "is {}: the pjrt learner trains on one device (data parallelism over several is not built yet)",
+                    "is {}: the pjrt learner trains on one device (data parallelism over pjrt devices needs the device's collectives, not built yet; engine: native takes several ranks)",
                     p.count
+                ),
+            ));
+        }
+        Engine::Pjrt if p.placement != schema::Placement::Local => {
+            return Err(e.at(
+                "pools.learner.placement",
+                format!(
+                    "`{}` cannot be placed: the pjrt learner trains in the driver process (placement: local); engine: native ranks run on agents",
+                    placement_name(p.placement)
                 ),
             ));
         }
@@ -557,7 +548,12 @@ fn learner(p: &schema::Pool, e: &Errs<'_>) -> Result<LearnerPlan, PlanError> {
             ));
         }
     };
-    Ok(LearnerPlan { engine })
+    Ok(LearnerPlan {
+        engine,
+        count: p.count,
+        placement: placement(p.placement),
+        device: p.device,
+    })
 }
 
 fn engine_name(e: Engine) -> &'static str {

@@ -161,6 +161,21 @@ pub struct ExternalPlan {
 pub struct LearnerPlan {
     /// Which engine trains the policy.
     pub engine: LearnerEngine,
+    /// Data-parallel ranks (1: the policy trains on one engine).
+    pub count: usize,
+    /// Where the ranks run. One rank in the driver process (`count: 1`, `local`) is the
+    /// policy on an engine of this process; anything else is learner actors.
+    pub placement: Placement,
+    /// The device each rank occupies.
+    pub device: Device,
+}
+
+impl LearnerPlan {
+    /// Whether the policy trains on learner actors (several ranks, or ranks on agents) rather
+    /// than on one engine in the driver process.
+    pub fn on_actors(&self) -> bool {
+        self.count > 1 || self.placement != Placement::Local
+    }
 }
 
 /// A training engine.

@@ -242,8 +242,13 @@ fn bad_workflows_get_messages_that_say_where_and_why() {
         ),
         (
             "stages:\n",
-            "pools: {learner: {placement: spread}}\nstages:\n",
-            "t.yaml: pools.learner.placement: `spread` cannot be placed: this build trains in the driver process (placement: local)",
+            "pools: {learner: {engine: pjrt, placement: spread}}\nstages:\n",
+            "t.yaml: pools.learner.placement: `spread` cannot be placed: the pjrt learner trains in the driver process (placement: local); engine: native ranks run on agents",
+        ),
+        (
+            "stages:\n",
+            "pools: {learner: {count: 0}}\nstages:\n",
+            "t.yaml: pools.learner.count: is 0: a pool needs at least one engine",
         ),
         (
             "stages:\n",

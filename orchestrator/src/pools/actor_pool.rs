@@ -75,7 +75,9 @@ impl<A: Actor> ActorPool<A> {
                 (None, actors)
             }
             Placement::Agents(strategy) => {
-                let cluster = shape.cluster.ok_or(PoolError::NoCluster)?;
+                let cluster = shape.cluster.ok_or_else(|| PoolError::NoCluster {
+                    pool: shape.name.into(),
+                })?;
                 let spec = PoolSpec {
                     name: shape.name.into(),
                     kind: A::KIND.into(),
@@ -130,6 +132,12 @@ impl<A: Actor> ActorPool<A> {
             head,
             current,
         })
+    }
+
+    /// The head this pool started (`trellis train --listen`), for another pool of the job to
+    /// place its actors through: one port for the job's agents.
+    pub fn own_head(&self) -> Option<Head> {
+        self.head.clone()
     }
 
     /// The actors.

@@ -7,6 +7,7 @@
 
 pub mod actor_pool;
 pub mod external;
+pub mod learner;
 pub mod rollout;
 
 use actors::{ActorError, ActorRef, Head, Token};
@@ -47,9 +48,12 @@ pub enum PoolError {
     },
     /// Agents are needed and no place to meet them was given.
     #[error(
-        "pools.rollout.placement places engines on agents: run with --listen ADDR --token-file FILE and start agents with `trellis agent --head http://ADDR --token-file FILE`"
+        "pools.{pool}.placement places actors on agents: run with --listen ADDR --token-file FILE and start agents with `trellis agent --head http://ADDR --token-file FILE`"
     )]
-    NoCluster,
+    NoCluster {
+        /// The pool (`rollout`, `learner`).
+        pool: String,
+    },
     /// The head could not listen.
     #[error("cannot listen on {listen}: {message}")]
     Listen {
@@ -59,14 +63,14 @@ pub enum PoolError {
         message: String,
     },
     /// Asked to stop while waiting for agents.
-    #[error("stopped on request while waiting for agents that can take the rollout pool")]
+    #[error("stopped on request while waiting for agents that can take the job's pools")]
     StoppedWaiting,
     /// The pool's own runtime or tasks failed.
     #[error("rollout pool: {0}")]
     Runtime(String),
     /// The probe model of an external pool.
     #[error(transparent)]
-    Learner(#[from] learner::Error),
+    Learner(#[from] ::learner::Error),
     /// A file of an external pool's weight folders.
     #[error("{path}: {source}")]
     Io {

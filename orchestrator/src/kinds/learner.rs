@@ -1,0 +1,270 @@
+//! The `learner` actor kind: one data-parallel rank of the policy — a training engine with its
+//! optimiser — in this process or on an agent. It computes the gradient of its share of each
+//! mini-batch ([`learner::algo::dp::gradient`]), hands it out and takes the ranks' sum back in
+//! slices that fit one message, and applies the sum with its optimiser; the driver's
+//! [`crate::pools::learner::LearnerPool`] makes the ranks one policy.
+//!
+//! A rank counts the optimiser steps it has applied, and every request says how many the
+//! driver expects: a rank that restarted (its weights back to the pool's first ones, its
+//! optimiser gone) refuses instead of training from the wrong weights.
+
+use actors::{Actor, CallError};
+use kernels::tensor::WeightSnapshot;
+use learner::algo::TokenRows;
+use learner::algo::dp::{Outcome, Work};
+use learner::engine::{Backend, TrainEngine};
+use learner::optim::{LrSchedule, Optimizer, StepReport};
+use learner::{Model, ModelConfig, Params, wire};
+use serde::{Deserialize, Serialize};
+use std::path::Path;
+use std::sync::Arc;
+
+/// How a learner rank starts: the model's shape (its weights arrive by `load_weights`).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct LearnerConfig {
+    /// The model's Hugging Face `config.json` fields.
+    pub model: serde_json::Value,
+}
+
+/// A request, with the optimiser steps the driver expects the rank to have applied.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct LearnerRequest {
+    /// Steps applied so far (by every rank of the pool).
+    pub steps: u64,
+    /// What to do.
+    pub op: LearnerOp,
+}
+
+/// The tensors of a rank that the driver reads and writes in slices.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Slot {
+    /// The weights.
+    Weights,
+    /// The summed gradients.
+    Gradient,
+    /// The optimiser's first moments.
+    FirstMoment,
+    /// The optimiser's second moments.
+    SecondMoment,
+}
+
+/// What a learner rank is asked.
+#[derive(Debug, Serialize, Deserialize)]
+pub enum LearnerOp {
+    /// Starts a stage's optimiser; `counters` (calls, applied) restore a checkpoint's, whose
+    /// moments then arrive by [`LearnerOp::Write`].
+    BeginStage {
+        /// The learning-rate schedule.
+        schedule: LrSchedule,
+        /// Global-norm clipping.
+        grad_clip: f64,
+        /// Optimiser calls and applied updates of the checkpoint resumed from.
+        counters: Option<(u64, u64)>,
+    },
+    /// The log-prob of every response token of `rows`, `per` rows at a time.
+    Logp {
+        /// The rows.
+        rows: TokenRows,
+        /// Sampling temperature.
+        temperature: f32,
+        /// Rows per forward.
+        per: usize,
+    },
+    /// The gradient of this rank's share of a step, added to its summed gradients.
+    Gradient(Work),
+    /// Values `offset..offset + len` of a slot.
+    Read {
+        /// Which tensors.
+        slot: Slot,
+        /// First value.
+        offset: usize,
+        /// How many.
+        len: usize,
+    },
+    /// Overwrites values of a slot from `offset`.
+    Write {
+        /// Which tensors.
+        slot: Slot,
+        /// First value.
+        offset: usize,
+        /// The values.
+        #[serde(with = "learner::wire::floats")]
+        values: Vec<f32>,
+    },
+    /// Applies the summed gradients (as written by the driver) and clears them.
+    Step,
+    /// The optimiser's calls and applied updates.
+    Counters,
+}
+
+/// What a learner rank answers.
+#[derive(Debug, Serialize, Deserialize)]
+pub enum LearnerResponse {
+    /// Done.
+    Done,
+    /// Values (log-probs, or a slot's slice).
+    Values(#[serde(with = "learner::wire::floats")] Vec<f32>),
+    /// A share's outcome.
+    Outcome(Outcome),
+    /// A step's report.
+    Report(StepReport),
+    /// The optimiser's calls and applied updates.
+    Counters(u64, u64),
+}
+
+/// One rank's training state.
+struct Rank {
+    engine: Box<dyn TrainEngine>,
+    opt: Option<Optimizer>,
+    steps: u64,
+}
+
+/// A policy rank as an actor.
+pub struct LearnerActor {
+    config: ModelConfig,
+    rank: Option<Rank>,
+}
+
+impl Actor for LearnerActor {
+    const KIND: &'static str = "learner";
+    type Config = LearnerConfig;
+    type Request = LearnerRequest;
+    type Response = LearnerResponse;
+
+    fn start(config: LearnerConfig) -> Result<Self, String> {
+        let config = ModelConfig::from_json(config.model, Path::new("learner actor config"))
+            .map_err(|e| e.to_string())?;
+        Ok(Self { config, rank: None })
+    }
+
+    async fn handle(&mut self, request: LearnerRequest) -> Result<LearnerResponse, CallError> {
+        let mut rank = self
+            .rank
+            .take()
+            .ok_or("no weights yet: push a snapshot before training")?;
+        // Training is long and CPU-bound: off the runtime's threads, the state moved there and
+        // back (a panic kills the actor, as in a handler).
+        let (rank, answer) = tokio::task::spawn_blocking(move || {
+            let answer = rank.serve(request);
+            (rank, answer)
+        })
+        .await
+        .map_err(|e| match e.try_into_panic() {
+            Ok(panic) => std::panic::resume_unwind(panic),
+            Err(e) => CallError::fatal(format!("learner rank: {e}")),
+        })?;
+        self.rank = Some(rank);
+        answer
+    }
+
+    async fn load_weights(&mut self, snapshot: WeightSnapshot) -> Result<(), String> {
+        let params = Arc::unwrap_or_clone(snapshot.params);
+        let model = Model::new(self.config.clone(), params).map_err(|e| e.to_string())?;
+        let engine = learner::engine::open(model, Backend::Native).map_err(|e| e.to_string())?;
+        self.rank = Some(Rank {
+            engine,
+            opt: None,
+            steps: 0,
+        });
+        Ok(())
+    }
+}
+
+impl Rank {
+    fn serve(&mut self, request: LearnerRequest) -> Result<LearnerResponse, CallError> {
+        if request.steps != self.steps {
+            return Err(CallError::fatal(format!(
+                "this rank has applied {} optimiser steps and the policy {}: it restarted and lost its state (the job continues from its last checkpoint)",
+                self.steps, request.steps
+            )));
+        }
+        let fatal = |e: learner::Error| CallError::fatal(e.to_string());
+        Ok(match request.op {
+            LearnerOp::BeginStage {
+                schedule,
+                grad_clip,
+                counters,
+            } => {
+                let params = &self.engine.model().map_err(fatal)?.params;
+                let mut opt = Optimizer::new(params, Default::default(), schedule, Some(grad_clip));
+                if let Some((calls, applied)) = counters {
+                    opt.calls = calls;
+                    opt.applied = applied;
+                }
+                self.opt = Some(opt);
+                self.engine.reset_optimizer();
+                LearnerResponse::Done
+            }
+            LearnerOp::Logp {
+                rows,
+                temperature,
+                per,
+            } => {
+                let engine = &self.engine;
+                LearnerResponse::Values(
+                    rows.per_response_token(per, |b| Ok(engine.score(b, temperature)?.logp))
+                        .map_err(fatal)?,
+                )
+            }
+            LearnerOp::Gradient(work) => {
+                self.optimizer()?;
+                LearnerResponse::Outcome(
+                    learner::algo::dp::gradient(&mut *self.engine, &work).map_err(fatal)?,
+                )
+            }
+            LearnerOp::Read { slot, offset, len } => {
+                let values = match slot {
+                    Slot::Weights => {
+                        let params = &self.engine.model().map_err(fatal)?.params;
+                        wire::read_range(params, offset, len)
+                    }
+                    slot => wire::read_range(self.slot_mut(slot)?, offset, len),
+                };
+                LearnerResponse::Values(values.map_err(fatal)?)
+            }
+            LearnerOp::Write {
+                slot,
+                offset,
+                values,
+            } => {
+                wire::write_range(self.slot_mut(slot)?, offset, &values).map_err(fatal)?;
+                LearnerResponse::Done
+            }
+            LearnerOp::Step => {
+                let opt = self.opt.as_mut().ok_or_else(no_stage)?;
+                let report = self.engine.step(opt).map_err(fatal)?;
+                self.steps += 1;
+                LearnerResponse::Report(report)
+            }
+            LearnerOp::Counters => {
+                let opt = self.optimizer()?;
+                LearnerResponse::Counters(opt.calls, opt.applied)
+            }
+        })
+    }
+
+    fn optimizer(&mut self) -> Result<&mut Optimizer, CallError> {
+        self.opt.as_mut().ok_or_else(no_stage)
+    }
+
+    /// A slot the driver writes (the weights come only by snapshot).
+    fn slot_mut(&mut self, slot: Slot) -> Result<&mut Params, CallError> {
+        Ok(match slot {
+            Slot::Weights => {
+                return Err(CallError::fatal(
+                    "a rank's weights change by its steps or a snapshot, never by a write",
+                ));
+            }
+            Slot::Gradient => self
+                .engine
+                .gradients_mut()
+                .map_err(|e| CallError::fatal(e.to_string()))?,
+            Slot::FirstMoment => self.optimizer()?.moments_mut().0,
+            Slot::SecondMoment => self.optimizer()?.moments_mut().1,
+        })
+    }
+}
+
+fn no_stage() -> CallError {
+    CallError::fatal("no stage has begun on this rank (BeginStage first)")
+}

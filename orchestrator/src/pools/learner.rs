@@ -1,0 +1,371 @@
+//! The learner pool: the policy as `count` data-parallel ranks ([`LearnerActor`]s), in this
+//! process or on agents, behind the same [`Policy`] role as a local engine. Each optimiser step
+//! is computed by every rank on its share of the mini-batch
+//! ([`learner::algo::policy::update_ranks`]); the pool sums the ranks' gradients, slice by
+//! slice, in rank order, hands every rank the sum, and has each apply it — one decision
+//! everywhere, checked: ranks whose reports differ fail the step. Log-probs are scored by every
+//! rank on its share of the rows. Weights and the optimiser's state are read from rank 0 for
+//! snapshots and checkpoints, and written to every rank when a stage resumes from one.
+//!
+//! Owns: the ranks, the gradient reduction and the count of steps every rank must have taken.
+//! Never: decides what to train on (the executor does) or how a loss is computed (the
+//! learner's algorithms do, inside the ranks).
+
+use super::actor_pool::{ActorPool, PoolShape};
+use super::{Cluster, PoolError};
+use crate::kinds::learner::{
+    LearnerActor, LearnerConfig, LearnerOp, LearnerRequest, LearnerResponse, Slot,
+};
+use crate::plan::{Device, Placement};
+use crate::roles::{Policy, Result, RoleError};
+use kernels::tensor::WeightSnapshot;
+use learner::algo::TokenRows;
+use learner::algo::dp::{Outcome, Ranks, Work, split};
+use learner::algo::policy::{PolicyBatch, PolicyUpdate};
+use learner::algo::sft::SftStep;
+use learner::optim::{LrSchedule, Optimizer, StepReport};
+use learner::params::WeightDtype;
+use learner::rl::Metrics;
+use learner::{Model, ModelConfig, Params, wire};
+use std::path::Path;
+use std::sync::Arc;
+
+/// Values per read or write of a rank's tensors: 8 MB of f32, a third more as base64, within
+/// one actor message (`actors::Wire::max_message_bytes`, 17 MiB by default).
+const SLICE: usize = 2 << 20;
+
+/// What a learner pool is made of and where it runs.
+pub struct LearnerStart<'a> {
+    /// Ranks.
+    pub count: usize,
+    /// Where they run.
+    pub placement: Placement,
+    /// The device each occupies.
+    pub device: Device,
+    /// Where agents register, when placed on them.
+    pub cluster: Option<&'a Cluster>,
+    /// Whether the job was asked to stop (ends a wait for agents).
+    pub stop: &'a (dyn Fn() -> bool + Sync),
+    /// Told what people must know while the pool starts.
+    pub note: &'a mut dyn FnMut(&str),
+    /// The model's configuration.
+    pub config: &'a ModelConfig,
+    /// The weights every rank starts with.
+    pub weights: WeightSnapshot,
+    /// Side files of its checkpoints (tokenizer, chat template, generation config).
+    pub assets: Vec<(String, Vec<u8>)>,
+}
+
+/// The policy as data-parallel learner actors.
+pub struct LearnerPool {
+    rt: tokio::runtime::Runtime,
+    pool: Option<ActorPool<LearnerActor>>,
+    config: ModelConfig,
+    /// The weights' names and shapes, in layout order.
+    layout: Params,
+    assets: Vec<(String, Vec<u8>)>,
+    /// Optimiser steps every rank has applied.
+    steps: u64,
+    /// The current stage's schedule and clipping.
+    stage: Option<(LrSchedule, f64)>,
+}
+
+impl LearnerPool {
+    /// Starts the ranks of `start`, each with its weights.
+    pub fn start(start: LearnerStart<'_>) -> Result<Self, PoolError> {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("learner-pool")
+            .enable_all()
+            .build()
+            .map_err(|e| PoolError::Runtime(format!("cannot start the actor runtime: {e}")))?;
+        let layout = start.weights.params.zeros_like();
+        let model = start.config.to_hf_json();
+        let config = move |_: usize| LearnerConfig {
+            model: model.clone(),
+        };
+        let pool = rt.block_on(ActorPool::start(
+            PoolShape {
+                name: "learner",
+                count: start.count,
+                config: &config,
+                placement: start.placement,
+                device: start.device,
+                cluster: start.cluster,
+                stop: start.stop,
+                note: start.note,
+            },
+            start.weights,
+        ))?;
+        Ok(Self {
+            rt,
+            pool: Some(pool),
+            config: start.config.clone(),
+            layout,
+            assets: start.assets,
+            steps: 0,
+            stage: None,
+        })
+    }
+
+    /// Where each rank runs.
+    pub fn locations(&self) -> Vec<String> {
+        self.ranks().iter().map(|a| a.location()).collect()
+    }
+
+    fn ranks(&self) -> &[actors::ActorRef<LearnerActor>] {
+        self.pool.as_ref().map_or(&[], |p| p.actors())
+    }
+
+    /// `ops[i]` on rank `i`, every rank at once; the answers in rank order.
+    fn on_ranks(&self, ops: Vec<LearnerOp>) -> Result<Vec<LearnerResponse>> {
+        let calls: Vec<_> = self
+            .ranks()
+            .iter()
+            .zip(ops)
+            .map(|(rank, op)| {
+                let (rank, steps) = (rank.clone(), self.steps);
+                self.rt
+                    .spawn(async move { rank.call(LearnerRequest { steps, op }).await })
+            })
+            .collect();
+        self.rt.block_on(async {
+            let mut out = Vec::with_capacity(calls.len());
+            for (i, c) in calls.into_iter().enumerate() {
+                let answer = c
+                    .await
+                    .map_err(|e| {
+                        PoolError::Runtime(format!("a call to learner {i} was lost: {e}"))
+                    })?
+                    .map_err(PoolError::Actor)?;
+                out.push(answer);
+            }
+            Ok::<_, RoleError>(out)
+        })
+    }
+
+    /// The same `op` on every rank.
+    fn on_all(&self, op: impl Fn() -> LearnerOp) -> Result<Vec<LearnerResponse>> {
+        self.on_ranks((0..self.ranks().len()).map(|_| op()).collect())
+    }
+
+    /// `slot` of rank 0, whole.
+    fn read(&self, slot: Slot) -> Result<Params> {
+        let mut out = self.layout.clone();
+        let n = out.numel();
+        for offset in (0..n).step_by(SLICE) {
+            let len = SLICE.min(n - offset);
+            let values = values(self.on_rank0(LearnerOp::Read { slot, offset, len })?)?;
+            wire::write_range(&mut out, offset, &values)?;
+        }
+        Ok(out)
+    }
+
+    fn on_rank0(&self, op: LearnerOp) -> Result<LearnerResponse> {
+        let rank = self
+            .ranks()
+            .first()
+            .ok_or(RoleError::Protocol("a learner pool without ranks"))?
+            .clone();
+        let steps = self.steps;
+        Ok(self
+            .rt
+            .block_on(rank.call(LearnerRequest { steps, op }))
+            .map_err(PoolError::Actor)?)
+    }
+
+    /// Writes all of `p` into `slot` of every rank.
+    fn write_all(&self, slot: Slot, p: &Params) -> Result<()> {
+        let n = p.numel();
+        for offset in (0..n).step_by(SLICE) {
+            let values = wire::read_range(p, offset, SLICE.min(n - offset))?;
+            self.on_all(|| LearnerOp::Write {
+                slot,
+                offset,
+                values: values.clone(),
+            })?;
+        }
+        Ok(())
+    }
+}
+
+fn values(r: LearnerResponse) -> Result<Vec<f32>> {
+    match r {
+        LearnerResponse::Values(v) => Ok(v),
+        _ => Err(RoleError::Protocol("a learner rank answered out of turn")),
+    }
+}
+
+impl Ranks for LearnerPool {
+    type Error = RoleError;
+
+    fn count(&self) -> usize {
+        self.ranks().len()
+    }
+
+    fn gradients(&mut self, work: Vec<Work>) -> Result<Vec<Outcome>> {
+        self.on_ranks(work.into_iter().map(LearnerOp::Gradient).collect())?
+            .into_iter()
+            .map(|r| match r {
+                LearnerResponse::Outcome(o) => Ok(o),
+                _ => Err(RoleError::Protocol("a learner rank answered out of turn")),
+            })
+            .collect()
+    }
+
+    fn step(&mut self) -> Result<StepReport> {
+        // The all-reduce, slice by slice: every rank's slice, summed in rank order (the same
+        // sum whatever order the answers came in), written back to every rank.
+        if self.count() > 1 {
+            let n = self.layout.numel();
+            for offset in (0..n).step_by(SLICE) {
+                let len = SLICE.min(n - offset);
+                let parts = self.on_all(|| LearnerOp::Read {
+                    slot: Slot::Gradient,
+                    offset,
+                    len,
+                })?;
+                let mut parts = parts.into_iter().map(values);
+                let mut sum = parts.next().transpose()?.unwrap_or_default();
+                for p in parts {
+                    sum.iter_mut().zip(p?).for_each(|(s, v)| *s += v);
+                }
+                self.on_all(|| LearnerOp::Write {
+                    slot: Slot::Gradient,
+                    offset,
+                    values: sum.clone(),
+                })?;
+            }
+        }
+        let reports = self.on_all(|| LearnerOp::Step)?;
+        self.steps += 1;
+        let mut reports = reports.into_iter().map(|r| match r {
+            LearnerResponse::Report(r) => Ok(r),
+            _ => Err(RoleError::Protocol("a learner rank answered out of turn")),
+        });
+        let first = reports
+            .next()
+            .ok_or(RoleError::Protocol("a learner pool without ranks"))??;
+        for (i, r) in reports.enumerate() {
+            let r = r?;
+            if r.grad_norm.to_bits() != first.grad_norm.to_bits()
+                || r.lr != first.lr
+                || r.skipped != first.skipped
+            {
+                return Err(learner::Error::Ranks(format!(
+                    "rank {} stepped with {r:?} and rank 0 with {first:?}: their weights no longer agree",
+                    i + 1
+                ))
+                .into());
+            }
+        }
+        Ok(first)
+    }
+}
+
+impl Policy for LearnerPool {
+    fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    fn logp(&self, rows: &TokenRows, temperature: f32, per: usize) -> Result<Vec<f32>> {
+        let ops = split(0, rows.shape.rows, self.ranks().len())
+            .into_iter()
+            .map(|(a, b)| LearnerOp::Logp {
+                rows: rows.rows(a, b),
+                temperature,
+                per,
+            })
+            .collect();
+        let mut all = Vec::with_capacity(rows.shape.len());
+        for r in self.on_ranks(ops)? {
+            all.extend(values(r)?);
+        }
+        Ok(all)
+    }
+
+    fn begin_stage(
+        &mut self,
+        schedule: LrSchedule,
+        grad_clip: f64,
+        resume: Option<&Path>,
+    ) -> Result<()> {
+        let restored = match resume {
+            Some(dir) => {
+                let mut opt =
+                    Optimizer::new(&self.layout, Default::default(), schedule, Some(grad_clip));
+                opt.load(&dir.join("optimizer"))?;
+                Some(opt)
+            }
+            None => None,
+        };
+        let counters = restored.as_ref().map(|o| (o.calls, o.applied));
+        self.on_all(|| LearnerOp::BeginStage {
+            schedule,
+            grad_clip,
+            counters,
+        })?;
+        if let Some(mut opt) = restored {
+            let (m, v) = opt.moments_mut();
+            self.write_all(Slot::FirstMoment, m)?;
+            self.write_all(Slot::SecondMoment, v)?;
+        }
+        self.stage = Some((schedule, grad_clip));
+        Ok(())
+    }
+
+    fn sft_step(&mut self, examples: &[(Vec<u32>, Vec<u32>)]) -> Result<SftStep> {
+        learner::algo::sft::step_ranks(self, examples)
+    }
+
+    fn update(&mut self, batch: PolicyBatch<'_>, cfg: &PolicyUpdate) -> Result<Metrics> {
+        learner::algo::policy::update_ranks(self, batch, cfg)
+    }
+
+    fn snapshot(&mut self, version: u64) -> Result<WeightSnapshot> {
+        Ok(WeightSnapshot {
+            version,
+            params: Arc::new(self.read(Slot::Weights)?),
+        })
+    }
+
+    fn save(&mut self, dir: &Path, with_optimizer: bool, dtype: WeightDtype) -> Result<()> {
+        let model = Model::new(self.config.clone(), self.read(Slot::Weights)?)?;
+        let opt = match (with_optimizer, self.stage) {
+            (false, _) => None,
+            (true, None) => {
+                return Err(RoleError::Protocol(
+                    "a save with the optimiser before the stage began",
+                ));
+            }
+            (true, Some((schedule, grad_clip))) => {
+                let mut opt =
+                    Optimizer::new(&self.layout, Default::default(), schedule, Some(grad_clip));
+                let LearnerResponse::Counters(calls, applied) =
+                    self.on_rank0(LearnerOp::Counters)?
+                else {
+                    return Err(RoleError::Protocol("a learner rank answered out of turn"));
+                };
+                (opt.calls, opt.applied) = (calls, applied);
+                let (m, v) = (
+                    self.read(Slot::FirstMoment)?,
+                    self.read(Slot::SecondMoment)?,
+                );
+                let (om, ov) = opt.moments_mut();
+                (*om, *ov) = (m, v);
+                Some(opt)
+            }
+        };
+        learner::checkpoint::save(&model, &self.assets, dir, opt.as_ref(), dtype)?;
+        Ok(())
+    }
+}
+
+impl Drop for LearnerPool {
+    fn drop(&mut self) {
+        // Waited for: a shared head's agents get their resources back for the next job.
+        if let Some(mut pool) = self.pool.take() {
+            self.rt.block_on(pool.shutdown());
+        }
+    }
+}
