@@ -37,6 +37,10 @@ pub enum RoleError {
     /// A call made out of order (an update before the stage's optimiser exists).
     #[error("{0}")]
     Protocol(&'static str),
+    /// A learner rank died or restarted: its weights and optimiser state are gone, and the
+    /// policy continues only from a checkpoint.
+    #[error("learner rank lost: {0}")]
+    RankLost(String),
 }
 
 impl RoleError {
@@ -45,7 +49,7 @@ impl RoleError {
     pub fn is_retryable(&self) -> bool {
         match self {
             RoleError::Pool(p) => p.is_retryable(),
-            RoleError::Learner(_) | RoleError::Protocol(_) => false,
+            RoleError::Learner(_) | RoleError::Protocol(_) | RoleError::RankLost(_) => false,
         }
     }
 }

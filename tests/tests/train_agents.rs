@@ -40,26 +40,27 @@ fn agent(url: &str, token: &Path, name: &str) -> Killed {
     )
 }
 
-const OVERRIDES: [&str; 4] = [
+const ROLLOUTS_ON_AGENTS: [&str; 6] = [
     "-o",
     "pools.rollout.count=2",
     "-o",
     "stages.rl.trainer.steps=8",
+    "-o",
+    "pools.rollout.placement=spread",
 ];
 
-/// Starts `trellis train` listening for agents; returns it, the agents' URL, and its stderr
-/// lines as they come.
-fn train_on_agents(dir: &Path, token: &Path) -> (Killed, String, mpsc::Receiver<String>) {
+/// Starts `trellis train` with `args` listening for agents; returns it, the agents' URL, and
+/// its stderr lines as they come.
+fn train_on_agents(
+    dir: &Path,
+    token: &Path,
+    args: &[&str],
+) -> (Killed, String, mpsc::Receiver<String>) {
     let mut child = trellis()
         .arg("train")
         .arg(recipe())
-        .args(OVERRIDES)
-        .args([
-            "-o",
-            "pools.rollout.placement=spread",
-            "--quiet",
-            "--run-dir",
-        ])
+        .args(args)
+        .args(["--quiet", "--run-dir"])
         .arg(dir.join("run"))
         .args([
             "--listen",
@@ -111,7 +112,7 @@ fn a_rollout_pool_on_two_agents_trains_like_one_in_process_and_survives_a_killed
         trellis()
             .arg("train")
             .arg(recipe())
-            .args(OVERRIDES)
+            .args(&ROLLOUTS_ON_AGENTS[..4])
             .args(["--quiet", "--run-dir"])
             .arg(dir.join("local")),
     );
@@ -119,7 +120,7 @@ fn a_rollout_pool_on_two_agents_trains_like_one_in_process_and_survives_a_killed
     let token = dir.join("cluster.token");
 
     // Two agents, one engine on each (spread); the run is step for step the in-process one.
-    let (mut train, url, lines) = train_on_agents(&dir, &token);
+    let (mut train, url, lines) = train_on_agents(&dir, &token, &ROLLOUTS_ON_AGENTS);
     let _a1 = agent(&url, &token, "a1");
     let _a2 = agent(&url, &token, "a2");
     let said = wait_ok(&mut train, &lines);
@@ -136,7 +137,7 @@ fn a_rollout_pool_on_two_agents_trains_like_one_in_process_and_survives_a_killed
 
     // kill -9 one agent during the RL stage: its engine restarts on the other agent with the
     // current weights, the lost call is made again, and nothing about the run changes.
-    let (mut train, url, lines) = train_on_agents(&dir, &token);
+    let (mut train, url, lines) = train_on_agents(&dir, &token, &ROLLOUTS_ON_AGENTS);
     let mut a1 = agent(&url, &token, "a1");
     let _a2 = agent(&url, &token, "a2");
     let t0 = Instant::now();
@@ -157,6 +158,78 @@ fn a_rollout_pool_on_two_agents_trains_like_one_in_process_and_survives_a_killed
         said.iter()
             .any(|l| l.contains("actor restarted") && l.contains("rollout-0")),
         "the killed agent's engine was restarted:\n{}",
+        said.join("\n")
+    );
+    assert_eq!(metric_rows(&dir.join("run")), reference);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Waits for the RL stage's checkpoint of step 4, then kills `victim` with -9.
+fn kill_in_rl(dir: &Path, train: &mut Killed, victim: &mut Killed) {
+    let t0 = Instant::now();
+    while !dir
+        .join("checkpoints/rl/step_000004/trainer_state.json")
+        .exists()
+    {
+        assert!(
+            t0.elapsed() < Duration::from_secs(120),
+            "the RL stage never checkpointed"
+        );
+        if let Some(status) = train.0.try_wait().unwrap() {
+            panic!("the run ended early: {status}");
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    victim.0.kill().unwrap();
+    victim.0.wait().unwrap();
+}
+
+/// The policy's learner ranks on two agents (`pools.learner.placement: spread`) train as the
+/// same ranks in the process do, bit for bit; kill -9 of an agent holding a rank mid-RL is
+/// found within the step, and the job continues by itself from its last checkpoint with new
+/// ranks — on the agent that is left — to the undisturbed run's metrics.
+#[test]
+fn learner_ranks_on_two_agents_train_as_in_process_ones_and_recover_from_a_killed_agent() {
+    let dir = scratch("learners");
+    let ranks = ["-o", "pools.learner.count=2"];
+    run_ok(
+        trellis()
+            .arg("train")
+            .arg(recipe())
+            .args(ranks)
+            .args(["--quiet", "--run-dir"])
+            .arg(dir.join("local")),
+    );
+    let reference = metric_rows(&dir.join("local"));
+    let token = dir.join("cluster.token");
+    let args = [ranks[0], ranks[1], "-o", "pools.learner.placement=spread"];
+
+    let (mut train, url, lines) = train_on_agents(&dir, &token, &args);
+    let _a1 = agent(&url, &token, "a1");
+    let _a2 = agent(&url, &token, "a2");
+    let said = wait_ok(&mut train, &lines);
+    assert!(
+        said.iter().any(|l| l == "learner ranks: a1, a2"),
+        "one rank on each agent:\n{}",
+        said.join("\n")
+    );
+    assert_eq!(metric_rows(&dir.join("run")), reference);
+    std::fs::remove_dir_all(dir.join("run")).unwrap();
+
+    let (mut train, url, lines) = train_on_agents(&dir, &token, &args);
+    let mut a1 = agent(&url, &token, "a1");
+    let _a2 = agent(&url, &token, "a2");
+    kill_in_rl(&dir.join("run"), &mut train, &mut a1);
+    let said = wait_ok(&mut train, &lines);
+    assert!(
+        said.iter()
+            .any(|l| l.contains("learner rank lost") && l.contains("recovery 1 of 3")),
+        "the lost rank was recovered from the checkpoint:\n{}",
+        said.join("\n")
+    );
+    assert!(
+        said.iter().any(|l| l == "learner ranks: a2, a2"),
+        "new ranks on the agent left:\n{}",
         said.join("\n")
     );
     assert_eq!(metric_rows(&dir.join("run")), reference);

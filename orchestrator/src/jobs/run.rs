@@ -17,7 +17,7 @@ use crate::pools::{Cluster, ClusterHead, PoolError};
 use crate::record::mlflow::Mlflow;
 use crate::record::tensorboard::TensorBoard;
 use crate::record::{Event, JsonlSink, LiveStatus, RecordError, Recorder, Records, StoreSink};
-use crate::roles::{LocalPolicy, LocalRoles, Policy};
+use crate::roles::{LocalPolicy, LocalRoles, Policy, RoleError};
 use crate::store::{Job, JobState, JobStatus, JobStore, Progress, Store, StoreError};
 use kernels::tensor::WeightSnapshot;
 use learner::Model;
@@ -146,7 +146,16 @@ impl JobError {
     pub fn is_stop(&self) -> bool {
         matches!(self, Self::Stopped { .. } | Self::StoppedWaiting { .. })
     }
+
+    /// Whether a learner rank died or restarted (the job continues from its last checkpoint).
+    pub fn is_rank_loss(&self) -> bool {
+        matches!(self, Self::Exec(ExecError::Role(RoleError::RankLost(_))))
+    }
 }
+
+/// How many times one run of a job continues from its checkpoint after losing a learner rank
+/// before it fails (resumable as any failure).
+pub const RECOVERIES: u32 = 3;
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> JobError + '_ {
     move |source| JobError::Io {
@@ -361,17 +370,38 @@ pub fn execute(
     let log = opts.log_to_store;
     let resume = opts.resume_command(dir);
     let stop = opts.stop.clone();
-    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        run(plan, dir, store, id, backend, opts)
-    }))
-    .unwrap_or_else(|panic| {
-        let what = panic
-            .downcast_ref::<String>()
-            .cloned()
-            .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-            .unwrap_or_default();
-        Err(JobError::Panicked(what))
-    });
+    let (mut opts, mut backend, mut recoveries) = (opts, backend, 0);
+    let result = loop {
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            run(plan, dir, store, id, backend.take(), &mut opts)
+        }))
+        .unwrap_or_else(|panic| {
+            let what = panic
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_default();
+            Err(JobError::Panicked(what))
+        });
+        let stopping =
+            stop_requested().is_some() || stop.as_ref().is_some_and(|s| s.reason().is_some());
+        match result {
+            // A learner rank's state is gone with its process: the job continues from its last
+            // checkpoint here, with new ranks, redoing the steps since (they give the same
+            // results: a run is a function of its seed and its checkpoint).
+            Err(e) if e.is_rank_loss() && recoveries < RECOVERIES && !stopping => {
+                recoveries += 1;
+                let line = format!(
+                    "job {id}: {e}; it continues from its last checkpoint (recovery {recoveries} of {RECOVERIES})"
+                );
+                tracing::warn!("{line}");
+                if log {
+                    let _ = store.append_log(id, &line);
+                }
+            }
+            result => break result,
+        }
+    };
     // The store is the record again once this process lets it go.
     let _ = std::fs::remove_file(live_status_path(dir));
     let reason = stop_requested().or_else(|| stop.as_ref().and_then(|s| s.reason()));
@@ -431,7 +461,7 @@ fn run(
     store: &dyn JobStore,
     id: u64,
     backend: Option<Backend>,
-    opts: RunOptions,
+    opts: &mut RunOptions,
 ) -> Result<Summary, JobError> {
     let state = store.job(id)?.progress;
     let Checkpoint {
@@ -499,8 +529,8 @@ fn run(
         sinks,
     } = opts;
     let stop = || stop_requested().is_some() || flag.as_ref().is_some_and(|f| f.reason().is_some());
-    for s in sinks {
-        records.push(s);
+    for s in sinks.iter_mut() {
+        records.push(Box::new(&mut **s));
     }
     let weights = WeightSnapshot {
         version,
@@ -528,6 +558,7 @@ fn run(
         })?
     };
     let mut learner_ranks = None;
+    let mut own_head = pool.own_head();
     let policy: Box<dyn Policy> = if plan.learner.on_actors() {
         // One port for the job's agents: a learner pool on agents places its ranks through the
         // head the rollout pool started, when it started one.
@@ -561,6 +592,7 @@ fn run(
             "learner on data-parallel ranks of the native engine"
         );
         learner_ranks = Some(ranks.locations());
+        own_head = own_head.or_else(|| ranks.own_head());
         Box::new(ranks)
     } else {
         drop(weights);
@@ -572,6 +604,18 @@ fn run(
         );
         Box::new(LocalPolicy::new(engine, assets))
     };
+    // A job that continues in this process (after losing a learner rank) listens where its
+    // agents already know it, though it was started on any free port.
+    if let (
+        Some(head),
+        Some(Cluster {
+            head: ClusterHead::Listen { listen, .. },
+            ..
+        }),
+    ) = (own_head, cluster.as_mut())
+    {
+        *listen = head.address();
+    }
     let roles = Roles {
         policy,
         rollouts: Arc::new(pool),

@@ -31,6 +31,8 @@ pub struct PoolShape<'a, A: Actor> {
     pub stop: &'a (dyn Fn() -> bool + Sync),
     /// Told what people must know while the pool starts (where agents register).
     pub note: &'a mut dyn FnMut(&str),
+    /// Told the name of every actor that restarts, before it gets the pool's weights back.
+    pub on_restart: Option<Arc<dyn Fn(&str) + Send + Sync>>,
 }
 
 /// A pool of supervised actors of kind `A` that take weights.
@@ -50,7 +52,11 @@ impl<A: Actor> ActorPool<A> {
     ) -> Result<Self, PoolError> {
         let current = Arc::new(Mutex::new(weights.clone()));
         let for_hook = Arc::clone(&current);
+        let told = shape.on_restart.clone();
         let hook: RestartHook<A> = Arc::new(move |actor| {
+            if let Some(tell) = &told {
+                tell(actor.name());
+            }
             let snap = lock(&for_hook).clone();
             Box::pin(async move { actor.load_weights(snap).await })
         });

@@ -12,7 +12,7 @@
 //! learner's algorithms do, inside the ranks).
 
 use super::actor_pool::{ActorPool, PoolShape};
-use super::{Cluster, PoolError};
+use super::{Cluster, PoolError, lock};
 use crate::kinds::learner::{
     LearnerActor, LearnerConfig, LearnerOp, LearnerRequest, LearnerResponse, Slot,
 };
@@ -28,7 +28,7 @@ use learner::params::WeightDtype;
 use learner::rl::Metrics;
 use learner::{Model, ModelConfig, Params, wire};
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 /// Values per read or write of a rank's tensors: 8 MB of f32, a third more as base64, within
 /// one actor message (`actors::Wire::max_message_bytes`, 17 MiB by default).
@@ -68,6 +68,8 @@ pub struct LearnerPool {
     steps: u64,
     /// The current stage's schedule and clipping.
     stage: Option<(LrSchedule, f64)>,
+    /// Ranks that restarted (their state is gone).
+    restarted: Arc<Mutex<Vec<String>>>,
 }
 
 impl LearnerPool {
@@ -84,6 +86,8 @@ impl LearnerPool {
         let config = move |_: usize| LearnerConfig {
             model: model.clone(),
         };
+        let restarted = Arc::new(Mutex::new(Vec::new()));
+        let told = Arc::clone(&restarted);
         let pool = rt.block_on(ActorPool::start(
             PoolShape {
                 name: "learner",
@@ -94,6 +98,7 @@ impl LearnerPool {
                 cluster: start.cluster,
                 stop: start.stop,
                 note: start.note,
+                on_restart: Some(Arc::new(move |name: &str| lock(&told).push(name.into()))),
             },
             start.weights,
         ))?;
@@ -105,7 +110,13 @@ impl LearnerPool {
             assets: start.assets,
             steps: 0,
             stage: None,
+            restarted,
         })
+    }
+
+    /// The head this pool started for its ranks on agents (`trellis train --listen`).
+    pub fn own_head(&self) -> Option<actors::Head> {
+        self.pool.as_ref().and_then(ActorPool::own_head)
     }
 
     /// Where each rank runs.
@@ -117,8 +128,33 @@ impl LearnerPool {
         self.pool.as_ref().map_or(&[], |p| p.actors())
     }
 
+    /// A rank that restarted since the pool started: its weights and optimiser are gone.
+    fn check_ranks(&self) -> Result<()> {
+        let restarted = lock(&self.restarted);
+        if restarted.is_empty() {
+            return Ok(());
+        }
+        Err(RoleError::RankLost(format!(
+            "{} restarted after {} optimiser steps",
+            restarted.join(", "),
+            self.steps
+        )))
+    }
+
+    /// A failed call: a rank that died in it, or answered from a new incarnation, is lost.
+    fn failed(&self, e: actors::ActorError) -> RoleError {
+        self.check_ranks().err().unwrap_or_else(|| {
+            if e.is_retryable() {
+                RoleError::RankLost(e.to_string())
+            } else {
+                PoolError::Actor(e).into()
+            }
+        })
+    }
+
     /// `ops[i]` on rank `i`, every rank at once; the answers in rank order.
     fn on_ranks(&self, ops: Vec<LearnerOp>) -> Result<Vec<LearnerResponse>> {
+        self.check_ranks()?;
         let calls: Vec<_> = self
             .ranks()
             .iter()
@@ -137,7 +173,7 @@ impl LearnerPool {
                     .map_err(|e| {
                         PoolError::Runtime(format!("a call to learner {i} was lost: {e}"))
                     })?
-                    .map_err(PoolError::Actor)?;
+                    .map_err(|e| self.failed(e))?;
                 out.push(answer);
             }
             Ok::<_, RoleError>(out)
@@ -162,6 +198,7 @@ impl LearnerPool {
     }
 
     fn on_rank0(&self, op: LearnerOp) -> Result<LearnerResponse> {
+        self.check_ranks()?;
         let rank = self
             .ranks()
             .first()
@@ -171,7 +208,7 @@ impl LearnerPool {
         Ok(self
             .rt
             .block_on(rank.call(LearnerRequest { steps, op }))
-            .map_err(PoolError::Actor)?)
+            .map_err(|e| self.failed(e))?)
     }
 
     /// Writes all of `p` into `slot` of every rank.

@@ -211,6 +211,7 @@ impl RolloutPool {
                 cluster: start.cluster,
                 stop: start.stop,
                 note: start.note,
+                on_restart: None,
             },
             start.weights,
         ))?;

@@ -181,6 +181,22 @@ pub trait Recorder: Send {
     }
 }
 
+/// A sink lent to one run of a job (a job recovered in its process runs again with the sinks
+/// it started with).
+impl<R: Recorder + ?Sized> Recorder for &mut R {
+    fn row(&mut self, row: &Row<'_>) -> Result<(), RecordError> {
+        (**self).row(row)
+    }
+
+    fn event(&mut self, event: &Event<'_>) -> Result<(), RecordError> {
+        (**self).event(event)
+    }
+
+    fn finish(&mut self) -> Result<(), RecordError> {
+        (**self).finish()
+    }
+}
+
 /// Every sink of a run, written in order.
 #[derive(Default)]
 pub struct Records<'a> {
