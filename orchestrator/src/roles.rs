@@ -1,14 +1,15 @@
 //! Roles: what the executor may ask of the models of a job. The policy (log-probs, its updates,
 //! its weights), the reference policy and the critic of an RL stage, and the rollout engines.
-//! The executor holds roles, never a model: each role here is local (a model in this process,
-//! on a [`TrainEngine`]), and an actor-backed one answers the same calls from an agent, so the
-//! executor cannot tell which it talks to.
+//! The executor holds roles, never a model: a role is local (a model in this process, on a
+//! [`TrainEngine`]) or actor-backed (the policy as data-parallel [`LearnerPool`] ranks, the
+//! rollout engines as a [`RolloutPool`]), and the executor cannot tell which it talks to.
 //!
 //! Owns: the role interfaces, their local implementations, and [`RoleMaker`], which builds a
 //! stage's reference and critic. Never: decides what to train on or when (the executor does),
 //! or knows the run directory's layout beyond the folder a call names.
 
 use crate::pools::PoolError;
+use crate::pools::learner::LearnerPool;
 use crate::pools::rollout::RolloutPool;
 use kernels::tensor::WeightSnapshot;
 use learner::algo::TokenRows;
@@ -37,10 +38,6 @@ pub enum RoleError {
     /// A call made out of order (an update before the stage's optimiser exists).
     #[error("{0}")]
     Protocol(&'static str),
-    /// A learner rank died or restarted: its weights and optimiser state are gone, and the
-    /// policy continues only from a checkpoint.
-    #[error("learner rank lost: {0}")]
-    RankLost(String),
 }
 
 impl RoleError {
@@ -49,7 +46,7 @@ impl RoleError {
     pub fn is_retryable(&self) -> bool {
         match self {
             RoleError::Pool(p) => p.is_retryable(),
-            RoleError::Learner(_) | RoleError::Protocol(_) | RoleError::RankLost(_) => false,
+            RoleError::Learner(_) | RoleError::Protocol(_) => false,
         }
     }
 }
@@ -143,6 +140,41 @@ impl Rollouts for RolloutPool {
 
     fn down_count(&self) -> usize {
         RolloutPool::down_count(self)
+    }
+}
+
+impl Policy for LearnerPool {
+    fn config(&self) -> &ModelConfig {
+        LearnerPool::config(self)
+    }
+
+    fn logp(&self, rows: &TokenRows, temperature: f32, per: usize) -> Result<Vec<f32>> {
+        Ok(LearnerPool::logp(self, rows, temperature, per)?)
+    }
+
+    fn begin_stage(
+        &mut self,
+        schedule: LrSchedule,
+        grad_clip: f64,
+        resume: Option<&Path>,
+    ) -> Result<()> {
+        Ok(LearnerPool::begin_stage(self, schedule, grad_clip, resume)?)
+    }
+
+    fn sft_step(&mut self, examples: &[(Vec<u32>, Vec<u32>)]) -> Result<SftStep> {
+        Ok(LearnerPool::sft_step(self, examples)?)
+    }
+
+    fn update(&mut self, batch: PolicyBatch<'_>, cfg: &PolicyUpdate) -> Result<Metrics> {
+        Ok(LearnerPool::update(self, batch, cfg)?)
+    }
+
+    fn snapshot(&mut self, version: u64) -> Result<WeightSnapshot> {
+        Ok(LearnerPool::snapshot(self, version)?)
+    }
+
+    fn save(&mut self, dir: &Path, with_optimizer: bool, dtype: WeightDtype) -> Result<()> {
+        Ok(LearnerPool::save(self, dir, with_optimizer, dtype)?)
     }
 }
 

@@ -149,7 +149,10 @@ impl JobError {
 
     /// Whether a learner rank died or restarted (the job continues from its last checkpoint).
     pub fn is_rank_loss(&self) -> bool {
-        matches!(self, Self::Exec(ExecError::Role(RoleError::RankLost(_))))
+        matches!(
+            self,
+            Self::Exec(ExecError::Role(RoleError::Pool(PoolError::RankLost(_))))
+        )
     }
 }
 

@@ -2,7 +2,7 @@
 //! optimiser — in this process or on an agent. It computes the gradient of its share of each
 //! mini-batch ([`learner::algo::dp::gradient`]), hands it out and takes the ranks' sum back in
 //! slices that fit one message, and applies the sum with its optimiser; the driver's
-//! [`crate::pools::learner::LearnerPool`] makes the ranks one policy.
+//! learner pool (`pools::learner`) makes the ranks one policy.
 //!
 //! A rank counts the optimiser steps it has applied, and every request says how many the
 //! driver expects: a rank that restarted (its weights back to the pool's first ones, its

@@ -17,7 +17,6 @@ use crate::kinds::learner::{
     LearnerActor, LearnerConfig, LearnerOp, LearnerRequest, LearnerResponse, Slot,
 };
 use crate::plan::{Device, Placement};
-use crate::roles::{Policy, Result, RoleError};
 use kernels::tensor::WeightSnapshot;
 use learner::algo::TokenRows;
 use learner::algo::dp::{Outcome, Ranks, Work, split};
@@ -29,6 +28,9 @@ use learner::rl::Metrics;
 use learner::{Model, ModelConfig, Params, wire};
 use std::path::Path;
 use std::sync::{Arc, Mutex};
+
+/// Result with [`PoolError`].
+type Result<T, E = PoolError> = std::result::Result<T, E>;
 
 /// Values per read or write of a rank's tensors: 8 MB of f32, a third more as base64, within
 /// one actor message (`actors::Wire::max_message_bytes`, 17 MiB by default).
@@ -134,7 +136,7 @@ impl LearnerPool {
         if restarted.is_empty() {
             return Ok(());
         }
-        Err(RoleError::RankLost(format!(
+        Err(PoolError::RankLost(format!(
             "{} restarted after {} optimiser steps",
             restarted.join(", "),
             self.steps
@@ -142,12 +144,12 @@ impl LearnerPool {
     }
 
     /// A failed call: a rank that died in it, or answered from a new incarnation, is lost.
-    fn failed(&self, e: actors::ActorError) -> RoleError {
+    fn failed(&self, e: actors::ActorError) -> PoolError {
         self.check_ranks().err().unwrap_or_else(|| {
             if e.is_retryable() {
-                RoleError::RankLost(e.to_string())
+                PoolError::RankLost(e.to_string())
             } else {
-                PoolError::Actor(e).into()
+                PoolError::Actor(e)
             }
         })
     }
@@ -176,7 +178,7 @@ impl LearnerPool {
                     .map_err(|e| self.failed(e))?;
                 out.push(answer);
             }
-            Ok::<_, RoleError>(out)
+            Ok::<_, PoolError>(out)
         })
     }
 
@@ -202,7 +204,7 @@ impl LearnerPool {
         let rank = self
             .ranks()
             .first()
-            .ok_or(RoleError::Protocol("a learner pool without ranks"))?
+            .ok_or(PoolError::Runtime("a learner pool without ranks".into()))?
             .clone();
         let steps = self.steps;
         Ok(self
@@ -226,15 +228,19 @@ impl LearnerPool {
     }
 }
 
+fn out_of_turn() -> PoolError {
+    PoolError::Runtime("a learner rank answered out of turn".into())
+}
+
 fn values(r: LearnerResponse) -> Result<Vec<f32>> {
     match r {
         LearnerResponse::Values(v) => Ok(v),
-        _ => Err(RoleError::Protocol("a learner rank answered out of turn")),
+        _ => Err(out_of_turn()),
     }
 }
 
 impl Ranks for LearnerPool {
-    type Error = RoleError;
+    type Error = PoolError;
 
     fn count(&self) -> usize {
         self.ranks().len()
@@ -245,7 +251,7 @@ impl Ranks for LearnerPool {
             .into_iter()
             .map(|r| match r {
                 LearnerResponse::Outcome(o) => Ok(o),
-                _ => Err(RoleError::Protocol("a learner rank answered out of turn")),
+                _ => Err(out_of_turn()),
             })
             .collect()
     }
@@ -278,11 +284,11 @@ impl Ranks for LearnerPool {
         self.steps += 1;
         let mut reports = reports.into_iter().map(|r| match r {
             LearnerResponse::Report(r) => Ok(r),
-            _ => Err(RoleError::Protocol("a learner rank answered out of turn")),
+            _ => Err(out_of_turn()),
         });
         let first = reports
             .next()
-            .ok_or(RoleError::Protocol("a learner pool without ranks"))??;
+            .ok_or(PoolError::Runtime("a learner pool without ranks".into()))??;
         for (i, r) in reports.enumerate() {
             let r = r?;
             if r.grad_norm.to_bits() != first.grad_norm.to_bits()
@@ -300,12 +306,15 @@ impl Ranks for LearnerPool {
     }
 }
 
-impl Policy for LearnerPool {
-    fn config(&self) -> &ModelConfig {
+/// What the policy role asks (`roles::Policy` for the pool forwards here).
+impl LearnerPool {
+    /// The model's configuration.
+    pub fn config(&self) -> &ModelConfig {
         &self.config
     }
 
-    fn logp(&self, rows: &TokenRows, temperature: f32, per: usize) -> Result<Vec<f32>> {
+    /// Log-probs of every response token of `rows`, each rank scoring its share of them.
+    pub fn logp(&self, rows: &TokenRows, temperature: f32, per: usize) -> Result<Vec<f32>> {
         let ops = split(0, rows.shape.rows, self.ranks().len())
             .into_iter()
             .map(|(a, b)| LearnerOp::Logp {
@@ -321,7 +330,8 @@ impl Policy for LearnerPool {
         Ok(all)
     }
 
-    fn begin_stage(
+    /// Starts a stage's optimiser on every rank, restored from the checkpoint folder `resume`.
+    pub fn begin_stage(
         &mut self,
         schedule: LrSchedule,
         grad_clip: f64,
@@ -351,28 +361,32 @@ impl Policy for LearnerPool {
         Ok(())
     }
 
-    fn sft_step(&mut self, examples: &[(Vec<u32>, Vec<u32>)]) -> Result<SftStep> {
+    /// One SFT step over the ranks.
+    pub fn sft_step(&mut self, examples: &[(Vec<u32>, Vec<u32>)]) -> Result<SftStep> {
         learner::algo::sft::step_ranks(self, examples)
     }
 
-    fn update(&mut self, batch: PolicyBatch<'_>, cfg: &PolicyUpdate) -> Result<Metrics> {
+    /// One RL update over the ranks.
+    pub fn update(&mut self, batch: PolicyBatch<'_>, cfg: &PolicyUpdate) -> Result<Metrics> {
         learner::algo::policy::update_ranks(self, batch, cfg)
     }
 
-    fn snapshot(&mut self, version: u64) -> Result<WeightSnapshot> {
+    /// The weights (rank 0's), as `version`.
+    pub fn snapshot(&mut self, version: u64) -> Result<WeightSnapshot> {
         Ok(WeightSnapshot {
             version,
             params: Arc::new(self.read(Slot::Weights)?),
         })
     }
 
-    fn save(&mut self, dir: &Path, with_optimizer: bool, dtype: WeightDtype) -> Result<()> {
+    /// Writes a checkpoint folder from rank 0's weights and optimiser state.
+    pub fn save(&mut self, dir: &Path, with_optimizer: bool, dtype: WeightDtype) -> Result<()> {
         let model = Model::new(self.config.clone(), self.read(Slot::Weights)?)?;
         let opt = match (with_optimizer, self.stage) {
             (false, _) => None,
             (true, None) => {
-                return Err(RoleError::Protocol(
-                    "a save with the optimiser before the stage began",
+                return Err(PoolError::Runtime(
+                    "a save with the optimiser before the stage began".into(),
                 ));
             }
             (true, Some((schedule, grad_clip))) => {
@@ -381,7 +395,7 @@ impl Policy for LearnerPool {
                 let LearnerResponse::Counters(calls, applied) =
                     self.on_rank0(LearnerOp::Counters)?
                 else {
-                    return Err(RoleError::Protocol("a learner rank answered out of turn"));
+                    return Err(out_of_turn());
                 };
                 (opt.calls, opt.applied) = (calls, applied);
                 let (m, v) = (

@@ -62,6 +62,10 @@ pub enum PoolError {
         /// What went wrong.
         message: String,
     },
+    /// A learner rank died or restarted: its weights and optimiser state are gone, and the
+    /// policy continues only from a checkpoint.
+    #[error("learner rank lost: {0}")]
+    RankLost(String),
     /// Asked to stop while waiting for agents.
     #[error("stopped on request while waiting for agents that can take the job's pools")]
     StoppedWaiting,
