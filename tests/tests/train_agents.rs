@@ -235,3 +235,34 @@ fn learner_ranks_on_two_agents_train_as_in_process_ones_and_recover_from_a_kille
     assert_eq!(metric_rows(&dir.join("run")), reference);
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `trellis bench learners` as a user runs it: one engine, then the ranks as actors in the
+/// process and on agents it starts, each with a step time and an all-reduce rate.
+#[test]
+fn bench_learners_times_ranks_in_the_process_and_on_agents() {
+    let out = run_ok(trellis().args([
+        "--log", "warn", "bench", "learners", "--ranks", "2", "--batch", "2", "--seq", "8",
+        "--steps", "1", "--hidden", "64", "--layers", "1", "--json",
+    ]));
+    let b: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(b["ranks"], 2, "{b}");
+    assert!(b["one_engine_step_s"].as_f64().unwrap() > 0.0, "{b}");
+    let runs = b["runs"].as_array().unwrap();
+    let places: Vec<&str> = runs
+        .iter()
+        .map(|r| r["placement"].as_str().unwrap())
+        .collect();
+    assert_eq!(places, ["actors in this process", "agents on this host"]);
+    for r in runs {
+        for k in ["step_s", "allreduce_s", "allreduce_gbps", "comm_share"] {
+            assert!(r[k].as_f64().unwrap() > 0.0, "{k}: {r}");
+        }
+    }
+    // Bad input is refused before anything runs.
+    let refused = trellis()
+        .args(["bench", "learners", "--ranks", "1"])
+        .output()
+        .unwrap();
+    assert!(!refused.status.success());
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("--ranks needs at least 2"));
+}

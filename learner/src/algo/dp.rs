@@ -28,7 +28,7 @@ pub enum Work {
     /// Rows of a policy-update mini-batch.
     Policy {
         /// The rows and their per-token inputs.
-        shard: PolicyShard,
+        shard: Box<PolicyShard>,
         /// The update's settings.
         cfg: PolicyUpdate,
     },

@@ -74,13 +74,13 @@ pub fn update_ranks<R: Ranks>(
             let work = split(r0, r1, ranks.count())
                 .into_iter()
                 .map(|(a, b)| Work::Policy {
-                    shard: PolicyShard {
+                    shard: Box::new(PolicyShard {
                         rows: rows.rows(a, b),
                         advantages: rows.slice(batch.advantages, a, b).to_vec(),
                         old_logp: batch.old_logp.map(|o| rows.slice(o, a, b).to_vec()),
                         ref_logp: batch.ref_logp.map(|r| rows.slice(r, a, b).to_vec()),
                         norm,
-                    },
+                    }),
                     cfg: *cfg,
                 })
                 .collect();

@@ -13,6 +13,9 @@ use kernels::tensor::WeightSnapshot;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+/// Told the name of an actor that restarted.
+pub type OnRestart = Arc<dyn Fn(&str) + Send + Sync>;
+
 /// What a pool is made of and where it runs.
 pub struct PoolShape<'a, A: Actor> {
     /// The pool's name (its actors are `<name>-<i>`).
@@ -32,7 +35,7 @@ pub struct PoolShape<'a, A: Actor> {
     /// Told what people must know while the pool starts (where agents register).
     pub note: &'a mut dyn FnMut(&str),
     /// Told the name of every actor that restarts, before it gets the pool's weights back.
-    pub on_restart: Option<Arc<dyn Fn(&str) + Send + Sync>>,
+    pub on_restart: Option<OnRestart>,
 }
 
 /// A pool of supervised actors of kind `A` that take weights.

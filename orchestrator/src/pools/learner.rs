@@ -72,6 +72,8 @@ pub struct LearnerPool {
     stage: Option<(LrSchedule, f64)>,
     /// Ranks that restarted (their state is gone).
     restarted: Arc<Mutex<Vec<String>>>,
+    /// Time spent summing the ranks' gradients and handing the sum back, all steps together.
+    reducing: std::time::Duration,
 }
 
 impl LearnerPool {
@@ -113,7 +115,14 @@ impl LearnerPool {
             steps: 0,
             stage: None,
             restarted,
+            reducing: std::time::Duration::ZERO,
         })
+    }
+
+    /// Seconds spent so far summing the ranks' gradients and handing every rank the sum (the
+    /// all-reduce of every step).
+    pub fn reduce_seconds(&self) -> f64 {
+        self.reducing.as_secs_f64()
     }
 
     /// The head this pool started for its ranks on agents (`trellis train --listen`).
@@ -207,10 +216,9 @@ impl LearnerPool {
             .ok_or(PoolError::Runtime("a learner pool without ranks".into()))?
             .clone();
         let steps = self.steps;
-        Ok(self
-            .rt
+        self.rt
             .block_on(rank.call(LearnerRequest { steps, op }))
-            .map_err(|e| self.failed(e))?)
+            .map_err(|e| self.failed(e))
     }
 
     /// Writes all of `p` into `slot` of every rank.
@@ -259,6 +267,7 @@ impl Ranks for LearnerPool {
     fn step(&mut self) -> Result<StepReport> {
         // The all-reduce, slice by slice: every rank's slice, summed in rank order (the same
         // sum whatever order the answers came in), written back to every rank.
+        let started = std::time::Instant::now();
         if self.count() > 1 {
             let n = self.layout.numel();
             for offset in (0..n).step_by(SLICE) {
@@ -280,6 +289,7 @@ impl Ranks for LearnerPool {
                 })?;
             }
         }
+        self.reducing += started.elapsed();
         let reports = self.on_all(|| LearnerOp::Step)?;
         self.steps += 1;
         let mut reports = reports.into_iter().map(|r| match r {

@@ -6,6 +6,7 @@
 //! out weights. Never: samples, trains or scores.
 
 pub mod actor_pool;
+pub mod bench;
 pub mod external;
 pub mod learner;
 pub mod rollout;

@@ -1,4 +1,5 @@
-//! `trellis bench`: the actor runtime, a training step, the native engine, external engines.
+//! `trellis bench`: the actor runtime, a training step, the native engine, external engines,
+//! learner ranks.
 
 use super::runtime;
 use anyhow::{Context, Result, bail};
@@ -36,6 +37,32 @@ pub enum BenchCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Learner ranks: one policy update of the reference model on one engine, then on N
+    /// data-parallel learner actors in this process and on N `trellis agent`s on this host —
+    /// step time against one engine, all-reduce GB/s and its share of the step.
+    Learners {
+        /// Data-parallel ranks.
+        #[arg(long, default_value_t = 2)]
+        ranks: usize,
+        /// Rows per update.
+        #[arg(long, default_value_t = 8)]
+        batch: usize,
+        /// Tokens per row (half prompt, half response).
+        #[arg(long, default_value_t = 128)]
+        seq: usize,
+        /// Timed updates (after one warm-up; the median is reported).
+        #[arg(long, default_value_t = 3)]
+        steps: usize,
+        /// Hidden size instead of the reference model's 512.
+        #[arg(long)]
+        hidden: Option<usize>,
+        /// Layers instead of 8.
+        #[arg(long)]
+        layers: Option<usize>,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
     /// External engines: generation through `trellis engine serve` (the vLLM adapter over
     /// loopback HTTP) against the same engine in-process, and weight pushes through folders.
     Engines {
@@ -67,6 +94,15 @@ impl BenchCommand {
                 repeats,
                 json,
             } => bench_engines(model, repeats, json),
+            BenchCommand::Learners {
+                ranks,
+                batch,
+                seq,
+                steps,
+                hidden,
+                layers,
+                json,
+            } => bench_learners(ranks, batch, seq, steps, hidden, layers, json),
         }
     }
 }
@@ -313,6 +349,66 @@ fn bench_engines(model: Option<PathBuf>, repeats: usize, json: bool) -> Result<(
         r.weight_bytes as f64 / 1e6,
         r.folder_write_gbps,
         r.reload_gbps
+    );
+    Ok(())
+}
+
+fn bench_learners(
+    ranks: usize,
+    batch: usize,
+    seq: usize,
+    steps: usize,
+    hidden: Option<usize>,
+    layers: Option<usize>,
+    json: bool,
+) -> Result<()> {
+    if ranks < 2 || batch < ranks || seq < 2 || steps == 0 {
+        bail!(
+            "--ranks needs at least 2, --batch at least one row a rank, --seq at least 2, --steps at least 1"
+        );
+    }
+    let mut shape = serde_json::Map::new();
+    for (key, v) in [("hidden_size", hidden), ("num_hidden_layers", layers)] {
+        if let Some(v) = v {
+            shape.insert(key.into(), v.into());
+        }
+    }
+    let o = orchestrator::pools::bench::LearnerBenchOptions {
+        exe: std::env::current_exe().context("cannot find the trellis executable")?,
+        config: bench::reference_config_with(&shape)?,
+        ranks,
+        batch,
+        seq,
+        steps,
+    };
+    let b = orchestrator::pools::bench::run(&o)?;
+    if json {
+        println!("{}", serde_json::to_string(&b)?);
+        return Ok(());
+    }
+    println!(
+        "policy update, reference model ({:.1}M params, {:.0} MB gradient), batch {batch} × seq {seq}, {ranks} ranks",
+        b.params as f64 / 1e6,
+        b.gradient_bytes as f64 / 1e6
+    );
+    println!(
+        "  one engine in this process     step {:.3} s (median of {steps})",
+        b.one_engine_step_s
+    );
+    for r in &b.runs {
+        println!(
+            "  {ranks} ranks, {:<23} step {:.3} s ({:.2}× one engine), all-reduce {:.3} s = {:.2} GB/s, {:.0}% of the step",
+            r.placement,
+            r.step_s,
+            r.vs_one_engine,
+            r.allreduce_s,
+            r.allreduce_gbps,
+            100.0 * r.comm_share
+        );
+    }
+    println!(
+        "  optimiser state per rank       {:.0} MB (every rank keeps all moments: ZeRO-1 is not built)",
+        b.optimizer_bytes_per_rank as f64 / 1e6
     );
     Ok(())
 }

@@ -1,0 +1,244 @@
+//! `trellis bench learners`: one policy update of the reference model on one engine in this
+//! process, then on `ranks` learner actors in this process and on as many `trellis agent`
+//! processes on this host, in the same run — each rank's step time against the one engine's,
+//! and the all-reduce's rate and share of the step.
+//!
+//! Owns: the benchmark's set-up and figures. Never: prints (the binary does).
+
+use super::learner::{LearnerPool, LearnerStart};
+use super::{Cluster, ClusterHead, PoolError};
+use crate::plan::{Device, Placement};
+use actors::{Head, HeadConfig, Strategy, Token};
+use kernels::tensor::WeightSnapshot;
+use learner::algo::TokenRows;
+use learner::algo::layout::Row;
+use learner::algo::policy::{PolicyBatch, PolicyUpdate};
+use learner::engine::Backend;
+use learner::optim::{LrSchedule, Optimizer};
+use learner::rl::agg::LossAgg;
+use learner::{Model, ModelConfig};
+use serde::Serialize;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// What to measure.
+#[derive(Clone, Debug)]
+pub struct LearnerBenchOptions {
+    /// The `trellis` executable (agents are started from it).
+    pub exe: PathBuf,
+    /// The model.
+    pub config: ModelConfig,
+    /// Data-parallel ranks.
+    pub ranks: usize,
+    /// Rows per update (one optimiser step).
+    pub batch: usize,
+    /// Tokens per row (half prompt, half response).
+    pub seq: usize,
+    /// Timed updates (after one warm-up).
+    pub steps: usize,
+}
+
+/// The figures of one way of running the ranks.
+#[derive(Clone, Debug, Serialize)]
+pub struct RankFigures {
+    /// Where the ranks ran.
+    pub placement: String,
+    /// Median seconds of one update.
+    pub step_s: f64,
+    /// Median seconds of its all-reduce (summing the gradients, handing back the sum).
+    pub allreduce_s: f64,
+    /// Gradient bytes over the all-reduce's time (the algorithm bandwidth, as NCCL counts it).
+    pub allreduce_gbps: f64,
+    /// The all-reduce's share of the step.
+    pub comm_share: f64,
+    /// This step time over the one engine's.
+    pub vs_one_engine: f64,
+}
+
+/// `trellis bench learners`' figures.
+#[derive(Clone, Debug, Serialize)]
+pub struct LearnerBench {
+    /// Parameters of the model.
+    pub params: usize,
+    /// Bytes of one gradient (f32).
+    pub gradient_bytes: usize,
+    /// Ranks.
+    pub ranks: usize,
+    /// Rows × tokens per update.
+    pub batch: usize,
+    pub seq: usize,
+    /// Median seconds of one update on one engine in this process.
+    pub one_engine_step_s: f64,
+    /// The ranks as actors in this process, then on agents on this host.
+    pub runs: Vec<RankFigures>,
+    /// Optimiser state each rank keeps: the whole model's moments (no ZeRO-1 sharding yet).
+    pub optimizer_bytes_per_rank: usize,
+}
+
+/// An agent process, killed when dropped.
+struct AgentProcess(Child);
+
+impl Drop for AgentProcess {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+/// Runs the benchmark.
+pub fn run(o: &LearnerBenchOptions) -> Result<LearnerBench, PoolError> {
+    let model = Model::init(o.config.clone(), 1);
+    let params = model.params.numel();
+    // Any tokens and advantages do: a splitmix64 stream, seeded.
+    let mut state = 7u64;
+    let mut next = move || {
+        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    };
+    let vocab = o.config.vocab_size as u64;
+    let half = (o.seq / 2).max(1);
+    let seqs: Vec<Vec<u32>> = (0..o.batch)
+        .map(|_| (0..2 * half).map(|_| (next() % vocab) as u32).collect())
+        .collect();
+    let rows = TokenRows::new(seqs.iter().enumerate().map(|(i, s)| Row {
+        prompt: &s[..half],
+        response: &s[half..],
+        group: i as u64,
+    }));
+    let advantages: Vec<f32> = (0..rows.shape.len())
+        .map(|_| (next() % 2001) as f32 / 1000.0 - 1.0)
+        .collect();
+    let batch = PolicyBatch {
+        rows: &rows,
+        advantages: &advantages,
+        old_logp: None,
+        ref_logp: None,
+    };
+    let cfg = PolicyUpdate {
+        loss: Default::default(),
+        agg: LossAgg::TokenMean,
+        temperature: 1.0,
+        epochs: 1,
+        rows_per_update: o.batch,
+    };
+    let schedule = LrSchedule::constant(1e-5);
+
+    let mut engine = learner::engine::open(model.clone(), Backend::Native)?;
+    let mut opt = Optimizer::new(&model.params, Default::default(), schedule, Some(1.0));
+    let mut times = Vec::new();
+    for i in 0..=o.steps {
+        let t = Instant::now();
+        learner::algo::policy::update(&mut *engine, &mut opt, batch, &cfg)?;
+        if i > 0 {
+            times.push(t.elapsed().as_secs_f64());
+        }
+    }
+    drop(engine);
+    let one = median(times);
+
+    let weights = WeightSnapshot {
+        version: 0,
+        params: Arc::new(model.params),
+    };
+    let gradient_bytes = params * 4;
+    let mut runs = Vec::new();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .map_err(|e| PoolError::Runtime(format!("cannot start a runtime: {e}")))?;
+    let token = Token::generate().map_err(|e| PoolError::Runtime(e.to_string()))?;
+    let head = rt
+        .block_on(Head::serve(
+            "127.0.0.1:0".parse().expect("an address"),
+            token.clone(),
+            HeadConfig::default(),
+        ))
+        .map_err(|e| PoolError::Runtime(format!("cannot start a head: {e}")))?;
+    let token_file =
+        std::env::temp_dir().join(format!("trellis-bench-{}.token", std::process::id()));
+    token
+        .write(&token_file)
+        .map_err(|e| PoolError::Runtime(e.to_string()))?;
+    let mut agents = Vec::new();
+    for i in 0..o.ranks {
+        let child = Command::new(&o.exe)
+            .args(["--log", "warn", "agent", "--head"])
+            .arg(format!("http://{}", head.address()))
+            .arg("--token-file")
+            .arg(&token_file)
+            .args(["--listen", "127.0.0.1:0", "--resources", "cpu=1", "--name"])
+            .arg(format!("bench-{i}"))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .spawn()
+            .map_err(|e| {
+                PoolError::Runtime(format!("cannot start {} agent: {e}", o.exe.display()))
+            })?;
+        agents.push(AgentProcess(child));
+    }
+    let cluster = Cluster {
+        head: ClusterHead::Shared(head.clone()),
+        wait: Duration::from_secs(60),
+    };
+    for (name, placement) in [
+        ("actors in this process", Placement::Local),
+        ("agents on this host", Placement::Agents(Strategy::Spread)),
+    ] {
+        let mut note = |_: &str| {};
+        let mut pool = LearnerPool::start(LearnerStart {
+            count: o.ranks,
+            placement,
+            device: Device::Cpu,
+            cluster: Some(&cluster),
+            stop: &|| false,
+            note: &mut note,
+            config: &o.config,
+            weights: weights.clone(),
+            assets: Vec::new(),
+        })?;
+        pool.begin_stage(schedule, 1.0, None)?;
+        let (mut steps, mut reduces) = (Vec::new(), Vec::new());
+        for i in 0..=o.steps {
+            let (t, r) = (Instant::now(), pool.reduce_seconds());
+            pool.update(batch, &cfg)?;
+            if i > 0 {
+                steps.push(t.elapsed().as_secs_f64());
+                reduces.push(pool.reduce_seconds() - r);
+            }
+        }
+        let (step_s, allreduce_s) = (median(steps), median(reduces));
+        runs.push(RankFigures {
+            placement: name.into(),
+            step_s,
+            allreduce_s,
+            allreduce_gbps: gradient_bytes as f64 / allreduce_s / 1e9,
+            comm_share: allreduce_s / step_s,
+            vs_one_engine: step_s / one,
+        });
+    }
+    // The head first: agents it still knows are not reported lost.
+    rt.block_on(head.shutdown(false));
+    drop(agents);
+    let _ = std::fs::remove_file(&token_file);
+    Ok(LearnerBench {
+        params,
+        gradient_bytes,
+        ranks: o.ranks,
+        batch: o.batch,
+        seq: o.seq,
+        one_engine_step_s: one,
+        runs,
+        optimizer_bytes_per_rank: 2 * gradient_bytes,
+    })
+}
