@@ -9,9 +9,10 @@
 //! one job lifecycle, the server's queue).
 //!
 //! Never: prints (a sink of the binary does), parses command lines or serves HTTP (the
-//! `trellis` binary does), touches tensor contents in job control (tensors move through the
-//! actors' data plane and the weight folders), or speaks an external engine's API itself (the
-//! `rollout` adapters do).
+//! `trellis` binary does), touches tensor contents in job control (weights move through the
+//! actors' data plane and the weight folders; the learner pool's gradient sum, in slices over
+//! actor calls, is the one exception until ranks reduce among themselves), or speaks an external
+//! engine's API itself (the `rollout` adapters do).
 
 pub mod exec;
 pub mod jobs;
