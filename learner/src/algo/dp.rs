@@ -11,8 +11,8 @@
 //! Never: moves gradients between ranks (the [`Ranks`] implementation does), or knows where
 //! a rank runs.
 
+use super::PolicyUpdate;
 use super::TokenRows;
-use super::policy::PolicyUpdate;
 use crate::engine::TrainEngine;
 use crate::error::Result;
 use crate::model::Batch;

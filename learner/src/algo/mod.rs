@@ -15,3 +15,18 @@ pub mod sft;
 pub mod value;
 
 pub use layout::TokenRows;
+
+/// How the policy is updated.
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct PolicyUpdate {
+    /// The actor loss.
+    pub loss: crate::rl::loss::PolicyLossConfig,
+    /// How token losses add up over a mini-batch.
+    pub agg: crate::rl::agg::LossAgg,
+    /// The sampling temperature the log-probs are taken at.
+    pub temperature: f32,
+    /// Passes over the batch.
+    pub epochs: usize,
+    /// Rows per optimiser step.
+    pub rows_per_update: usize,
+}

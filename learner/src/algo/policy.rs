@@ -2,29 +2,14 @@
 //! of `rows_per_update` rows, each step the gradient of the actor loss (PPO-clip and its
 //! variants, entropy bonus, KL to a reference) aggregated over its mini-batch.
 
+pub use super::PolicyUpdate;
 use super::TokenRows;
 use super::dp::{OneEngine, PolicyShard, Ranks, Work, merge, split};
 use crate::engine::TrainEngine;
 use crate::error::Result;
 use crate::optim::{Optimizer, StepReport};
-use crate::rl::agg::{AggNorm, LossAgg};
-use crate::rl::loss::PolicyLossConfig;
+use crate::rl::agg::AggNorm;
 use crate::rl::{Metrics, Shape};
-
-/// How the policy is updated.
-#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct PolicyUpdate {
-    /// The actor loss.
-    pub loss: PolicyLossConfig,
-    /// How token losses add up over a mini-batch.
-    pub agg: LossAgg,
-    /// The sampling temperature the log-probs are taken at.
-    pub temperature: f32,
-    /// Passes over the batch.
-    pub epochs: usize,
-    /// Rows per optimiser step.
-    pub rows_per_update: usize,
-}
 
 /// What one update trains on, all `[rows, cols]` over `rows`.
 #[derive(Clone, Copy, Debug)]
