@@ -143,6 +143,67 @@ impl Optimizer {
         report
     }
 
+    /// The optimiser of one ZeRO-1 shard: the values `offset..offset + len` of a model laid out
+    /// flat in layout order ([`crate::wire::flatten`]); its moments cover that range only.
+    pub fn for_range(
+        len: usize,
+        hparams: AdamW,
+        schedule: LrSchedule,
+        grad_clip: Option<f64>,
+    ) -> Self {
+        let shard = Params::zeros(&[("shard".to_string(), vec![len])]);
+        Self::new(&shard, hparams, schedule, grad_clip)
+    }
+
+    /// Values each moment holds (the model's, or a shard's).
+    pub fn moment_len(&self) -> usize {
+        self.m.numel()
+    }
+
+    /// [`Optimizer::step`] on the values `offset..offset + self.moment_len()` of `params` and
+    /// `grads` only (an optimiser of [`Optimizer::for_range`]), given the global norm `norm` of
+    /// the whole gradient (which no one rank of a ZeRO-1 group holds): the same clip, rate and
+    /// skip as the whole step, and the same new values in that range.
+    pub fn step_range(
+        &mut self,
+        params: &mut Params,
+        grads: &mut Params,
+        offset: usize,
+        norm: f64,
+    ) -> Result<StepReport> {
+        let len = self.moment_len();
+        if offset + len > params.numel() || params.numel() != grads.numel() {
+            return Err(Error::Ranks(format!(
+                "a shard of values {offset}..{} of a model of {}",
+                offset + len,
+                params.numel()
+            )));
+        }
+        let (report, plan) = self.plan(norm);
+        let Some(plan) = plan else { return Ok(report) };
+        let (m, v) = (&mut self.m.tensors[0].data, &mut self.v.tensors[0].data);
+        let mut at = 0;
+        for (p, g) in params.tensors.iter_mut().zip(&mut grads.tensors) {
+            let n = p.data.len();
+            let (lo, hi) = (offset.max(at), (offset + len).min(at + n));
+            if lo < hi {
+                let g = &mut g.data[lo - at..hi - at];
+                if plan.clip < 1.0 {
+                    scale(g, plan.clip);
+                }
+                plan.hparams.update(
+                    plan.step,
+                    &mut p.data[lo - at..hi - at],
+                    g,
+                    &mut m[lo - offset..hi - offset],
+                    &mut v[lo - offset..hi - offset],
+                );
+            }
+            at += n;
+        }
+        Ok(report)
+    }
+
     /// The decision of one optimiser call for a gradient of global norm `norm`, for engines
     /// that apply the update themselves (the `pjrt` engine, on the device): advances the
     /// counters and returns what to apply, or `None` when the update is skipped.
@@ -248,6 +309,42 @@ mod tests {
         assert!(r.skipped);
         assert_eq!(p, before);
         assert_eq!((opt.calls, opt.applied), (1, 0));
+    }
+
+    /// Two shards stepped with the whole gradient's norm give the whole step's values.
+    #[test]
+    fn shards_step_as_the_whole_does() {
+        let specs = vec![("a".to_string(), vec![3]), ("b".to_string(), vec![2, 2])];
+        let p0 = Params::init(&specs, 1.0, 4);
+        let mut g0 = p0.zeros_like();
+        crate::wire::unflatten_into(&mut g0, &[3.0, -1.0, 0.5, 2.0, 0.0, -4.0, 1.5]).unwrap();
+        let (hp, sched) = (AdamW::default(), LrSchedule::constant(0.1));
+        let (mut whole, mut wg) = (p0.clone(), g0.clone());
+        let mut opt = Optimizer::new(&p0, hp, sched, Some(1.0));
+        let mut sharded = p0.clone();
+        let mut shards =
+            [(0, 4), (4, 3)].map(|(o, n)| (o, Optimizer::for_range(n, hp, sched, Some(1.0))));
+        for _ in 0..2 {
+            let want = opt.step(&mut whole, &mut wg);
+            let norm = global_norm(g0.tensors.iter().map(|t| t.data.as_slice()));
+            for (offset, o) in &mut shards {
+                let mut g = g0.clone();
+                let mut p = sharded.clone();
+                let got = o.step_range(&mut p, &mut g, *offset, norm).unwrap();
+                assert_eq!(got, want);
+                let n = o.moment_len();
+                let mine = crate::wire::read_range(&p, *offset, n).unwrap();
+                crate::wire::write_range(&mut sharded, *offset, &mine).unwrap();
+            }
+            wg = g0.clone();
+        }
+        assert_eq!(crate::wire::flatten(&sharded), crate::wire::flatten(&whole));
+        assert!(
+            shards[1]
+                .1
+                .step_range(&mut sharded, &mut g0, 5, 1.0)
+                .is_err()
+        );
     }
 
     #[test]

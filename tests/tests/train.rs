@@ -1431,20 +1431,22 @@ fn from_arithmetic(key: &str) -> bool {
 /// `pools.learner.count: N` trains the policy on N data-parallel learner actors: each
 /// mini-batch cut into N shares with the whole mini-batch's normalisers, the ranks' gradients
 /// summed, one optimiser decision on every rank. So the run is the one-learner run up to the
-/// rounding of another summation order, which a whole run carries from step to step: the same
+/// rounding of another summation order, which a whole run carries from step to step — with the
+/// optimiser's state sharded across the ranks (ZeRO-1) or replicated on each: the same
 /// sampled tokens, rewards and accuracies; GRPO's losses within 1e-5 (its gradient norm, the
 /// most sensitive, within 1e-3); PPO within 1e-2 (its critic learns from the policy's
 /// values, and whitening its advantages divides the difference by their spread). A ranked run killed with -9 resumes from its checkpoint (the optimiser's moments
 /// handed back to every rank) to exactly the undisturbed ranked run.
 #[test]
 fn learner_ranks_train_as_one_learner_and_resume_from_their_checkpoints() {
-    let ranked = |dir: &Path, ranks: usize, args: &[&str]| {
+    let ranked = |dir: &Path, ranks: usize, args: &[&str], more: &[&str]| {
         let mut cmd = trellis();
         cmd.arg("train")
             .arg(recipe())
             .args(["--quiet", "--run-dir"])
             .arg(dir)
             .args(args)
+            .args(more)
             .args(["-o", &format!("pools.learner.count={ranks}")]);
         cmd
     };
@@ -1456,16 +1458,19 @@ fn learner_ranks_train_as_one_learner_and_resume_from_their_checkpoints() {
         "-o",
         "stages.rl.algorithm.use_kl_loss=true",
     ];
+    // ZeRO-1 (the default) and replicated optimiser state alike.
+    let replicas = ["-o", "pools.learner.shard_optimizer=false"];
+    let grpo_ranks = [(2, &[][..]), (3, &[][..]), (2, &replicas[..])];
     for (algo, args, ranks, loss_tol) in [
-        ("grpo", &[][..], &[2, 3][..], 1e-5),
-        ("ppo", &ppo[..], &[2][..], 1e-2),
+        ("grpo", &[][..], &grpo_ranks[..], 1e-5),
+        ("ppo", &ppo[..], &grpo_ranks[..1], 1e-2),
     ] {
         let one = run_dir(&format!("{algo}-ranks-1"));
-        run_ok(&mut ranked(&one, 1, args));
+        run_ok(&mut ranked(&one, 1, args, &[]));
         let reference = comparable(&one);
-        for &n in ranks {
+        for &(n, more) in ranks {
             let dir = run_dir(&format!("{algo}-ranks-{n}"));
-            let out = run_ok(&mut ranked(&dir, n, args));
+            let out = run_ok(&mut ranked(&dir, n, args, more));
             let said = String::from_utf8_lossy(&out.stderr);
             assert!(
                 said.contains(&format!("learner ranks: {}", vec!["local"; n].join(", "))),
@@ -1499,14 +1504,14 @@ fn learner_ranks_train_as_one_learner_and_resume_from_their_checkpoints() {
                     );
                 }
             }
-            if n != 2 || algo != "grpo" {
+            if n != 2 || algo != "grpo" || !more.is_empty() {
                 std::fs::remove_dir_all(&dir).unwrap();
                 continue;
             }
             // kill -9 inside the RL stage, then resume: every rank gets the checkpoint's
             // weights and optimiser state back, and the run ends as the undisturbed one did.
             let killed = run_dir("ranks-killed");
-            let mut child = ranked(&killed, 2, args)
+            let mut child = ranked(&killed, 2, args, &[])
                 .stderr(Stdio::null())
                 .spawn()
                 .unwrap();

@@ -237,7 +237,8 @@ fn learner_ranks_on_two_agents_train_as_in_process_ones_and_recover_from_a_kille
 }
 
 /// `trellis bench learners` as a user runs it: one engine, then the ranks as actors in the
-/// process and on agents it starts, each with a step time and an all-reduce rate.
+/// process (replicated optimiser state, then ZeRO-1) and on agents it starts, each with a step
+/// time, an all-reduce rate and the optimiser state a rank keeps.
 #[test]
 fn bench_learners_times_ranks_in_the_process_and_on_agents() {
     let out = run_ok(trellis().args([
@@ -248,11 +249,32 @@ fn bench_learners_times_ranks_in_the_process_and_on_agents() {
     assert_eq!(b["ranks"], 2, "{b}");
     assert!(b["one_engine_step_s"].as_f64().unwrap() > 0.0, "{b}");
     let runs = b["runs"].as_array().unwrap();
-    let places: Vec<&str> = runs
+    let places: Vec<(&str, bool)> = runs
         .iter()
-        .map(|r| r["placement"].as_str().unwrap())
+        .map(|r| {
+            (
+                r["placement"].as_str().unwrap(),
+                r["sharded"].as_bool().unwrap(),
+            )
+        })
         .collect();
-    assert_eq!(places, ["actors in this process", "agents on this host"]);
+    assert_eq!(
+        places,
+        [
+            ("actors in this process", false),
+            ("actors in this process", true),
+            ("agents on this host", true)
+        ]
+    );
+    // ZeRO-1 halves a rank's optimiser state (its shard is at most one value longer).
+    let bytes = |i: usize| runs[i]["optimizer_bytes_per_rank"].as_u64().unwrap() as i64;
+    assert!(
+        (2 * bytes(1) - bytes(0)).abs() <= 8,
+        "{} vs {}",
+        bytes(1),
+        bytes(0)
+    );
+    assert_eq!(bytes(0), 2 * b["gradient_bytes"].as_i64().unwrap());
     for r in runs {
         for k in ["step_s", "allreduce_s", "allreduce_gbps", "comm_share"] {
             assert!(r[k].as_f64().unwrap() > 0.0, "{k}: {r}");

@@ -47,6 +47,15 @@ pub trait TrainEngine: Send + Sync {
     /// device engines reduce with the device's collectives.
     fn gradients_mut(&mut self) -> Result<&mut crate::Params>;
 
+    /// The weights on the host, to write (a ZeRO-1 rank takes the other ranks' updated shards).
+    /// The `pjrt` engine keeps them on its device and refuses.
+    fn weights_mut(&mut self) -> Result<&mut crate::Params>;
+
+    /// Applies the summed gradients of the values `offset..offset + opt.moment_len()` with `opt`
+    /// (a ZeRO-1 shard's optimiser), given the whole gradient's global norm; clears the
+    /// gradients. The `pjrt` engine refuses.
+    fn step_range(&mut self, opt: &mut Optimizer, offset: usize, norm: f64) -> Result<StepReport>;
+
     /// Applies the summed gradients with `opt` (its plan decides rate, clipping and skipping)
     /// and clears them.
     fn step(&mut self, opt: &mut Optimizer) -> Result<StepReport>;

@@ -66,6 +66,16 @@ impl TrainEngine for NativeTrainer {
         Ok(&mut self.grads)
     }
 
+    fn weights_mut(&mut self) -> Result<&mut Params> {
+        Ok(&mut self.model.params)
+    }
+
+    fn step_range(&mut self, opt: &mut Optimizer, offset: usize, norm: f64) -> Result<StepReport> {
+        let report = opt.step_range(&mut self.model.params, &mut self.grads, offset, norm)?;
+        self.grads.fill_zero();
+        Ok(report)
+    }
+
     fn step(&mut self, opt: &mut Optimizer) -> Result<StepReport> {
         let report = opt.step(&mut self.model.params, &mut self.grads);
         self.grads.fill_zero();

@@ -72,6 +72,19 @@ impl TrainEngine for PjrtTrainer {
         ))
     }
 
+    fn weights_mut(&mut self) -> Result<&mut crate::Params> {
+        Err(Error::Device(
+            "the pjrt engine keeps its weights on the device: ZeRO-1 over pjrt ranks is not built"
+                .into(),
+        ))
+    }
+
+    fn step_range(&mut self, _: &mut Optimizer, _: usize, _: f64) -> Result<StepReport> {
+        Err(Error::Device(
+            "the pjrt engine steps its whole model on the device: ZeRO-1 over pjrt ranks is not built".into(),
+        ))
+    }
+
     fn step(&mut self, opt: &mut Optimizer) -> Result<StepReport> {
         let report = self.device.step(opt)?;
         self.stale = true;

@@ -585,6 +585,7 @@ fn run(
             config: &model.config,
             weights,
             assets,
+            shard_optimizer: plan.learner.shard_optimizer,
         })
         .map_err(|e| match e {
             PoolError::StoppedWaiting => JobError::StoppedWaiting { resume },

@@ -4,6 +4,10 @@
 //! slices that fit one message, and applies the sum with its optimiser; the driver's
 //! learner pool (`pools::learner`) makes the ranks one policy.
 //!
+//! With ZeRO-1 a rank keeps the optimiser's moments of one contiguous shard of the model's flat
+//! values and updates only those (given the whole gradient's norm); the driver hands each rank
+//! the others' updated shards.
+//!
 //! A rank counts the optimiser steps it has applied, and every request says how many the
 //! driver expects: a rank that restarted (its weights back to the pool's first ones, its
 //! optimiser gone) refuses instead of training from the wrong weights.
@@ -60,6 +64,9 @@ pub enum LearnerOp {
         grad_clip: f64,
         /// Optimiser calls and applied updates of the checkpoint resumed from.
         counters: Option<(u64, u64)>,
+        /// ZeRO-1: the (offset, length) of the flat values whose optimiser state this rank
+        /// keeps and updates; `None`: all of them.
+        shard: Option<(usize, usize)>,
     },
     /// The log-prob of every response token of `rows`, `per` rows at a time.
     Logp {
@@ -91,8 +98,12 @@ pub enum LearnerOp {
         #[serde(with = "learner::wire::floats")]
         values: Vec<f32>,
     },
-    /// Applies the summed gradients (as written by the driver) and clears them.
-    Step,
+    /// Applies the summed gradients (as written by the driver) and clears them: all of them,
+    /// or, with `norm` (the whole gradient's global norm), the rank's shard only.
+    Step {
+        /// The global norm, for a ZeRO-1 rank.
+        norm: Option<f64>,
+    },
     /// The optimiser's calls and applied updates.
     Counters,
 }
@@ -108,14 +119,23 @@ pub enum LearnerResponse {
     Outcome(Outcome),
     /// A step's report.
     Report(StepReport),
-    /// The optimiser's calls and applied updates.
-    Counters(u64, u64),
+    /// The optimiser's calls and applied updates, and the values each of its moments holds.
+    Counters {
+        /// Optimiser calls.
+        calls: u64,
+        /// Applied updates.
+        applied: u64,
+        /// Values per moment (the model's, or the rank's shard's).
+        moments: usize,
+    },
 }
 
 /// One rank's training state.
 struct Rank {
     engine: Box<dyn TrainEngine>,
     opt: Option<Optimizer>,
+    /// ZeRO-1: the first flat value of the rank's shard.
+    shard_offset: Option<usize>,
     steps: u64,
 }
 
@@ -164,6 +184,7 @@ impl Actor for LearnerActor {
         self.rank = Some(Rank {
             engine,
             opt: None,
+            shard_offset: None,
             steps: 0,
         });
         Ok(())
@@ -184,9 +205,24 @@ impl Rank {
                 schedule,
                 grad_clip,
                 counters,
+                shard,
             } => {
                 let params = &self.engine.model().map_err(fatal)?.params;
-                let mut opt = Optimizer::new(params, Default::default(), schedule, Some(grad_clip));
+                let clip = Some(grad_clip);
+                let mut opt = match shard {
+                    Some((offset, len)) if offset + len <= params.numel() => {
+                        Optimizer::for_range(len, Default::default(), schedule, clip)
+                    }
+                    Some((offset, len)) => {
+                        return Err(CallError::fatal(format!(
+                            "a shard of values {offset}..{} of a model of {}",
+                            offset + len,
+                            params.numel()
+                        )));
+                    }
+                    None => Optimizer::new(params, Default::default(), schedule, clip),
+                };
+                self.shard_offset = shard.map(|(offset, _)| offset);
                 if let Some((calls, applied)) = counters {
                     opt.calls = calls;
                     opt.applied = applied;
@@ -230,15 +266,28 @@ impl Rank {
                 wire::write_range(self.slot_mut(slot)?, offset, &values).map_err(fatal)?;
                 LearnerResponse::Done
             }
-            LearnerOp::Step => {
+            LearnerOp::Step { norm } => {
                 let opt = self.opt.as_mut().ok_or_else(no_stage)?;
-                let report = self.engine.step(opt).map_err(fatal)?;
+                let report = match (norm, self.shard_offset) {
+                    (None, None) => self.engine.step(opt),
+                    (Some(norm), Some(offset)) => self.engine.step_range(opt, offset, norm),
+                    _ => {
+                        return Err(CallError::fatal(
+                            "a ZeRO-1 rank steps with the global norm, and only it does",
+                        ));
+                    }
+                }
+                .map_err(fatal)?;
                 self.steps += 1;
                 LearnerResponse::Report(report)
             }
             LearnerOp::Counters => {
                 let opt = self.optimizer()?;
-                LearnerResponse::Counters(opt.calls, opt.applied)
+                LearnerResponse::Counters {
+                    calls: opt.calls,
+                    applied: opt.applied,
+                    moments: opt.moment_len(),
+                }
             }
         })
     }
@@ -247,14 +296,19 @@ impl Rank {
         self.opt.as_mut().ok_or_else(no_stage)
     }
 
-    /// A slot the driver writes (the weights come only by snapshot).
+    /// A slot the driver writes: the gradient sum, restored moments, and — on a ZeRO-1 rank —
+    /// the weights the other ranks updated.
     fn slot_mut(&mut self, slot: Slot) -> Result<&mut Params, CallError> {
         Ok(match slot {
-            Slot::Weights => {
+            Slot::Weights if self.shard_offset.is_none() => {
                 return Err(CallError::fatal(
-                    "a rank's weights change by its steps or a snapshot, never by a write",
+                    "a rank that updates all its weights takes them only by its steps or a snapshot",
                 ));
             }
+            Slot::Weights => self
+                .engine
+                .weights_mut()
+                .map_err(|e| CallError::fatal(e.to_string()))?,
             Slot::Gradient => self
                 .engine
                 .gradients_mut()

@@ -324,6 +324,12 @@ fn rollout(p: &schema::Pool, e: &Errs<'_>) -> Result<RolloutPlan, PlanError> {
             "is 0: engines need room for their KV cache",
         ));
     }
+    if p.shard_optimizer.is_some() {
+        return Err(e.at(
+            "pools.rollout.shard_optimizer",
+            "is for the learner pool (its ranks' optimiser state)",
+        ));
+    }
     let kv_cache_bytes = p.kv_cache_mib << 20;
     if p.engine.is_external() {
         if p.endpoints.is_empty() {
@@ -550,6 +556,7 @@ fn learner(p: &schema::Pool, e: &Errs<'_>) -> Result<LearnerPlan, PlanError> {
     };
     Ok(LearnerPlan {
         engine,
+        shard_optimizer: p.shard_optimizer.unwrap_or(true),
         count: p.count,
         placement: placement(p.placement),
         device: p.device,

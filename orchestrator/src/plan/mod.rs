@@ -168,6 +168,9 @@ pub struct LearnerPlan {
     pub placement: Placement,
     /// The device each rank occupies.
     pub device: Device,
+    /// ZeRO-1 over several ranks: each keeps and updates the optimiser state of 1/N of the
+    /// model.
+    pub shard_optimizer: bool,
 }
 
 impl LearnerPlan {

@@ -188,6 +188,11 @@ pub struct Pool {
     /// each agent's engine gets all of it).
     #[serde(default = "default_kv_cache_mib")]
     pub kv_cache_mib: usize,
+    /// Learner pools of several ranks: ZeRO-1 — each rank keeps and updates the optimiser's
+    /// moments of 1/N of the model, and the ranks exchange their updated shards (default
+    /// true; false: every rank keeps all of them).
+    #[serde(default)]
+    pub shard_optimizer: Option<bool>,
 }
 
 impl Default for Pool {
@@ -208,6 +213,7 @@ impl Default for Pool {
             verify_tolerance: default_tolerance(),
             plugin: None,
             kv_cache_mib: default_kv_cache_mib(),
+            shard_optimizer: None,
         }
     }
 }

@@ -247,6 +247,11 @@ fn bad_workflows_get_messages_that_say_where_and_why() {
         ),
         (
             "stages:\n",
+            "pools: {rollout: {shard_optimizer: true}}\nstages:\n",
+            "t.yaml: pools.rollout.shard_optimizer: is for the learner pool (its ranks' optimiser state)",
+        ),
+        (
+            "stages:\n",
             "pools: {learner: {count: 0}}\nstages:\n",
             "t.yaml: pools.learner.count: is 0: a pool needs at least one engine",
         ),

@@ -1,7 +1,8 @@
 //! `trellis bench learners`: one policy update of the reference model on one engine in this
 //! process, then on `ranks` learner actors in this process and on as many `trellis agent`
 //! processes on this host, in the same run — each rank's step time against the one engine's,
-//! and the all-reduce's rate and share of the step.
+//! the all-reduce's rate and share of the step, and the optimiser state a rank keeps with and
+//! without ZeRO-1.
 //!
 //! Owns: the benchmark's set-up and figures. Never: prints (the binary does).
 
@@ -45,6 +46,10 @@ pub struct LearnerBenchOptions {
 pub struct RankFigures {
     /// Where the ranks ran.
     pub placement: String,
+    /// ZeRO-1: each rank kept the optimiser state of its shard only.
+    pub sharded: bool,
+    /// Optimiser state one rank kept (the largest shard's, with ZeRO-1).
+    pub optimizer_bytes_per_rank: usize,
     /// Median seconds of one update.
     pub step_s: f64,
     /// Median seconds of its all-reduce (summing the gradients, handing back the sum).
@@ -71,10 +76,9 @@ pub struct LearnerBench {
     pub seq: usize,
     /// Median seconds of one update on one engine in this process.
     pub one_engine_step_s: f64,
-    /// The ranks as actors in this process, then on agents on this host.
+    /// The ranks as actors in this process without and with ZeRO-1, then on agents on this
+    /// host with it.
     pub runs: Vec<RankFigures>,
-    /// Optimiser state each rank keeps: the whole model's moments (no ZeRO-1 sharding yet).
-    pub optimizer_bytes_per_rank: usize,
 }
 
 /// An agent process, killed when dropped.
@@ -191,9 +195,14 @@ pub fn run(o: &LearnerBenchOptions) -> Result<LearnerBench, PoolError> {
         head: ClusterHead::Shared(head.clone()),
         wait: Duration::from_secs(60),
     };
-    for (name, placement) in [
-        ("actors in this process", Placement::Local),
-        ("agents on this host", Placement::Agents(Strategy::Spread)),
+    for (name, placement, sharded) in [
+        ("actors in this process", Placement::Local, false),
+        ("actors in this process", Placement::Local, true),
+        (
+            "agents on this host",
+            Placement::Agents(Strategy::Spread),
+            true,
+        ),
     ] {
         let mut note = |_: &str| {};
         let mut pool = LearnerPool::start(LearnerStart {
@@ -206,6 +215,7 @@ pub fn run(o: &LearnerBenchOptions) -> Result<LearnerBench, PoolError> {
             config: &o.config,
             weights: weights.clone(),
             assets: Vec::new(),
+            shard_optimizer: sharded,
         })?;
         pool.begin_stage(schedule, 1.0, None)?;
         let (mut steps, mut reduces) = (Vec::new(), Vec::new());
@@ -220,6 +230,8 @@ pub fn run(o: &LearnerBenchOptions) -> Result<LearnerBench, PoolError> {
         let (step_s, allreduce_s) = (median(steps), median(reduces));
         runs.push(RankFigures {
             placement: name.into(),
+            sharded,
+            optimizer_bytes_per_rank: pool.optimizer_bytes_per_rank()?,
             step_s,
             allreduce_s,
             allreduce_gbps: gradient_bytes as f64 / allreduce_s / 1e9,
@@ -239,6 +251,5 @@ pub fn run(o: &LearnerBenchOptions) -> Result<LearnerBench, PoolError> {
         seq: o.seq,
         one_engine_step_s: one,
         runs,
-        optimizer_bytes_per_rank: 2 * gradient_bytes,
     })
 }

@@ -56,6 +56,8 @@ pub struct LearnerStart<'a> {
     pub weights: WeightSnapshot,
     /// Side files of its checkpoints (tokenizer, chat template, generation config).
     pub assets: Vec<(String, Vec<u8>)>,
+    /// ZeRO-1: each of several ranks keeps and updates the optimiser state of 1/N of the model.
+    pub shard_optimizer: bool,
 }
 
 /// The policy as data-parallel learner actors.
@@ -72,8 +74,11 @@ pub struct LearnerPool {
     stage: Option<(LrSchedule, f64)>,
     /// Ranks that restarted (their state is gone).
     restarted: Arc<Mutex<Vec<String>>>,
-    /// Time spent summing the ranks' gradients and handing the sum back, all steps together.
+    /// Time spent summing the ranks' gradients and handing the sum back (and, with ZeRO-1,
+    /// handing every rank the others' updated shards), all steps together.
     reducing: std::time::Duration,
+    /// ZeRO-1: each rank's (offset, length) of the model's flat values.
+    shards: Option<Vec<(usize, usize)>>,
 }
 
 impl LearnerPool {
@@ -86,6 +91,12 @@ impl LearnerPool {
             .build()
             .map_err(|e| PoolError::Runtime(format!("cannot start the actor runtime: {e}")))?;
         let layout = start.weights.params.zeros_like();
+        let shards = (start.shard_optimizer && start.count > 1).then(|| {
+            split(0, layout.numel(), start.count)
+                .into_iter()
+                .map(|(a, b)| (a, b - a))
+                .collect()
+        });
         let model = start.config.to_hf_json();
         let config = move |_: usize| LearnerConfig {
             model: model.clone(),
@@ -116,6 +127,7 @@ impl LearnerPool {
             stage: None,
             restarted,
             reducing: std::time::Duration::ZERO,
+            shards,
         })
     }
 
@@ -163,8 +175,8 @@ impl LearnerPool {
         })
     }
 
-    /// `ops[i]` on rank `i`, every rank at once; the answers in rank order.
-    fn on_ranks(&self, ops: Vec<LearnerOp>) -> Result<Vec<LearnerResponse>> {
+    /// `ops[i]` on rank `i` where there is one, every rank at once; the answers in rank order.
+    fn on_some(&self, ops: Vec<Option<LearnerOp>>) -> Result<Vec<Option<LearnerResponse>>> {
         self.check_ranks()?;
         let calls: Vec<_> = self
             .ranks()
@@ -172,23 +184,45 @@ impl LearnerPool {
             .zip(ops)
             .map(|(rank, op)| {
                 let (rank, steps) = (rank.clone(), self.steps);
-                self.rt
-                    .spawn(async move { rank.call(LearnerRequest { steps, op }).await })
+                op.map(|op| {
+                    self.rt
+                        .spawn(async move { rank.call(LearnerRequest { steps, op }).await })
+                })
             })
             .collect();
         self.rt.block_on(async {
             let mut out = Vec::with_capacity(calls.len());
             for (i, c) in calls.into_iter().enumerate() {
+                let Some(c) = c else {
+                    out.push(None);
+                    continue;
+                };
                 let answer = c
                     .await
                     .map_err(|e| {
                         PoolError::Runtime(format!("a call to learner {i} was lost: {e}"))
                     })?
                     .map_err(|e| self.failed(e))?;
-                out.push(answer);
+                out.push(Some(answer));
             }
             Ok::<_, PoolError>(out)
         })
+    }
+
+    /// `ops[i]` on rank `i`, every rank at once; the answers in rank order.
+    fn on_ranks(&self, ops: Vec<LearnerOp>) -> Result<Vec<LearnerResponse>> {
+        let answers = self.on_some(ops.into_iter().map(Some).collect())?;
+        Ok(answers.into_iter().flatten().collect())
+    }
+
+    /// `op` on rank `r` alone.
+    fn on_rank(&self, r: usize, op: LearnerOp) -> Result<LearnerResponse> {
+        let mut ops: Vec<Option<LearnerOp>> = (0..self.ranks().len()).map(|_| None).collect();
+        *ops.get_mut(r)
+            .ok_or_else(|| PoolError::Runtime(format!("no learner rank {r}")))? = Some(op);
+        self.on_some(ops)?
+            .swap_remove(r)
+            .ok_or_else(|| PoolError::Runtime(format!("learner rank {r} did not answer")))
     }
 
     /// The same `op` on every rank.
@@ -202,23 +236,41 @@ impl LearnerPool {
         let n = out.numel();
         for offset in (0..n).step_by(SLICE) {
             let len = SLICE.min(n - offset);
-            let values = values(self.on_rank0(LearnerOp::Read { slot, offset, len })?)?;
+            let values = values(self.on_rank(0, LearnerOp::Read { slot, offset, len })?)?;
             wire::write_range(&mut out, offset, &values)?;
         }
         Ok(out)
     }
 
-    fn on_rank0(&self, op: LearnerOp) -> Result<LearnerResponse> {
-        self.check_ranks()?;
-        let rank = self
-            .ranks()
-            .first()
-            .ok_or(PoolError::Runtime("a learner pool without ranks".into()))?
-            .clone();
-        let steps = self.steps;
-        self.rt
-            .block_on(rank.call(LearnerRequest { steps, op }))
-            .map_err(|e| self.failed(e))
+    /// Values `a..a + len` of `slot` of rank `r` (its own offsets: a ZeRO-1 rank's moments
+    /// count from its shard's start) into `out` at `to`.
+    fn read_into(
+        &self,
+        r: usize,
+        slot: Slot,
+        (a, len): (usize, usize),
+        out: &mut Params,
+        to: usize,
+    ) -> Result<()> {
+        for at in (0..len).step_by(SLICE) {
+            let n = SLICE.min(len - at);
+            let op = LearnerOp::Read {
+                slot,
+                offset: a + at,
+                len: n,
+            };
+            wire::write_range(out, to + at, &values(self.on_rank(r, op)?)?)?;
+        }
+        Ok(())
+    }
+
+    /// Optimiser state each rank keeps, in bytes (rank 0's: with ZeRO-1 the first shard, which
+    /// is the largest).
+    pub fn optimizer_bytes_per_rank(&self) -> Result<usize> {
+        match self.on_rank(0, LearnerOp::Counters)? {
+            LearnerResponse::Counters { moments, .. } => Ok(2 * 4 * moments),
+            _ => Err(out_of_turn()),
+        }
     }
 
     /// Writes all of `p` into `slot` of every rank.
@@ -266,8 +318,10 @@ impl Ranks for LearnerPool {
 
     fn step(&mut self) -> Result<StepReport> {
         // The all-reduce, slice by slice: every rank's slice, summed in rank order (the same
-        // sum whatever order the answers came in), written back to every rank.
+        // sum whatever order the answers came in), written back to every rank — with ZeRO-1
+        // only to the rank whose shard it is, and its square added to the global norm's.
         let started = std::time::Instant::now();
+        let mut sum_sq = 0.0f64;
         if self.count() > 1 {
             let n = self.layout.numel();
             for offset in (0..n).step_by(SLICE) {
@@ -282,15 +336,35 @@ impl Ranks for LearnerPool {
                 for p in parts {
                     sum.iter_mut().zip(p?).for_each(|(s, v)| *s += v);
                 }
-                self.on_all(|| LearnerOp::Write {
-                    slot: Slot::Gradient,
-                    offset,
-                    values: sum.clone(),
-                })?;
+                match &self.shards {
+                    None => {
+                        self.on_all(|| LearnerOp::Write {
+                            slot: Slot::Gradient,
+                            offset,
+                            values: sum.clone(),
+                        })?;
+                    }
+                    Some(shards) => {
+                        sum_sq += kernels::optim::global_norm([&sum[..]]).powi(2);
+                        let ops = shards
+                            .iter()
+                            .map(|&(a, l)| {
+                                let (lo, hi) = (a.max(offset), (a + l).min(offset + len));
+                                (lo < hi).then(|| LearnerOp::Write {
+                                    slot: Slot::Gradient,
+                                    offset: lo,
+                                    values: sum[lo - offset..hi - offset].to_vec(),
+                                })
+                            })
+                            .collect();
+                        self.on_some(ops)?;
+                    }
+                }
             }
         }
         self.reducing += started.elapsed();
-        let reports = self.on_all(|| LearnerOp::Step)?;
+        let norm = self.shards.as_ref().map(|_| sum_sq.sqrt());
+        let reports = self.on_all(|| LearnerOp::Step { norm })?;
         self.steps += 1;
         let mut reports = reports.into_iter().map(|r| match r {
             LearnerResponse::Report(r) => Ok(r),
@@ -311,6 +385,34 @@ impl Ranks for LearnerPool {
                 ))
                 .into());
             }
+        }
+        // ZeRO-1's all-gather: every rank's updated shard to the others.
+        if let Some(shards) = self.shards.clone() {
+            let started = std::time::Instant::now();
+            for (r, &(a, l)) in shards.iter().enumerate() {
+                for offset in (a..a + l).step_by(SLICE) {
+                    let len = SLICE.min(a + l - offset);
+                    let mine = values(self.on_rank(
+                        r,
+                        LearnerOp::Read {
+                            slot: Slot::Weights,
+                            offset,
+                            len,
+                        },
+                    )?)?;
+                    let ops = (0..shards.len())
+                        .map(|o| {
+                            (o != r).then(|| LearnerOp::Write {
+                                slot: Slot::Weights,
+                                offset,
+                                values: mine.clone(),
+                            })
+                        })
+                        .collect();
+                    self.on_some(ops)?;
+                }
+            }
+            self.reducing += started.elapsed();
         }
         Ok(first)
     }
@@ -357,15 +459,39 @@ impl LearnerPool {
             None => None,
         };
         let counters = restored.as_ref().map(|o| (o.calls, o.applied));
-        self.on_all(|| LearnerOp::BeginStage {
-            schedule,
-            grad_clip,
-            counters,
-        })?;
+        let ops = (0..self.count())
+            .map(|r| LearnerOp::BeginStage {
+                schedule,
+                grad_clip,
+                counters,
+                shard: self.shards.as_ref().map(|s| s[r]),
+            })
+            .collect();
+        self.on_ranks(ops)?;
         if let Some(mut opt) = restored {
             let (m, v) = opt.moments_mut();
-            self.write_all(Slot::FirstMoment, m)?;
-            self.write_all(Slot::SecondMoment, v)?;
+            match self.shards.clone() {
+                None => {
+                    self.write_all(Slot::FirstMoment, m)?;
+                    self.write_all(Slot::SecondMoment, v)?;
+                }
+                // Each rank its shard of the moments, at its own offsets.
+                Some(shards) => {
+                    for (r, (a, l)) in shards.into_iter().enumerate() {
+                        for (slot, p) in [(Slot::FirstMoment, &*m), (Slot::SecondMoment, &*v)] {
+                            for at in (0..l).step_by(SLICE) {
+                                let values = wire::read_range(p, a + at, SLICE.min(l - at))?;
+                                let op = LearnerOp::Write {
+                                    slot,
+                                    offset: at,
+                                    values,
+                                };
+                                self.on_rank(r, op)?;
+                            }
+                        }
+                    }
+                }
+            }
         }
         self.stage = Some((schedule, grad_clip));
         Ok(())
@@ -402,16 +528,19 @@ impl LearnerPool {
             (true, Some((schedule, grad_clip))) => {
                 let mut opt =
                     Optimizer::new(&self.layout, Default::default(), schedule, Some(grad_clip));
-                let LearnerResponse::Counters(calls, applied) =
-                    self.on_rank0(LearnerOp::Counters)?
+                let LearnerResponse::Counters { calls, applied, .. } =
+                    self.on_rank(0, LearnerOp::Counters)?
                 else {
                     return Err(out_of_turn());
                 };
                 (opt.calls, opt.applied) = (calls, applied);
-                let (m, v) = (
-                    self.read(Slot::FirstMoment)?,
-                    self.read(Slot::SecondMoment)?,
-                );
+                let (mut m, mut v) = (self.layout.clone(), self.layout.clone());
+                // With ZeRO-1 every rank holds its shard of the moments, at its own offsets.
+                let shards = self.shards.clone().unwrap_or_else(|| vec![(0, m.numel())]);
+                for (r, (a, l)) in shards.into_iter().enumerate() {
+                    self.read_into(r, Slot::FirstMoment, (0, l), &mut m, a)?;
+                    self.read_into(r, Slot::SecondMoment, (0, l), &mut v, a)?;
+                }
                 let (om, ov) = opt.moments_mut();
                 (*om, *ov) = (m, v);
                 Some(opt)

@@ -397,19 +397,17 @@ fn bench_learners(
     );
     for r in &b.runs {
         println!(
-            "  {ranks} ranks, {:<23} step {:.3} s ({:.2}× one engine), all-reduce {:.3} s = {:.2} GB/s, {:.0}% of the step",
+            "  {ranks} ranks, {:<23} {:<8} step {:.3} s ({:.2}× one engine), all-reduce {:.3} s = {:.2} GB/s, {:.0}% of the step; optimiser state {:.0} MB a rank",
             r.placement,
+            if r.sharded { "ZeRO-1" } else { "replicas" },
             r.step_s,
             r.vs_one_engine,
             r.allreduce_s,
             r.allreduce_gbps,
-            100.0 * r.comm_share
+            100.0 * r.comm_share,
+            r.optimizer_bytes_per_rank as f64 / 1e6
         );
     }
-    println!(
-        "  optimiser state per rank       {:.0} MB (every rank keeps all moments: ZeRO-1 is not built)",
-        b.optimizer_bytes_per_rank as f64 / 1e6
-    );
     Ok(())
 }
 
