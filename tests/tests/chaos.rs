@@ -49,6 +49,21 @@ fn a_job_whose_head_and_agents_are_killed_at_random_finishes_as_if_undisturbed()
     assert_eq!(report["members"], "agents");
 }
 
+/// Learner ranks on the agents too: an agent killed with a rank on it costs the job its ranks'
+/// state, and the job continues from its last checkpoint on new ranks — to the same rows.
+#[test]
+fn a_job_with_learner_ranks_on_agents_killed_at_random_finishes_as_if_undisturbed() {
+    let report = chaos("learners", &["--learners", "--seed", "11"]);
+    assert_eq!(report["learner_ranks"], 2);
+    let recovered: u64 = report["jobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|j| j["learner_recoveries"].as_u64().unwrap())
+        .sum();
+    assert!(recovered >= 1, "a killed agent took a rank: {report}");
+}
+
 #[test]
 fn a_job_whose_head_and_served_engines_are_killed_at_random_finishes_as_if_undisturbed() {
     let report = chaos("engines", &["--engines", "--seed", "3"]);

@@ -17,8 +17,10 @@
 //! at once (its running job continues from its checkpoint); a killed member comes back after
 //! 0.2–2 s (meanwhile an agent's engine restarts on the other agent or waits for room; an
 //! engine is out of service and takes the current weights when it is back). With engines, the
-//! pool's own counters (`rollout/…`: engines out of service) are left out of the comparison. The
-//! e2e test `chaos::…` runs CI-sized versions of both.
+//! pool's own counters (`rollout/…`: engines out of service) are left out of the comparison.
+//! With `--learners` the policy trains on two learner ranks spread over the agents too: a killed
+//! agent takes a rank's state with it, and the job continues from its last checkpoint on new
+//! ranks. The e2e test `chaos::…` runs CI-sized versions of all three.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -31,6 +33,8 @@ type Error = Box<dyn std::error::Error>;
 struct Options {
     /// Kill served engines (the job's rollout pool) instead of agents.
     engines: bool,
+    /// The policy also trains on two learner ranks spread over the agents.
+    learners: bool,
     kills: usize,
     minutes: Option<f64>,
     seed: u64,
@@ -41,6 +45,7 @@ struct Options {
 fn options() -> Result<Options, Error> {
     let mut o = Options {
         engines: false,
+        learners: false,
         kills: 4,
         minutes: None,
         seed: 1,
@@ -52,6 +57,7 @@ fn options() -> Result<Options, Error> {
         let mut value = || args.next().ok_or_else(|| format!("{a} needs a value"));
         match a.as_str() {
             "--engines" => o.engines = true,
+            "--learners" => o.learners = true,
             "--kills" => o.kills = value()?.parse()?,
             "--minutes" => o.minutes = Some(value()?.parse()?),
             "--seed" => o.seed = value()?.parse()?,
@@ -59,7 +65,7 @@ fn options() -> Result<Options, Error> {
             "--dir" => o.dir = PathBuf::from(value()?),
             _ => {
                 return Err(format!(
-                    "unknown argument {a}: chaos [--engines] [--kills N | --minutes M] [--seed S] [--steps RL_STEPS] [--dir DIR]"
+                    "unknown argument {a}: chaos [--engines | --learners] [--kills N | --minutes M] [--seed S] [--steps RL_STEPS] [--dir DIR]"
                 )
                 .into());
             }
@@ -90,6 +96,8 @@ struct Cluster {
     members: Vec<Member>,
     /// The members are served engines (`trellis engine serve`), else agents.
     engines: bool,
+    /// Jobs train on two learner ranks spread over the agents.
+    learners: bool,
 }
 
 fn log_file(dir: &Path, name: &str) -> Result<std::fs::File, Error> {
@@ -116,6 +124,7 @@ impl Cluster {
             head,
             members: Vec::new(),
             engines,
+            learners: false,
         };
         for name in ["m1", "m2"] {
             let mut m = Member {
@@ -216,6 +225,10 @@ impl Cluster {
             cmd.args(["-o", "pools.rollout.placement=spread"])
                 .args(["-o", "pools.rollout.count=2"]);
         }
+        if self.learners {
+            cmd.args(["-o", "pools.learner.placement=spread"])
+                .args(["-o", "pools.learner.count=2"]);
+        }
         let out = cmd.output()?;
         if !out.status.success() {
             return Err(format!("submit: {}", String::from_utf8_lossy(&out.stderr)).into());
@@ -231,6 +244,16 @@ impl Cluster {
             .ok()?;
         let j: serde_json::Value = serde_json::from_slice(&out.stdout).ok()?;
         j["state"].as_str().map(str::to_string)
+    }
+
+    /// How many times job `id` continued from its checkpoint after losing a learner rank (the
+    /// lines its log says it with).
+    fn recoveries(&self, id: u64) -> Result<usize, Error> {
+        let out = self.cli(&["logs", &id.to_string()]).output()?;
+        Ok(String::from_utf8(out.stdout)?
+            .lines()
+            .filter(|l| l.contains("learner rank lost"))
+            .count())
     }
 
     fn rows(&self, id: u64) -> Result<Vec<serde_json::Value>, Error> {
@@ -342,7 +365,11 @@ fn main() -> Result<(), Error> {
     let _ = std::fs::remove_dir_all(&o.dir);
     std::fs::create_dir_all(&o.dir)?;
     let mut rng = xorshift(o.seed);
+    if o.engines && o.learners {
+        return Err("--engines and --learners: learner ranks run on agents, not engines".into());
+    }
     let mut c = Cluster::start(&o.dir, o.engines)?;
+    c.learners = o.learners;
     let mut kills = [0usize; 2];
 
     // The undisturbed run: the same job on the same cluster, left alone.
@@ -371,6 +398,7 @@ fn main() -> Result<(), Error> {
             None => run_job(&mut c, id, &mut rng, |n| n < o.kills, &mut kills)?,
         };
         let rows = c.rows(id)?;
+        let recoveries = c.recoveries(id)?;
         let equal = state == "succeeded" && rows == reference;
         ok &= equal;
         say(&format!(
@@ -380,6 +408,7 @@ fn main() -> Result<(), Error> {
         ));
         jobs.push(serde_json::json!({
             "job": id, "state": state, "seconds": seconds, "rows": rows.len(), "rows_equal": equal,
+            "learner_recoveries": recoveries,
             "kills": {"head": kills[0] - before[0], "member": kills[1] - before[1]},
         }));
         // Jobs until the time is up, or until the kills were all made (a short job may end
@@ -397,6 +426,7 @@ fn main() -> Result<(), Error> {
         "seed": o.seed,
         "rl_steps": o.steps,
         "members": if o.engines { "engines" } else { "agents" },
+        "learner_ranks": if o.learners { 2 } else { 1 },
         "kills": {"head": kills[0], "member": kills[1]},
         "undisturbed_s": undisturbed_s,
         "disturbed_s_mean": disturbed_s / jobs.len().max(1) as f64,
