@@ -46,6 +46,27 @@ pub trait Actor: Send + Sized + 'static {
         request: Self::Request,
     ) -> impl Future<Output = Result<Self::Response, CallError>> + Send;
 
+    /// A request as bytes for an actor in another process: JSON, unless the kind frames bulk
+    /// numbers raw (as the learner kind does its gradient slices).
+    fn encode_request(request: &Self::Request) -> Result<Vec<u8>, String> {
+        serde_json::to_vec(request).map_err(|e| e.to_string())
+    }
+
+    /// Back from [`Actor::encode_request`]'s bytes.
+    fn decode_request(bytes: &[u8]) -> Result<Self::Request, String> {
+        serde_json::from_slice(bytes).map_err(|e| e.to_string())
+    }
+
+    /// A response as bytes, as [`Actor::encode_request`].
+    fn encode_response(response: &Self::Response) -> Result<Vec<u8>, String> {
+        serde_json::to_vec(response).map_err(|e| e.to_string())
+    }
+
+    /// Back from [`Actor::encode_response`]'s bytes.
+    fn decode_response(bytes: &[u8]) -> Result<Self::Response, String> {
+        serde_json::from_slice(bytes).map_err(|e| e.to_string())
+    }
+
     /// Takes a new weight snapshot (rollout actors swap their engine's weights here).
     fn load_weights(
         &mut self,
@@ -237,9 +258,9 @@ impl<A: Actor> ActorRef<A> {
                         actor: self.name.to_string(),
                         message,
                     };
-                    let payload = serde_json::to_vec(&request).map_err(|e| bad(e.to_string()))?;
+                    let payload = A::encode_request(&request).map_err(bad)?;
                     let reply = remote.call(&self.name, payload).await?;
-                    return serde_json::from_slice(&reply)
+                    return A::decode_response(&reply)
                         .map_err(|e| bad(format!("reply does not decode: {e}")));
                 }
                 Link::Restarting => self.wait_for_change(&mut link).await?,

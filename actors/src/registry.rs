@@ -29,7 +29,7 @@ impl<A: Actor> Mailbox for Typed<A> {
     fn call(&self, payload: Bytes) -> BoxFuture<'static, Result<Vec<u8>, CallFailure>> {
         let tx = self.0.clone();
         Box::pin(async move {
-            let request: A::Request = serde_json::from_slice(&payload).map_err(|e| {
+            let request: A::Request = A::decode_request(&payload).map_err(|e| {
                 (
                     Code::BadMessage,
                     format!("not a `{}` request: {e}", A::KIND),
@@ -46,7 +46,7 @@ impl<A: Actor> Mailbox for Typed<A> {
                 .await
                 .map_err(|_| died())?;
             match answer.await {
-                Ok(Ok(response)) => serde_json::to_vec(&response)
+                Ok(Ok(response)) => A::encode_response(&response)
                     .map_err(|e| (Code::BadMessage, format!("response does not encode: {e}"))),
                 Ok(Err(e)) => Err((
                     if e.retryable {

@@ -151,6 +151,56 @@ impl Actor for LearnerActor {
     type Request = LearnerRequest;
     type Response = LearnerResponse;
 
+    fn encode_request(r: &LearnerRequest) -> Result<Vec<u8>, String> {
+        match &r.op {
+            LearnerOp::Write {
+                slot,
+                offset,
+                values,
+            } => {
+                let header = LearnerRequest {
+                    steps: r.steps,
+                    op: LearnerOp::Write {
+                        slot: *slot,
+                        offset: *offset,
+                        values: Vec::new(),
+                    },
+                };
+                frame(&header, values)
+            }
+            _ => frame(r, &[]),
+        }
+    }
+
+    fn decode_request(bytes: &[u8]) -> Result<LearnerRequest, String> {
+        let (header, bulk) = unframe(bytes)?;
+        let mut r: LearnerRequest = serde_json::from_slice(header).map_err(|e| e.to_string())?;
+        match &mut r.op {
+            LearnerOp::Write { values, .. } => *values = bulk,
+            _ if bulk.is_empty() => {}
+            _ => return Err("values framed with a request that takes none".into()),
+        }
+        Ok(r)
+    }
+
+    fn encode_response(r: &LearnerResponse) -> Result<Vec<u8>, String> {
+        match r {
+            LearnerResponse::Values(v) => frame(&LearnerResponse::Values(Vec::new()), v),
+            r => frame(r, &[]),
+        }
+    }
+
+    fn decode_response(bytes: &[u8]) -> Result<LearnerResponse, String> {
+        let (header, bulk) = unframe(bytes)?;
+        let mut r: LearnerResponse = serde_json::from_slice(header).map_err(|e| e.to_string())?;
+        match &mut r {
+            LearnerResponse::Values(v) => *v = bulk,
+            _ if bulk.is_empty() => {}
+            _ => return Err("values framed with an answer that has none".into()),
+        }
+        Ok(r)
+    }
+
     fn start(config: LearnerConfig) -> Result<Self, String> {
         let config = ModelConfig::from_json(config.model, Path::new("learner actor config"))
             .map_err(|e| e.to_string())?;
@@ -319,6 +369,106 @@ impl Rank {
     }
 }
 
+/// A message across processes: `[header length: u32 LE][header: JSON][values: f32 LE]` — the
+/// values of a `Write` or a `Values` answer travel raw (a copy each way), not as base64 in the
+/// JSON.
+fn frame(header: &impl Serialize, values: &[f32]) -> Result<Vec<u8>, String> {
+    let h = serde_json::to_vec(header).map_err(|e| e.to_string())?;
+    let len = u32::try_from(h.len()).map_err(|_| "a header over 4 GiB".to_string())?;
+    let mut out = Vec::with_capacity(4 + h.len() + 4 * values.len());
+    out.extend_from_slice(&len.to_le_bytes());
+    out.extend_from_slice(&h);
+    for v in values {
+        out.extend_from_slice(&v.to_le_bytes());
+    }
+    Ok(out)
+}
+
+/// The header and values of [`frame`]'s bytes.
+fn unframe(bytes: &[u8]) -> Result<(&[u8], Vec<f32>), String> {
+    let bad = || format!("a learner message of {} bytes is not framed", bytes.len());
+    let len: [u8; 4] = bytes
+        .get(..4)
+        .ok_or_else(bad)?
+        .try_into()
+        .map_err(|_| bad())?;
+    let end = 4 + u32::from_le_bytes(len) as usize;
+    let header = bytes.get(4..end).ok_or_else(bad)?;
+    let bulk = &bytes[end..];
+    if !bulk.len().is_multiple_of(4) {
+        return Err(bad());
+    }
+    let values = bulk
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect();
+    Ok((header, values))
+}
+
 fn no_stage() -> CallError {
     CallError::fatal("no stage has begun on this rank (BeginStage first)")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bulk_values_travel_raw_and_come_back_bit_for_bit() {
+        let values = vec![0.1f32, -0.0, f32::NAN, 1e-45, f32::MAX];
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let write = LearnerRequest {
+            steps: 7,
+            op: LearnerOp::Write {
+                slot: Slot::Gradient,
+                offset: 3,
+                values: values.clone(),
+            },
+        };
+        let bytes = LearnerActor::encode_request(&write).unwrap();
+        // The values are the last 20 bytes, as they are in memory (little-endian).
+        assert_eq!(&bytes[bytes.len() - 4..], &f32::MAX.to_le_bytes());
+        let back = LearnerActor::decode_request(&bytes).unwrap();
+        assert_eq!(back.steps, 7);
+        let LearnerOp::Write {
+            slot,
+            offset,
+            values: v,
+        } = back.op
+        else {
+            panic!("{back:?}")
+        };
+        assert_eq!((slot, offset, bits(&v)), (Slot::Gradient, 3, bits(&values)));
+        let answer = LearnerResponse::Values(values.clone());
+        let bytes = LearnerActor::encode_response(&answer).unwrap();
+        let LearnerResponse::Values(v) = LearnerActor::decode_response(&bytes).unwrap() else {
+            panic!()
+        };
+        assert_eq!(bits(&v), bits(&values));
+        let step = LearnerRequest {
+            steps: 1,
+            op: LearnerOp::Step { norm: Some(2.5) },
+        };
+        let back = LearnerActor::decode_request(&LearnerActor::encode_request(&step).unwrap());
+        assert!(matches!(
+            back.unwrap().op,
+            LearnerOp::Step { norm: Some(2.5) }
+        ));
+        // Truncated or misframed bytes are refused, naming what is wrong.
+        for bad in [
+            &b"\x05\x00"[..],
+            &b"\x09\x00\x00\x00{}"[..],
+            &b"\x02\x00\x00\x00{}\x01"[..],
+        ] {
+            let e = LearnerActor::decode_request(bad).unwrap_err();
+            assert!(e.contains("not framed"), "{e}");
+        }
+        let mut extra = LearnerActor::encode_request(&step).unwrap();
+        extra.extend_from_slice(&1.0f32.to_le_bytes());
+        assert!(
+            LearnerActor::decode_request(&extra)
+                .unwrap_err()
+                .contains("takes none")
+        );
+    }
 }

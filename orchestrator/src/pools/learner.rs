@@ -36,6 +36,9 @@ type Result<T, E = PoolError> = std::result::Result<T, E>;
 /// one actor message (`actors::Wire::max_message_bytes`, 17 MiB by default).
 const SLICE: usize = 2 << 20;
 
+/// Slices of the all-reduce in flight at once.
+const WINDOW: usize = 4;
+
 /// What a learner pool is made of and where it runs.
 pub struct LearnerStart<'a> {
     /// Ranks.
@@ -85,7 +88,8 @@ impl LearnerPool {
     /// Starts the ranks of `start`, each with its weights.
     pub fn start(start: LearnerStart<'_>) -> Result<Self, PoolError> {
         let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
+            // Two: the ranks' answers (tens of MB of base64 each) decode in parallel.
+            .worker_threads(2)
             .thread_name("learner-pool")
             .enable_all()
             .build()
@@ -175,38 +179,49 @@ impl LearnerPool {
         })
     }
 
-    /// `ops[i]` on rank `i` where there is one, every rank at once; the answers in rank order.
-    fn on_some(&self, ops: Vec<Option<LearnerOp>>) -> Result<Vec<Option<LearnerResponse>>> {
+    /// Each `(rank, op)` at once (several to one rank queue at its mailbox); the answers in
+    /// the order given.
+    fn on_many(&self, ops: Vec<(usize, LearnerOp)>) -> Result<Vec<LearnerResponse>> {
         self.check_ranks()?;
-        let calls: Vec<_> = self
-            .ranks()
-            .iter()
-            .zip(ops)
-            .map(|(rank, op)| {
-                let (rank, steps) = (rank.clone(), self.steps);
-                op.map(|op| {
-                    self.rt
-                        .spawn(async move { rank.call(LearnerRequest { steps, op }).await })
-                })
-            })
-            .collect();
+        let ranks = self.ranks();
+        let mut calls = Vec::with_capacity(ops.len());
+        for (r, op) in ops {
+            let rank = ranks
+                .get(r)
+                .ok_or_else(|| PoolError::Runtime(format!("no learner rank {r}")))?
+                .clone();
+            let steps = self.steps;
+            let call = self
+                .rt
+                .spawn(async move { rank.call(LearnerRequest { steps, op }).await });
+            calls.push((r, call));
+        }
         self.rt.block_on(async {
             let mut out = Vec::with_capacity(calls.len());
-            for (i, c) in calls.into_iter().enumerate() {
-                let Some(c) = c else {
-                    out.push(None);
-                    continue;
-                };
+            for (r, c) in calls {
                 let answer = c
                     .await
                     .map_err(|e| {
-                        PoolError::Runtime(format!("a call to learner {i} was lost: {e}"))
+                        PoolError::Runtime(format!("a call to learner {r} was lost: {e}"))
                     })?
                     .map_err(|e| self.failed(e))?;
-                out.push(Some(answer));
+                out.push(answer);
             }
             Ok::<_, PoolError>(out)
         })
+    }
+
+    /// `ops[i]` on rank `i` where there is one, every rank at once; the answers in rank order.
+    fn on_some(&self, ops: Vec<Option<LearnerOp>>) -> Result<Vec<Option<LearnerResponse>>> {
+        let given: Vec<bool> = ops.iter().map(Option::is_some).collect();
+        let ops = ops.into_iter().enumerate();
+        let mut answers = self
+            .on_many(ops.filter_map(|(r, op)| Some((r, op?))).collect())?
+            .into_iter();
+        Ok(given
+            .into_iter()
+            .map(|g| if g { answers.next() } else { None })
+            .collect())
     }
 
     /// `ops[i]` on rank `i`, every rank at once; the answers in rank order.
@@ -322,44 +337,63 @@ impl Ranks for LearnerPool {
         // only to the rank whose shard it is, and its square added to the global norm's.
         let started = std::time::Instant::now();
         let mut sum_sq = 0.0f64;
-        if self.count() > 1 {
+        let ranks = self.count();
+        if ranks > 1 {
             let n = self.layout.numel();
-            for offset in (0..n).step_by(SLICE) {
-                let len = SLICE.min(n - offset);
-                let parts = self.on_all(|| LearnerOp::Read {
-                    slot: Slot::Gradient,
-                    offset,
-                    len,
-                })?;
-                let mut parts = parts.into_iter().map(values);
-                let mut sum = parts.next().transpose()?.unwrap_or_default();
-                for p in parts {
-                    sum.iter_mut().zip(p?).for_each(|(s, v)| *s += v);
-                }
-                match &self.shards {
-                    None => {
-                        self.on_all(|| LearnerOp::Write {
-                            slot: Slot::Gradient,
-                            offset,
-                            values: sum.clone(),
-                        })?;
+            let slices: Vec<(usize, usize)> = (0..n)
+                .step_by(SLICE)
+                .map(|o| (o, SLICE.min(n - o)))
+                .collect();
+            // A window of slices in flight at once: the calls' latency overlaps.
+            for window in slices.chunks(WINDOW) {
+                let reads = window.iter().flat_map(|&(offset, len)| {
+                    (0..ranks).map(move |r| {
+                        let slot = Slot::Gradient;
+                        (r, LearnerOp::Read { slot, offset, len })
+                    })
+                });
+                let mut parts = self.on_many(reads.collect())?.into_iter().map(values);
+                let mut writes = Vec::new();
+                for &(offset, len) in window {
+                    let mut sum = parts.next().transpose()?.unwrap_or_default();
+                    for _ in 1..ranks {
+                        let p = parts.next().transpose()?.unwrap_or_default();
+                        sum.iter_mut().zip(p).for_each(|(s, v)| *s += v);
                     }
-                    Some(shards) => {
-                        sum_sq += kernels::optim::global_norm([&sum[..]]).powi(2);
-                        let ops = shards
-                            .iter()
-                            .map(|&(a, l)| {
+                    match &self.shards {
+                        None => writes.extend((0..ranks).map(|r| {
+                            let values = sum.clone();
+                            let slot = Slot::Gradient;
+                            (
+                                r,
+                                LearnerOp::Write {
+                                    slot,
+                                    offset,
+                                    values,
+                                },
+                            )
+                        })),
+                        Some(shards) => {
+                            sum_sq += kernels::optim::global_norm([&sum[..]]).powi(2);
+                            for (r, &(a, l)) in shards.iter().enumerate() {
                                 let (lo, hi) = (a.max(offset), (a + l).min(offset + len));
-                                (lo < hi).then(|| LearnerOp::Write {
-                                    slot: Slot::Gradient,
-                                    offset: lo,
-                                    values: sum[lo - offset..hi - offset].to_vec(),
-                                })
-                            })
-                            .collect();
-                        self.on_some(ops)?;
+                                if lo < hi {
+                                    let values = sum[lo - offset..hi - offset].to_vec();
+                                    let slot = Slot::Gradient;
+                                    writes.push((
+                                        r,
+                                        LearnerOp::Write {
+                                            slot,
+                                            offset: lo,
+                                            values,
+                                        },
+                                    ));
+                                }
+                            }
+                        }
                     }
                 }
+                self.on_many(writes)?;
             }
         }
         self.reducing += started.elapsed();
@@ -390,26 +424,32 @@ impl Ranks for LearnerPool {
         if let Some(shards) = self.shards.clone() {
             let started = std::time::Instant::now();
             for (r, &(a, l)) in shards.iter().enumerate() {
-                for offset in (a..a + l).step_by(SLICE) {
-                    let len = SLICE.min(a + l - offset);
-                    let mine = values(self.on_rank(
-                        r,
-                        LearnerOp::Read {
-                            slot: Slot::Weights,
-                            offset,
-                            len,
-                        },
-                    )?)?;
-                    let ops = (0..shards.len())
-                        .map(|o| {
-                            (o != r).then(|| LearnerOp::Write {
-                                slot: Slot::Weights,
-                                offset,
-                                values: mine.clone(),
-                            })
-                        })
-                        .collect();
-                    self.on_some(ops)?;
+                let slices: Vec<(usize, usize)> = (a..a + l)
+                    .step_by(SLICE)
+                    .map(|o| (o, SLICE.min(a + l - o)))
+                    .collect();
+                for window in slices.chunks(WINDOW) {
+                    let reads = window.iter().map(|&(offset, len)| {
+                        let slot = Slot::Weights;
+                        (r, LearnerOp::Read { slot, offset, len })
+                    });
+                    let mut writes = Vec::new();
+                    let mine = self.on_many(reads.collect())?;
+                    for (&(offset, _), got) in window.iter().zip(mine) {
+                        let got = values(got)?;
+                        writes.extend((0..shards.len()).filter(|&o| o != r).map(|o| {
+                            let (slot, values) = (Slot::Weights, got.clone());
+                            (
+                                o,
+                                LearnerOp::Write {
+                                    slot,
+                                    offset,
+                                    values,
+                                },
+                            )
+                        }));
+                    }
+                    self.on_many(writes)?;
                 }
             }
             self.reducing += started.elapsed();
