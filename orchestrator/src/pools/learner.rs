@@ -543,8 +543,14 @@ impl LearnerPool {
     }
 
     /// One RL update over the ranks.
+    /// Its metrics add `timing_s/allreduce`: the seconds its steps spent summing and handing
+    /// out gradients (and ZeRO-1's shards).
     pub fn update(&mut self, batch: PolicyBatch<'_>, cfg: &PolicyUpdate) -> Result<Metrics> {
-        learner::algo::policy::update_ranks(self, batch, cfg)
+        let before = self.reducing;
+        let mut m = learner::algo::policy::update_ranks(self, batch, cfg)?;
+        let spent = (self.reducing - before).as_secs_f64();
+        m.insert("timing_s/allreduce".into(), spent);
+        Ok(m)
     }
 
     /// The weights (rank 0's), as `version`.
