@@ -184,8 +184,9 @@ fn kill_in_rl(dir: &Path, train: &mut Killed, victim: &mut Killed) {
     victim.0.wait().unwrap();
 }
 
-/// The policy's learner ranks on two agents (`pools.learner.placement: spread`) train as the
-/// same ranks in the process do, bit for bit; kill -9 of an agent holding a rank mid-RL is
+/// Pools that cannot be placed together are refused before anything starts. The policy's
+/// learner ranks on two agents (`pools.learner.placement: spread`) train as the same ranks in
+/// the process do, bit for bit; kill -9 of an agent holding a rank mid-RL is
 /// found within the step, and the job continues by itself from its last checkpoint with new
 /// ranks — on the agent that is left — to the undisturbed run's metrics.
 #[test]
@@ -203,6 +204,53 @@ fn learner_ranks_on_two_agents_train_as_in_process_ones_and_recover_from_a_kille
     let reference = metric_rows(&dir.join("local"));
     let token = dir.join("cluster.token");
     let args = [ranks[0], ranks[1], "-o", "pools.learner.placement=spread"];
+
+    // Pools that cannot be placed together are refused before either starts, naming what is
+    // missing: one agent of 2 CPUs for an engine and 3 ranks.
+    let cramped = [
+        "-o",
+        "pools.learner.count=3",
+        "-o",
+        "pools.learner.placement=spread",
+        "-o",
+        "pools.rollout.placement=spread",
+    ];
+    let mut train = trellis()
+        .arg("train")
+        .arg(recipe())
+        .args(cramped)
+        .args(["--quiet", "--run-dir"])
+        .arg(dir.join("cramped"))
+        .args([
+            "--listen",
+            "127.0.0.1:0",
+            "--agent-wait",
+            "10",
+            "--token-file",
+        ])
+        .arg(&token)
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let err = BufReader::new(train.stderr.take().unwrap());
+    let mut said = Vec::new();
+    let mut only = None;
+    for line in err.lines().map_while(Result::ok) {
+        if only.is_none()
+            && let Some(i) = line.find("http://")
+        {
+            only = Some(agent(line[i..].trim(), &token, "only"));
+        }
+        said.push(line);
+    }
+    assert!(!train.wait().unwrap().success(), "{said:?}");
+    let said = said.join("\n");
+    assert!(
+        said.contains("cannot place pool `learner`") && said.contains("1 of 3 placed"),
+        "{said}"
+    );
+    assert!(!said.contains("spawned"), "nothing started: {said}");
+    drop(only);
 
     let (mut train, url, lines) = train_on_agents(&dir, &token, &args);
     let _a1 = agent(&url, &token, "a1");

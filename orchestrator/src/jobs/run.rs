@@ -10,15 +10,19 @@
 //! per step, an export of the store's rows), `tensorboard/`, and `checkpoints/<stage>/step_<N>/`.
 
 use crate::exec::{ExecError, Executor, Prompts, Roles, Summary};
+use crate::kinds::learner::LearnerActor;
+use crate::kinds::rollout::RolloutActor;
+use crate::plan::Placement;
 use crate::plan::{LearnerEngine, ModelSource, Plan, PlanError, RolloutEngine};
 use crate::pools::learner::{LearnerPool, LearnerStart};
 use crate::pools::rollout::{PoolStart, RolloutPool};
-use crate::pools::{Cluster, ClusterHead, PoolError};
+use crate::pools::{Cluster, ClusterHead, Meeting, PoolError, agent_spec};
 use crate::record::mlflow::Mlflow;
 use crate::record::tensorboard::TensorBoard;
 use crate::record::{Event, JsonlSink, LiveStatus, RecordError, Recorder, Records, StoreSink};
 use crate::roles::{LocalPolicy, LocalRoles, Policy, RoleError};
 use crate::store::{Job, JobState, JobStatus, JobStore, Progress, Store, StoreError};
+use actors::Actor as _;
 use kernels::tensor::WeightSnapshot;
 use learner::Model;
 use learner::checkpoint::Checkpoint;
@@ -539,6 +543,42 @@ fn run(
         version,
         params: Arc::new(model.params.clone()),
     };
+    let stopped = |e: PoolError| match e {
+        PoolError::StoppedWaiting => JobError::StoppedWaiting {
+            resume: resume.clone(),
+        },
+        e => e.into(),
+    };
+    // Every pool on agents meets them through one head, and all must fit at once before any
+    // starts: a placement that cannot be met is refused naming what is missing, with nothing
+    // started.
+    let mut specs = Vec::new();
+    if let Placement::Agents(s) = plan.rollout.placement {
+        let device = plan.rollout.device();
+        specs.push(agent_spec(
+            "rollout",
+            RolloutActor::KIND,
+            plan.rollout.count,
+            device,
+            s,
+        ));
+    }
+    if let Placement::Agents(s) = plan.learner.placement {
+        let (count, device) = (plan.learner.count, plan.learner.device);
+        specs.push(agent_spec("learner", LearnerActor::KIND, count, device, s));
+    }
+    let meeting = match (&cluster, specs.is_empty()) {
+        (Some(c), false) => {
+            let mut note = |text: &str| {
+                let _ = records.event(Event::Note { text, always: true });
+            };
+            let m = Meeting::open(c, &mut note)?;
+            m.wait_for_room(&specs, &stop).map_err(stopped)?;
+            Some(m)
+        }
+        _ => None,
+    };
+    let pools_cluster = meeting.as_ref().map(Meeting::cluster);
     let pool = {
         let mut note = |text: &str| {
             let _ = records.event(Event::Note { text, always: true });
@@ -547,31 +587,16 @@ fn run(
             plan: &plan.rollout,
             config: &model.config,
             weights: weights.clone(),
-            cluster: cluster.as_ref(),
+            cluster: pools_cluster.as_ref(),
             stop: &stop,
             run_dir: dir,
             needs_processed: plan.trains_on_engine_logprobs(),
             note: &mut note,
         })
-        .map_err(|e| match e {
-            PoolError::StoppedWaiting => JobError::StoppedWaiting {
-                resume: resume.clone(),
-            },
-            e => e.into(),
-        })?
+        .map_err(stopped)?
     };
     let mut learner_ranks = None;
-    let mut own_head = pool.own_head();
     let policy: Box<dyn Policy> = if plan.learner.on_actors() {
-        // One port for the job's agents: a learner pool on agents places its ranks through the
-        // head the rollout pool started, when it started one.
-        let shared = pool
-            .own_head()
-            .zip(cluster.as_ref())
-            .map(|(head, c)| Cluster {
-                head: ClusterHead::Shared(head),
-                wait: c.wait,
-            });
         let mut note = |text: &str| {
             let _ = records.event(Event::Note { text, always: true });
         };
@@ -579,7 +604,7 @@ fn run(
             count: plan.learner.count,
             placement: plan.learner.placement,
             device: plan.learner.device,
-            cluster: shared.as_ref().or(cluster.as_ref()),
+            cluster: pools_cluster.as_ref(),
             stop: &stop,
             note: &mut note,
             config: &model.config,
@@ -587,16 +612,12 @@ fn run(
             assets,
             shard_optimizer: plan.learner.shard_optimizer,
         })
-        .map_err(|e| match e {
-            PoolError::StoppedWaiting => JobError::StoppedWaiting { resume },
-            e => e.into(),
-        })?;
+        .map_err(stopped)?;
         tracing::info!(
             ranks = plan.learner.count,
             "learner on data-parallel ranks of the native engine"
         );
         learner_ranks = Some(ranks.locations());
-        own_head = own_head.or_else(|| ranks.own_head());
         Box::new(ranks)
     } else {
         drop(weights);
@@ -611,14 +632,14 @@ fn run(
     // A job that continues in this process (after losing a learner rank) listens where its
     // agents already know it, though it was started on any free port.
     if let (
-        Some(head),
+        Some(m),
         Some(Cluster {
             head: ClusterHead::Listen { listen, .. },
             ..
         }),
-    ) = (own_head, cluster.as_mut())
+    ) = (&meeting, cluster.as_mut())
     {
-        *listen = head.address();
+        *listen = m.address();
     }
     let roles = Roles {
         policy,

@@ -8,7 +8,7 @@
 
 use super::{Cluster, ClusterHead, PoolError, lock, retry};
 use crate::plan::{Device, Placement};
-use actors::{Actor, ActorRef, Head, HeadConfig, PoolSpec, RestartHook, SpawnOptions};
+use actors::{Actor, ActorRef, Head, HeadConfig, RestartHook, SpawnOptions};
 use kernels::tensor::WeightSnapshot;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -87,16 +87,7 @@ impl<A: Actor> ActorPool<A> {
                 let cluster = shape.cluster.ok_or_else(|| PoolError::NoCluster {
                     pool: shape.name.into(),
                 })?;
-                let spec = PoolSpec {
-                    name: shape.name.into(),
-                    kind: A::KIND.into(),
-                    actors: count as u32,
-                    device: shape.device,
-                    per_actor: 1,
-                    strategy,
-                    labels: Default::default(),
-                    colocate: None,
-                };
+                let spec = super::agent_spec(shape.name, A::KIND, count, shape.device, strategy);
                 let (head, owned) = match &cluster.head {
                     ClusterHead::Listen { listen, token } => {
                         let head = Head::serve(*listen, token.clone(), HeadConfig::default())
@@ -141,12 +132,6 @@ impl<A: Actor> ActorPool<A> {
             head,
             current,
         })
-    }
-
-    /// The head this pool started (`trellis train --listen`), for another pool of the job to
-    /// place its actors through: one port for the job's agents.
-    pub fn own_head(&self) -> Option<Head> {
-        self.head.clone()
     }
 
     /// The actors.

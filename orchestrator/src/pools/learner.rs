@@ -141,11 +141,6 @@ impl LearnerPool {
         self.reducing.as_secs_f64()
     }
 
-    /// The head this pool started for its ranks on agents (`trellis train --listen`).
-    pub fn own_head(&self) -> Option<actors::Head> {
-        self.pool.as_ref().and_then(ActorPool::own_head)
-    }
-
     /// Where each rank runs.
     pub fn locations(&self) -> Vec<String> {
         self.ranks().iter().map(|a| a.location()).collect()

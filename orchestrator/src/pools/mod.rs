@@ -11,10 +11,10 @@ pub mod external;
 pub mod learner;
 pub mod rollout;
 
-use actors::{ActorError, ActorRef, Head, Token};
+use actors::{ActorError, ActorRef, Device, Head, HeadConfig, PoolSpec, Strategy, Token};
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Why a pool could not start or do what it was asked.
 #[derive(Debug, thiserror::Error)]
@@ -126,6 +126,115 @@ impl std::fmt::Debug for ClusterHead {
         match self {
             Self::Listen { listen, .. } => write!(f, "Listen({listen})"),
             Self::Shared(h) => write!(f, "Shared({})", h.address()),
+        }
+    }
+}
+
+/// A pool's demand on agents as the head places it: `count` actors of `kind`, one `device` each.
+pub fn agent_spec(
+    name: &str,
+    kind: &str,
+    count: usize,
+    device: Device,
+    strategy: Strategy,
+) -> PoolSpec {
+    PoolSpec {
+        name: name.into(),
+        kind: kind.into(),
+        actors: count.max(1) as u32,
+        device,
+        per_actor: 1,
+        strategy,
+        labels: Default::default(),
+        colocate: None,
+    }
+}
+
+/// Where every pool of one job meets its agents, for the job's life: the server's head, or —
+/// for a job that listens (`trellis train --listen`) — a head started here, so that the job's
+/// pools share one port and the room they need together is known before any of them starts.
+pub struct Meeting {
+    rt: tokio::runtime::Runtime,
+    head: Head,
+    /// The head was started here (shut down with the meeting).
+    owned: bool,
+    wait: Duration,
+}
+
+impl Meeting {
+    /// The meeting of `cluster`; `note` is told where agents register when a head starts here.
+    pub fn open(cluster: &Cluster, note: &mut dyn FnMut(&str)) -> Result<Self, PoolError> {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("job-head")
+            .enable_all()
+            .build()
+            .map_err(|e| PoolError::Runtime(format!("cannot start the head's runtime: {e}")))?;
+        let (head, owned) = match &cluster.head {
+            ClusterHead::Listen { listen, token } => {
+                let head = rt
+                    .block_on(Head::serve(*listen, token.clone(), HeadConfig::default()))
+                    .map_err(|e| PoolError::Listen {
+                        listen: *listen,
+                        message: e.to_string(),
+                    })?;
+                note(&format!(
+                    "waiting up to {:.0?} for agents to register at http://{}",
+                    cluster.wait,
+                    head.address()
+                ));
+                (head, true)
+            }
+            ClusterHead::Shared(head) => (head.clone(), false),
+        };
+        Ok(Self {
+            rt,
+            head,
+            owned,
+            wait: cluster.wait,
+        })
+    }
+
+    /// The cluster the job's pools start on: this meeting's head, shared by them.
+    pub fn cluster(&self) -> Cluster {
+        Cluster {
+            head: ClusterHead::Shared(self.head.clone()),
+            wait: self.wait,
+        }
+    }
+
+    /// Where agents register.
+    pub fn address(&self) -> SocketAddr {
+        self.head.address()
+    }
+
+    /// Waits (up to the cluster's wait) until every pool of `specs` fits on the live agents at
+    /// once; otherwise the placement's error, naming what is missing, before any pool started.
+    pub fn wait_for_room(
+        &self,
+        specs: &[PoolSpec],
+        stop: &(dyn Fn() -> bool + Sync),
+    ) -> Result<(), PoolError> {
+        if specs.is_empty() {
+            return Ok(());
+        }
+        let deadline = Instant::now() + self.wait;
+        loop {
+            match self.head.place(specs) {
+                Ok(_) => return Ok(()),
+                Err(e) if Instant::now() >= deadline => return Err(PoolError::Actor(e)),
+                Err(_) if stop() => return Err(PoolError::StoppedWaiting),
+                Err(_) => std::thread::sleep(Duration::from_millis(100)),
+            }
+        }
+    }
+}
+
+impl Drop for Meeting {
+    fn drop(&mut self) {
+        if self.owned {
+            // Agents stay up; a head started for the job goes with it.
+            self.rt.block_on(self.head.shutdown(false));
         }
     }
 }

@@ -245,11 +245,6 @@ impl RolloutPool {
         self.rt.block_on(self.route(reqs))
     }
 
-    /// The head this pool started for its engines on agents (`trellis train --listen`).
-    pub fn own_head(&self) -> Option<actors::Head> {
-        self.actors.as_ref().and_then(ActorPool::own_head)
-    }
-
     /// Where each engine runs (`local`, its agent, or its URL).
     pub fn locations(&self) -> Vec<String> {
         self.members.iter().map(Member::location).collect()
