@@ -1,11 +1,14 @@
 //! The learner pool: the policy as `count` data-parallel ranks ([`LearnerActor`]s), in this
-//! process or on agents, behind the same [`Policy`] role as a local engine. Each optimiser step
+//! process or on agents, behind the same `roles::Policy` role as a local engine. Each optimiser step
 //! is computed by every rank on its share of the mini-batch
 //! ([`learner::algo::policy::update_ranks`]); the pool sums the ranks' gradients, slice by
 //! slice, in rank order, hands every rank the sum, and has each apply it — one decision
 //! everywhere, checked: ranks whose reports differ fail the step. Log-probs are scored by every
-//! rank on its share of the rows. Weights and the optimiser's state are read from rank 0 for
-//! snapshots and checkpoints, and written to every rank when a stage resumes from one.
+//! rank on its share of the rows. With ZeRO-1 each rank keeps and updates the optimiser state of
+//! its shard of the model, and the pool hands every rank the others' updated shards. Weights are
+//! read from all ranks at once (they hold the same ones) for snapshots and checkpoints, the
+//! optimiser's state from the ranks that keep it, and both are written back when a stage
+//! resumes from a checkpoint.
 //!
 //! Owns: the ranks, the gradient reduction and the count of steps every rank must have taken.
 //! Never: decides what to train on (the executor does) or how a loss is computed (the
@@ -240,14 +243,25 @@ impl LearnerPool {
         self.on_ranks((0..self.ranks().len()).map(|_| op()).collect())
     }
 
-    /// `slot` of rank 0, whole.
-    fn read(&self, slot: Slot) -> Result<Params> {
+    /// The weights, whole. Every rank holds the same ones, so the slices come from all of them
+    /// at once, round robin.
+    fn weights(&self) -> Result<Params> {
         let mut out = self.layout.clone();
         let n = out.numel();
-        for offset in (0..n).step_by(SLICE) {
-            let len = SLICE.min(n - offset);
-            let values = values(self.on_rank(0, LearnerOp::Read { slot, offset, len })?)?;
-            wire::write_range(&mut out, offset, &values)?;
+        let ranks = self.count().max(1);
+        let slices: Vec<(usize, usize)> = (0..n)
+            .step_by(SLICE)
+            .map(|o| (o, SLICE.min(n - o)))
+            .collect();
+        for window in slices.chunks(WINDOW * ranks) {
+            let reads = window.iter().enumerate().map(|(i, &(offset, len))| {
+                let slot = Slot::Weights;
+                (i % ranks, LearnerOp::Read { slot, offset, len })
+            });
+            let got = self.on_many(reads.collect())?;
+            for (&(offset, _), v) in window.iter().zip(got) {
+                wire::write_range(&mut out, offset, &values(v)?)?;
+            }
         }
         Ok(out)
     }
@@ -548,17 +562,17 @@ impl LearnerPool {
         Ok(m)
     }
 
-    /// The weights (rank 0's), as `version`.
+    /// The weights, as `version`.
     pub fn snapshot(&mut self, version: u64) -> Result<WeightSnapshot> {
         Ok(WeightSnapshot {
             version,
-            params: Arc::new(self.read(Slot::Weights)?),
+            params: Arc::new(self.weights()?),
         })
     }
 
-    /// Writes a checkpoint folder from rank 0's weights and optimiser state.
+    /// Writes a checkpoint folder from the ranks' weights and optimiser state.
     pub fn save(&mut self, dir: &Path, with_optimizer: bool, dtype: WeightDtype) -> Result<()> {
-        let model = Model::new(self.config.clone(), self.read(Slot::Weights)?)?;
+        let model = Model::new(self.config.clone(), self.weights()?)?;
         let opt = match (with_optimizer, self.stage) {
             (false, _) => None,
             (true, None) => {
