@@ -485,6 +485,10 @@ impl Inner {
             return;
         };
         tracing::warn!(agent = %entry.info.name, reason, "agent lost");
+        entry.conn.abandon(&format!(
+            "its agent `{}` was lost: {reason}",
+            entry.info.name
+        ));
         for actor in entry.actors.keys() {
             self.notify_death(
                 actor,

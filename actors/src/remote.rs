@@ -249,6 +249,21 @@ impl AgentConn {
             .unwrap_or_else(|_| Err(lost("the connection to its agent is closed")))
     }
 
+    /// Fails every call waiting on this agent with `reason` and refuses new ones: the head
+    /// declared it lost (its heartbeats stopped) while its connection may still look open — a
+    /// frozen process, a host gone without a reset — so no caller waits for the transport to
+    /// notice.
+    pub(crate) fn abandon(&self, reason: &str) {
+        self.closed.store(true, Ordering::SeqCst);
+        let waiters: Vec<_> = lock(&self.pending).drain().collect();
+        for (_, w) in waiters {
+            let _ = w.send(Err(Failure {
+                code: Code::Died as i32,
+                message: reason.to_string(),
+            }));
+        }
+    }
+
     /// A failed push: the agent's refusal, or — when the connection itself broke (a cut link,
     /// a killed agent) — the agent's loss, which callers treat like a call lost with its actor:
     /// the actor restarts elsewhere with the current weights, and the push can be made again.

@@ -188,7 +188,8 @@ fn kill_in_rl(dir: &Path, train: &mut Killed, victim: &mut Killed) {
 /// learner ranks on two agents (`pools.learner.placement: spread`) train as the same ranks in
 /// the process do, bit for bit; kill -9 of an agent holding a rank mid-RL is
 /// found within the step, and the job continues by itself from its last checkpoint with new
-/// ranks — on the agent that is left — to the undisturbed run's metrics.
+/// ranks — on the agent that is left — to the undisturbed run's metrics; so does a frozen one,
+/// within its heartbeat timeout.
 #[test]
 fn learner_ranks_on_two_agents_train_as_in_process_ones_and_recover_from_a_killed_agent() {
     let dir = scratch("learners");
@@ -278,6 +279,37 @@ fn learner_ranks_on_two_agents_train_as_in_process_ones_and_recover_from_a_kille
     assert!(
         said.iter().any(|l| l == "learner ranks: a2, a2"),
         "new ranks on the agent left:\n{}",
+        said.join("\n")
+    );
+    assert_eq!(metric_rows(&dir.join("run")), reference);
+    std::fs::remove_dir_all(dir.join("run")).unwrap();
+
+    // A frozen agent (SIGSTOP: its connection stays open) is lost when its heartbeats stop,
+    // and the calls waiting on its rank fail then, not when the transport gives up.
+    let (mut train, url, lines) = train_on_agents(&dir, &token, &args);
+    let a1 = agent(&url, &token, "a1");
+    let _a2 = agent(&url, &token, "a2");
+    let mut frozen_at = None;
+    let t0 = Instant::now();
+    while frozen_at.is_none() {
+        if dir
+            .join("run/checkpoints/rl/step_000004/trainer_state.json")
+            .exists()
+        {
+            // SAFETY: signalling our own child.
+            unsafe { libc::kill(a1.0.id() as i32, libc::SIGSTOP) };
+            frozen_at = Some(Instant::now());
+        }
+        assert!(t0.elapsed() < Duration::from_secs(120), "no RL checkpoint");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let said = wait_ok(&mut train, &lines);
+    // SAFETY: as above; the agent is killed when dropped.
+    unsafe { libc::kill(a1.0.id() as i32, libc::SIGCONT) };
+    assert!(
+        said.iter()
+            .any(|l| l.contains("learner rank lost") && l.contains("no heartbeat")),
+        "the frozen agent's rank was lost by its heartbeats:\n{}",
         said.join("\n")
     );
     assert_eq!(metric_rows(&dir.join("run")), reference);
