@@ -109,15 +109,40 @@ impl Critic {
 
     /// One optimiser step over trunk and head together (one global gradient norm).
     pub fn step(&mut self, opt: &mut Optimizer, grads: &mut Params) -> StepReport {
+        self.with_all(|all| opt.step(all, grads))
+    }
+
+    /// Runs `f` on every tensor of the critic as one set — the trunk's, then the head's: the
+    /// layout of its gradients and optimiser — and puts them back.
+    pub fn with_all<R>(&mut self, f: impl FnOnce(&mut Params) -> R) -> R {
         let nt = self.model.params.tensors.len();
         let mut all = Params {
             tensors: std::mem::take(&mut self.model.params.tensors),
         };
         all.tensors.append(&mut self.head.tensors);
-        let report = opt.step(&mut all, grads);
+        let r = f(&mut all);
         self.head.tensors = all.tensors.split_off(nt);
         self.model.params.tensors = all.tensors;
-        report
+        r
+    }
+
+    /// Every tensor as one set, trunk then head (what [`Critic::with_all`] lends).
+    pub fn into_all(self) -> Params {
+        let mut all = self.model.params;
+        all.tensors.extend(self.head.tensors);
+        all
+    }
+
+    /// A critic of `config` from its tensors as one set (as [`Critic::into_all`] gives them).
+    pub fn from_all(config: &crate::ModelConfig, mut all: Params) -> Result<Self> {
+        if all.tensors.len() < 2 {
+            return Err(Error::Batch("a critic has a trunk and a value head".into()));
+        }
+        let head = Params {
+            tensors: all.tensors.split_off(all.tensors.len() - 2),
+        };
+        let model = Model::new(config.clone(), all)?;
+        Ok(Self { model, head })
     }
 
     /// A fresh optimiser shaped like this critic's parameters.

@@ -178,6 +178,26 @@ impl Policy for LearnerPool {
     }
 }
 
+impl Critic for LearnerPool {
+    fn values(&self, rows: &TokenRows, per: usize) -> Result<Vec<f32>> {
+        Ok(LearnerPool::values(self, rows, per)?)
+    }
+
+    fn update(
+        &mut self,
+        rows: &TokenRows,
+        old_values: &[f32],
+        returns: &[f32],
+        cfg: &ValueUpdate,
+    ) -> Result<Metrics> {
+        Ok(self.value_update(rows, old_values, returns, cfg)?)
+    }
+
+    fn save(&self, dir: &Path) -> Result<()> {
+        Ok(self.save_critic(dir)?)
+    }
+}
+
 /// Builds a stage's reference policy and critic.
 pub trait RoleMaker: Send + Sync {
     /// A reference policy with `weights`.
@@ -324,6 +344,75 @@ impl Critic for LocalCritic {
     }
 }
 
+/// The critic a stage starts with: the one saved under `resume/critic`, or a new one whose
+/// trunk is the policy's `weights` with a zero value head; and whether it was saved.
+fn initial_critic(
+    config: &ModelConfig,
+    weights: Arc<Params>,
+    resume: Option<&Path>,
+) -> Result<(ValueModel, Option<std::path::PathBuf>)> {
+    let saved = resume.map(|d| d.join("critic")).filter(|d| d.exists());
+    let critic = match &saved {
+        Some(d) => ValueModel::load(d, config)?,
+        None => {
+            let trunk = Model::new(config.clone(), Arc::unwrap_or_clone(weights))?;
+            ValueModel::from_policy(&trunk)
+        }
+    };
+    Ok((critic, saved))
+}
+
+/// Makes the roles of a job whose policy trains on learner ranks: the critic on as many ranks,
+/// placed alike (the reference, which never trains, stays in this process).
+pub struct RankRoles {
+    /// Where the ranks' agents register, when placed on them.
+    pub cluster: Option<crate::pools::Cluster>,
+    /// Ranks.
+    pub count: usize,
+    /// Where they run.
+    pub placement: crate::plan::Placement,
+    /// The device each occupies.
+    pub device: crate::plan::Device,
+    /// ZeRO-1.
+    pub shard_optimizer: bool,
+}
+
+impl RoleMaker for RankRoles {
+    fn reference(&self, config: &ModelConfig, weights: Arc<Params>) -> Result<Box<dyn Reference>> {
+        LocalRoles.reference(config, weights)
+    }
+
+    fn critic(
+        &self,
+        config: &ModelConfig,
+        weights: Arc<Params>,
+        resume: Option<&Path>,
+        lr: f32,
+        grad_clip: f64,
+    ) -> Result<Box<dyn Critic>> {
+        let (critic, saved) = initial_critic(config, weights, resume)?;
+        let mut note = |_: &str| {};
+        let mut pool = LearnerPool::start(crate::pools::learner::LearnerStart {
+            count: self.count,
+            placement: self.placement,
+            device: self.device,
+            cluster: self.cluster.as_ref(),
+            stop: &|| false,
+            note: &mut note,
+            config,
+            weights: WeightSnapshot {
+                version: 0,
+                params: Arc::new(critic.into_all()),
+            },
+            assets: Vec::new(),
+            shard_optimizer: self.shard_optimizer,
+            role: crate::kinds::learner::RankRole::Critic,
+        })?;
+        pool.begin_stage(LrSchedule::constant(lr), grad_clip, saved.as_deref())?;
+        Ok(Box::new(pool))
+    }
+}
+
 /// Makes local roles.
 pub struct LocalRoles;
 
@@ -341,14 +430,7 @@ impl RoleMaker for LocalRoles {
         lr: f32,
         grad_clip: f64,
     ) -> Result<Box<dyn Critic>> {
-        let saved = resume.map(|d| d.join("critic")).filter(|d| d.exists());
-        let critic = match &saved {
-            Some(d) => ValueModel::load(d, config)?,
-            None => {
-                let trunk = Model::new(config.clone(), Arc::unwrap_or_clone(weights))?;
-                ValueModel::from_policy(&trunk)
-            }
-        };
+        let (critic, saved) = initial_critic(config, weights, resume)?;
         let mut opt = critic.optimizer(
             Default::default(),
             LrSchedule::constant(lr),

@@ -13,13 +13,15 @@
 
 use super::PolicyUpdate;
 use super::TokenRows;
+use crate::critic::Critic;
 use crate::engine::TrainEngine;
 use crate::error::Result;
 use crate::model::Batch;
 use crate::optim::{Optimizer, StepReport};
+use crate::params::Params;
 use crate::rl::Metrics;
 use crate::rl::agg::AggNorm;
-use crate::rl::loss::{ActorInput, actor_loss};
+use crate::rl::loss::{ActorInput, CriticInput, actor_loss, value_loss};
 use serde::{Deserialize, Serialize};
 
 /// One rank's share of one optimiser step.
@@ -31,6 +33,13 @@ pub enum Work {
         shard: Box<PolicyShard>,
         /// The update's settings.
         cfg: PolicyUpdate,
+    },
+    /// Rows of a critic-update mini-batch.
+    Value {
+        /// The rows and their per-token inputs.
+        shard: Box<ValueShard>,
+        /// VeRL's `cliprange_value`.
+        cliprange: f64,
     },
     /// (prompt, answer) pairs of an SFT batch.
     Sft {
@@ -55,6 +64,21 @@ pub struct PolicyShard {
     /// The reference policy's log-probs.
     #[serde(with = "crate::wire::opt_floats")]
     pub ref_logp: Option<Vec<f32>>,
+    /// Normalisers of the whole mini-batch.
+    pub norm: AggNorm,
+}
+
+/// A critic rank's rows of a value mini-batch, all `[rows, cols]` over `rows`.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ValueShard {
+    /// The prompts and responses.
+    pub rows: TokenRows,
+    /// The values the batch was generated with.
+    #[serde(with = "crate::wire::floats")]
+    pub old_values: Vec<f32>,
+    /// The targets.
+    #[serde(with = "crate::wire::floats")]
+    pub returns: Vec<f32>,
     /// Normalisers of the whole mini-batch.
     pub norm: AggNorm,
 }
@@ -88,12 +112,49 @@ pub trait Ranks {
     fn step(&mut self) -> Result<StepReport, Self::Error>;
 }
 
-/// What a rank computes: the gradient of its share, added to `engine`'s summed gradients.
+/// What a policy rank computes: the gradient of its share, added to `engine`'s summed
+/// gradients.
 pub fn gradient(engine: &mut dyn TrainEngine, work: &Work) -> Result<Outcome> {
     match work {
         Work::Policy { shard, cfg } => policy_gradient(engine, shard, cfg),
         Work::Sft { examples, tokens } => sft_gradient(engine, examples, *tokens),
+        Work::Value { .. } => Err(crate::Error::Ranks(
+            "a value model's share sent to a policy rank".into(),
+        )),
     }
+}
+
+/// What a critic rank computes: the gradient of its share of a value update, added to `grads`
+/// (laid out as [`Critic::zeros_grads`]).
+pub fn value_gradient(critic: &Critic, grads: &mut Params, work: &Work) -> Result<Outcome> {
+    let Work::Value { shard, cliprange } = work else {
+        return Err(crate::Error::Ranks(
+            "a policy's share sent to a critic rank".into(),
+        ));
+    };
+    let rows = &shard.rows;
+    let Some(c) = rows.chunks(rows.shape.rows).next() else {
+        return Ok(Outcome::default());
+    };
+    let (v, tape) = critic.forward(&c.batch)?;
+    let values = c.gather(&v);
+    let out = value_loss(
+        &shard.norm,
+        *cliprange,
+        CriticInput {
+            shape: c.shape(),
+            values: &values,
+            old_values: &shard.old_values,
+            returns: &shard.returns,
+            mask: &rows.mask,
+        },
+    )?;
+    critic.backward(tape, &c.scatter(&out.grad), grads);
+    Ok(Outcome {
+        metrics: out.metrics,
+        tokens: rows.response_tokens(),
+        positions: c.batch.len(),
+    })
 }
 
 fn policy_gradient(
@@ -170,13 +231,20 @@ fn sft_gradient(
 
 /// Metrics that are sums over tokens weighted by the whole mini-batch's normalisers: the
 /// shares' values add up.
-const SUMMED: &[&str] = &["actor/pg_loss", "actor/entropy", "actor/kl_loss", SFT_LOSS];
+const SUMMED: &[&str] = &[
+    "actor/pg_loss",
+    "actor/entropy",
+    "actor/kl_loss",
+    "critic/vf_loss",
+    SFT_LOSS,
+];
 
 /// Metrics that are means over a share's tokens: weighted by its tokens.
 const TOKEN_MEANS: &[&str] = &[
     "actor/pg_clipfrac",
     "actor/pg_clipfrac_lower",
     "actor/ppo_kl",
+    "critic/vf_clipfrac",
 ];
 
 /// The mini-batch's metrics from its shares' (any other metric, a coefficient, is the same on

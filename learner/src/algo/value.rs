@@ -2,13 +2,14 @@
 //! each the gradient of the clipped value loss.
 
 use super::TokenRows;
+use super::dp::{Ranks, ValueShard, Work, merge, split};
 use crate::critic::Critic;
 use crate::error::Result;
 use crate::optim::Optimizer;
 use crate::params::Params;
-use crate::rl::Metrics;
 use crate::rl::agg::{AggNorm, LossAgg};
 use crate::rl::loss::{CriticInput, value_loss};
+use crate::rl::{Metrics, Shape};
 
 /// A critic with its optimiser and gradient buffers.
 pub struct CriticTrainer {
@@ -30,6 +31,52 @@ pub struct ValueUpdate {
     pub epochs: usize,
     /// Rows per optimiser step.
     pub rows_per_update: usize,
+}
+
+/// The critic update on data-parallel `ranks` (critic ranks): each mini-batch's rows cut into
+/// one share a rank with the whole mini-batch's normalisers, one optimiser step for the sum.
+/// Returns what [`CriticTrainer::update`] does.
+pub fn update_ranks<R: Ranks>(
+    ranks: &mut R,
+    rows: &TokenRows,
+    old_values: &[f32],
+    returns: &[f32],
+    cfg: &ValueUpdate,
+) -> Result<Metrics, R::Error> {
+    let mut sums = Metrics::new();
+    let mut n = 0.0;
+    let per = cfg.rows_per_update.max(1);
+    for _ in 0..cfg.epochs {
+        for r0 in (0..rows.shape.rows).step_by(per) {
+            let r1 = (r0 + per).min(rows.shape.rows);
+            let shape = Shape {
+                rows: r1 - r0,
+                cols: rows.shape.cols,
+            };
+            let norm = AggNorm::new(cfg.agg, shape, rows.slice(&rows.mask, r0, r1))
+                .map_err(crate::Error::from)?;
+            let work = split(r0, r1, ranks.count())
+                .into_iter()
+                .map(|(a, b)| Work::Value {
+                    shard: Box::new(ValueShard {
+                        rows: rows.rows(a, b),
+                        old_values: rows.slice(old_values, a, b).to_vec(),
+                        returns: rows.slice(returns, a, b).to_vec(),
+                        norm,
+                    }),
+                    cliprange: cfg.cliprange_value,
+                })
+                .collect();
+            let outcomes = ranks.gradients(work)?;
+            let rep = ranks.step()?;
+            for (k, v) in merge(&outcomes) {
+                *sums.entry(k).or_insert(0.0) += v;
+            }
+            *sums.entry("critic/grad_norm".into()).or_insert(0.0) += rep.grad_norm;
+            n += 1.0;
+        }
+    }
+    Ok(sums.into_iter().map(|(k, v)| (k, v / n)).collect())
 }
 
 impl CriticTrainer {

@@ -10,7 +10,7 @@
 //! per step, an export of the store's rows), `tensorboard/`, and `checkpoints/<stage>/step_<N>/`.
 
 use crate::exec::{ExecError, Executor, Prompts, Roles, Summary};
-use crate::kinds::learner::LearnerActor;
+use crate::kinds::learner::{LearnerActor, RankRole};
 use crate::kinds::rollout::RolloutActor;
 use crate::plan::Placement;
 use crate::plan::{LearnerEngine, ModelSource, Plan, PlanError, RolloutEngine};
@@ -20,7 +20,7 @@ use crate::pools::{Cluster, ClusterHead, Meeting, PoolError, agent_spec};
 use crate::record::mlflow::Mlflow;
 use crate::record::tensorboard::TensorBoard;
 use crate::record::{Event, JsonlSink, LiveStatus, RecordError, Recorder, Records, StoreSink};
-use crate::roles::{LocalPolicy, LocalRoles, Policy, RoleError};
+use crate::roles::{LocalPolicy, LocalRoles, Policy, RankRoles, RoleError};
 use crate::store::{Job, JobState, JobStatus, JobStore, Progress, Store, StoreError};
 use actors::Actor as _;
 use kernels::tensor::WeightSnapshot;
@@ -566,6 +566,14 @@ fn run(
     if let Placement::Agents(s) = plan.learner.placement {
         let (count, device) = (plan.learner.count, plan.learner.device);
         specs.push(agent_spec("learner", LearnerActor::KIND, count, device, s));
+        // PPO's critic trains on as many ranks, beside the policy's.
+        let ppo = plan
+            .stages
+            .iter()
+            .any(|st| matches!(&st.work, crate::plan::Work::Rl(r) if r.critic.is_some()));
+        if ppo {
+            specs.push(agent_spec("critic", LearnerActor::KIND, count, device, s));
+        }
     }
     let meeting = match (&cluster, specs.is_empty()) {
         (Some(c), false) => {
@@ -611,6 +619,7 @@ fn run(
             weights,
             assets,
             shard_optimizer: plan.learner.shard_optimizer,
+            role: RankRole::Policy,
         })
         .map_err(stopped)?;
         tracing::info!(
@@ -644,7 +653,17 @@ fn run(
     let roles = Roles {
         policy,
         rollouts: Arc::new(pool),
-        maker: Box::new(LocalRoles),
+        maker: if plan.learner.on_actors() {
+            Box::new(RankRoles {
+                cluster: pools_cluster.clone(),
+                count: plan.learner.count,
+                placement: plan.learner.placement,
+                device: plan.learner.device,
+                shard_optimizer: plan.learner.shard_optimizer,
+            })
+        } else {
+            Box::new(LocalRoles)
+        },
     };
     let job = crate::exec::Job {
         plan,

@@ -16,18 +16,35 @@ use actors::{Actor, CallError};
 use kernels::tensor::WeightSnapshot;
 use learner::algo::TokenRows;
 use learner::algo::dp::{Outcome, Work};
+use learner::critic::Critic;
 use learner::engine::{Backend, TrainEngine};
+use learner::error::Result;
 use learner::optim::{LrSchedule, Optimizer, StepReport};
 use learner::{Model, ModelConfig, Params, wire};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 use std::sync::Arc;
 
-/// How a learner rank starts: the model's shape (its weights arrive by `load_weights`).
+/// How a learner rank starts: the model's shape and what it trains (its weights arrive by
+/// `load_weights`).
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct LearnerConfig {
     /// The model's Hugging Face `config.json` fields.
     pub model: serde_json::Value,
+    /// The policy, or PPO's critic (the trunk with a value head).
+    #[serde(default)]
+    pub role: RankRole,
+}
+
+/// What a learner rank trains.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RankRole {
+    /// The policy, on a training engine.
+    #[default]
+    Policy,
+    /// PPO's value model.
+    Critic,
 }
 
 /// A request, with the optimiser steps the driver expects the rank to have applied.
@@ -67,6 +84,13 @@ pub enum LearnerOp {
         /// ZeRO-1: the (offset, length) of the flat values whose optimiser state this rank
         /// keeps and updates; `None`: all of them.
         shard: Option<(usize, usize)>,
+    },
+    /// A critic rank's value at every response token of `rows`, `per` rows at a time.
+    Values {
+        /// The rows.
+        rows: TokenRows,
+        /// Rows per forward.
+        per: usize,
     },
     /// The log-prob of every response token of `rows`, `per` rows at a time.
     Logp {
@@ -132,16 +156,106 @@ pub enum LearnerResponse {
 
 /// One rank's training state.
 struct Rank {
-    engine: Box<dyn TrainEngine>,
+    trainee: Trainee,
     opt: Option<Optimizer>,
     /// ZeRO-1: the first flat value of the rank's shard.
     shard_offset: Option<usize>,
     steps: u64,
 }
 
-/// A policy rank as an actor.
+/// What a rank trains.
+enum Trainee {
+    /// The policy on a training engine.
+    Policy(Box<dyn TrainEngine>),
+    /// The critic, with its gradient buffers (trunk, then head).
+    Critic {
+        critic: Box<Critic>,
+        grads: Params,
+    },
+}
+
+impl Trainee {
+    fn new_optimizer(&mut self, schedule: LrSchedule, clip: Option<f64>) -> Result<Optimizer> {
+        Ok(match self {
+            Trainee::Policy(e) => {
+                Optimizer::new(&e.model()?.params, Default::default(), schedule, clip)
+            }
+            Trainee::Critic { grads, .. } => {
+                Optimizer::new(grads, Default::default(), schedule, clip)
+            }
+        })
+    }
+
+    fn numel(&mut self) -> Result<usize> {
+        Ok(match self {
+            Trainee::Policy(e) => e.model()?.params.numel(),
+            Trainee::Critic { grads, .. } => grads.numel(),
+        })
+    }
+
+    fn reset(&mut self) {
+        match self {
+            Trainee::Policy(e) => e.reset_optimizer(),
+            Trainee::Critic { grads, .. } => grads.fill_zero(),
+        }
+    }
+
+    fn gradient(&mut self, work: &Work) -> Result<Outcome> {
+        match self {
+            Trainee::Policy(e) => learner::algo::dp::gradient(&mut **e, work),
+            Trainee::Critic { critic, grads } => {
+                learner::algo::dp::value_gradient(critic, grads, work)
+            }
+        }
+    }
+
+    fn read_weights(&mut self, offset: usize, len: usize) -> Result<Vec<f32>> {
+        match self {
+            Trainee::Policy(e) => wire::read_range(&e.model()?.params, offset, len),
+            Trainee::Critic { critic, .. } => {
+                critic.with_all(|all| wire::read_range(all, offset, len))
+            }
+        }
+    }
+
+    fn write_weights(&mut self, offset: usize, values: &[f32]) -> Result<()> {
+        match self {
+            Trainee::Policy(e) => wire::write_range(e.weights_mut()?, offset, values),
+            Trainee::Critic { critic, .. } => {
+                critic.with_all(|all| wire::write_range(all, offset, values))
+            }
+        }
+    }
+
+    fn gradients_mut(&mut self) -> Result<&mut Params> {
+        match self {
+            Trainee::Policy(e) => e.gradients_mut(),
+            Trainee::Critic { grads, .. } => Ok(grads),
+        }
+    }
+
+    fn step(&mut self, opt: &mut Optimizer, shard: Option<(usize, f64)>) -> Result<StepReport> {
+        match (self, shard) {
+            (Trainee::Policy(e), None) => e.step(opt),
+            (Trainee::Policy(e), Some((offset, norm))) => e.step_range(opt, offset, norm),
+            (Trainee::Critic { critic, grads }, shard) => {
+                let report = match shard {
+                    None => critic.step(opt, grads),
+                    Some((offset, norm)) => {
+                        critic.with_all(|all| opt.step_range(all, grads, offset, norm))?
+                    }
+                };
+                grads.fill_zero();
+                Ok(report)
+            }
+        }
+    }
+}
+
+/// A policy or critic rank as an actor.
 pub struct LearnerActor {
     config: ModelConfig,
+    role: RankRole,
     rank: Option<Rank>,
 }
 
@@ -201,10 +315,14 @@ impl Actor for LearnerActor {
         Ok(r)
     }
 
-    fn start(config: LearnerConfig) -> Result<Self, String> {
-        let config = ModelConfig::from_json(config.model, Path::new("learner actor config"))
+    fn start(start: LearnerConfig) -> Result<Self, String> {
+        let config = ModelConfig::from_json(start.model, Path::new("learner actor config"))
             .map_err(|e| e.to_string())?;
-        Ok(Self { config, rank: None })
+        Ok(Self {
+            config,
+            role: start.role,
+            rank: None,
+        })
     }
 
     async fn handle(&mut self, request: LearnerRequest) -> Result<LearnerResponse, CallError> {
@@ -229,10 +347,24 @@ impl Actor for LearnerActor {
 
     async fn load_weights(&mut self, snapshot: WeightSnapshot) -> Result<(), String> {
         let params = Arc::unwrap_or_clone(snapshot.params);
-        let model = Model::new(self.config.clone(), params).map_err(|e| e.to_string())?;
-        let engine = learner::engine::open(model, Backend::Native).map_err(|e| e.to_string())?;
+        let trainee = match self.role {
+            RankRole::Policy => {
+                let model = Model::new(self.config.clone(), params).map_err(|e| e.to_string())?;
+                Trainee::Policy(
+                    learner::engine::open(model, Backend::Native).map_err(|e| e.to_string())?,
+                )
+            }
+            RankRole::Critic => {
+                let critic = Critic::from_all(&self.config, params).map_err(|e| e.to_string())?;
+                let grads = critic.zeros_grads();
+                Trainee::Critic {
+                    critic: Box::new(critic),
+                    grads,
+                }
+            }
+        };
         self.rank = Some(Rank {
-            engine,
+            trainee,
             opt: None,
             shard_offset: None,
             steps: 0,
@@ -257,20 +389,19 @@ impl Rank {
                 counters,
                 shard,
             } => {
-                let params = &self.engine.model().map_err(fatal)?.params;
+                let numel = self.trainee.numel().map_err(fatal)?;
                 let clip = Some(grad_clip);
                 let mut opt = match shard {
-                    Some((offset, len)) if offset + len <= params.numel() => {
+                    Some((offset, len)) if offset + len <= numel => {
                         Optimizer::for_range(len, Default::default(), schedule, clip)
                     }
                     Some((offset, len)) => {
                         return Err(CallError::fatal(format!(
-                            "a shard of values {offset}..{} of a model of {}",
+                            "a shard of values {offset}..{} of a model of {numel}",
                             offset + len,
-                            params.numel()
                         )));
                     }
-                    None => Optimizer::new(params, Default::default(), schedule, clip),
+                    None => self.trainee.new_optimizer(schedule, clip).map_err(fatal)?,
                 };
                 self.shard_offset = shard.map(|(offset, _)| offset);
                 if let Some((calls, applied)) = counters {
@@ -278,7 +409,7 @@ impl Rank {
                     opt.applied = applied;
                 }
                 self.opt = Some(opt);
-                self.engine.reset_optimizer();
+                self.trainee.reset();
                 LearnerResponse::Done
             }
             LearnerOp::Logp {
@@ -286,27 +417,46 @@ impl Rank {
                 temperature,
                 per,
             } => {
-                let engine = &self.engine;
+                let Trainee::Policy(engine) = &self.trainee else {
+                    return Err(CallError::fatal("a critic rank has no log-probs"));
+                };
                 LearnerResponse::Values(
                     rows.per_response_token(per, |b| Ok(engine.score(b, temperature)?.logp))
                         .map_err(fatal)?,
                 )
             }
+            LearnerOp::Values { rows, per } => {
+                let Trainee::Critic { critic, .. } = &self.trainee else {
+                    return Err(CallError::fatal("a policy rank has no values"));
+                };
+                LearnerResponse::Values(
+                    rows.per_response_token(per, |b| critic.values(b))
+                        .map_err(fatal)?,
+                )
+            }
             LearnerOp::Gradient(work) => {
                 self.optimizer()?;
-                LearnerResponse::Outcome(
-                    learner::algo::dp::gradient(&mut *self.engine, &work).map_err(fatal)?,
-                )
+                LearnerResponse::Outcome(self.trainee.gradient(&work).map_err(fatal)?)
             }
             LearnerOp::Read { slot, offset, len } => {
                 let values = match slot {
-                    Slot::Weights => {
-                        let params = &self.engine.model().map_err(fatal)?.params;
-                        wire::read_range(params, offset, len)
-                    }
+                    Slot::Weights => self.trainee.read_weights(offset, len),
                     slot => wire::read_range(self.slot_mut(slot)?, offset, len),
                 };
                 LearnerResponse::Values(values.map_err(fatal)?)
+            }
+            LearnerOp::Write {
+                slot: Slot::Weights,
+                offset,
+                values,
+            } => {
+                if self.shard_offset.is_none() {
+                    return Err(CallError::fatal(
+                        "a rank that updates all its weights takes them only by its steps or a snapshot",
+                    ));
+                }
+                self.trainee.write_weights(offset, &values).map_err(fatal)?;
+                LearnerResponse::Done
             }
             LearnerOp::Write {
                 slot,
@@ -318,16 +468,16 @@ impl Rank {
             }
             LearnerOp::Step { norm } => {
                 let opt = self.opt.as_mut().ok_or_else(no_stage)?;
-                let report = match (norm, self.shard_offset) {
-                    (None, None) => self.engine.step(opt),
-                    (Some(norm), Some(offset)) => self.engine.step_range(opt, offset, norm),
+                let shard = match (norm, self.shard_offset) {
+                    (None, None) => None,
+                    (Some(norm), Some(offset)) => Some((offset, norm)),
                     _ => {
                         return Err(CallError::fatal(
                             "a ZeRO-1 rank steps with the global norm, and only it does",
                         ));
                     }
-                }
-                .map_err(fatal)?;
+                };
+                let report = self.trainee.step(opt, shard).map_err(fatal)?;
                 self.steps += 1;
                 LearnerResponse::Report(report)
             }
@@ -346,21 +496,16 @@ impl Rank {
         self.opt.as_mut().ok_or_else(no_stage)
     }
 
-    /// A slot the driver writes: the gradient sum, restored moments, and — on a ZeRO-1 rank —
-    /// the weights the other ranks updated.
+    /// The gradient sum or the optimiser's moments (the weights go through the trainee).
     fn slot_mut(&mut self, slot: Slot) -> Result<&mut Params, CallError> {
         Ok(match slot {
-            Slot::Weights if self.shard_offset.is_none() => {
+            Slot::Weights => {
                 return Err(CallError::fatal(
-                    "a rank that updates all its weights takes them only by its steps or a snapshot",
+                    "the weights are read and written whole-model",
                 ));
             }
-            Slot::Weights => self
-                .engine
-                .weights_mut()
-                .map_err(|e| CallError::fatal(e.to_string()))?,
             Slot::Gradient => self
-                .engine
+                .trainee
                 .gradients_mut()
                 .map_err(|e| CallError::fatal(e.to_string()))?,
             Slot::FirstMoment => self.optimizer()?.moments_mut().0,

@@ -216,6 +216,7 @@ pub fn run(o: &LearnerBenchOptions) -> Result<LearnerBench, PoolError> {
             weights: weights.clone(),
             assets: Vec::new(),
             shard_optimizer: sharded,
+            role: crate::kinds::learner::RankRole::Policy,
         })?;
         pool.begin_stage(schedule, 1.0, None)?;
         let (mut steps, mut reduces) = (Vec::new(), Vec::new());

@@ -17,7 +17,7 @@
 use super::actor_pool::{ActorPool, PoolShape};
 use super::{Cluster, PoolError, lock};
 use crate::kinds::learner::{
-    LearnerActor, LearnerConfig, LearnerOp, LearnerRequest, LearnerResponse, Slot,
+    LearnerActor, LearnerConfig, LearnerOp, LearnerRequest, LearnerResponse, RankRole, Slot,
 };
 use crate::plan::{Device, Placement};
 use kernels::tensor::WeightSnapshot;
@@ -25,6 +25,7 @@ use learner::algo::TokenRows;
 use learner::algo::dp::{Outcome, Ranks, Work, split};
 use learner::algo::policy::{PolicyBatch, PolicyUpdate};
 use learner::algo::sft::SftStep;
+use learner::algo::value::ValueUpdate;
 use learner::optim::{LrSchedule, Optimizer, StepReport};
 use learner::params::WeightDtype;
 use learner::rl::Metrics;
@@ -64,6 +65,8 @@ pub struct LearnerStart<'a> {
     pub assets: Vec<(String, Vec<u8>)>,
     /// ZeRO-1: each of several ranks keeps and updates the optimiser state of 1/N of the model.
     pub shard_optimizer: bool,
+    /// The policy, or PPO's critic (its weights: the trunk's tensors, then the value head's).
+    pub role: RankRole,
 }
 
 /// The policy as data-parallel learner actors.
@@ -105,14 +108,19 @@ impl LearnerPool {
                 .collect()
         });
         let model = start.config.to_hf_json();
+        let role = start.role;
         let config = move |_: usize| LearnerConfig {
             model: model.clone(),
+            role,
         };
         let restarted = Arc::new(Mutex::new(Vec::new()));
         let told = Arc::clone(&restarted);
         let pool = rt.block_on(ActorPool::start(
             PoolShape {
-                name: "learner",
+                name: match role {
+                    RankRole::Policy => "learner",
+                    RankRole::Critic => "critic",
+                },
                 count: start.count,
                 config: &config,
                 placement: start.placement,
@@ -562,6 +570,72 @@ impl LearnerPool {
         Ok(m)
     }
 
+    /// A critic pool's value at every response token of `rows`, each rank on its share.
+    pub fn values(&self, rows: &TokenRows, per: usize) -> Result<Vec<f32>> {
+        let ops = split(0, rows.shape.rows, self.ranks().len())
+            .into_iter()
+            .map(|(a, b)| LearnerOp::Values {
+                rows: rows.rows(a, b),
+                per,
+            })
+            .collect();
+        let mut all = Vec::with_capacity(rows.shape.len());
+        for r in self.on_ranks(ops)? {
+            all.extend(values(r)?);
+        }
+        Ok(all)
+    }
+
+    /// A critic pool's update towards `returns`; its metrics add `timing_s/allreduce_critic`.
+    pub fn value_update(
+        &mut self,
+        rows: &TokenRows,
+        old_values: &[f32],
+        returns: &[f32],
+        cfg: &ValueUpdate,
+    ) -> Result<Metrics> {
+        let before = self.reducing;
+        let mut m = learner::algo::value::update_ranks(self, rows, old_values, returns, cfg)?;
+        let spent = (self.reducing - before).as_secs_f64();
+        m.insert("timing_s/allreduce_critic".into(), spent);
+        Ok(m)
+    }
+
+    /// The optimiser as the ranks hold it, whole: counters from rank 0, moments from the ranks
+    /// that keep them.
+    fn optimizer(&self, schedule: LrSchedule, grad_clip: f64) -> Result<Optimizer> {
+        let mut opt = Optimizer::new(&self.layout, Default::default(), schedule, Some(grad_clip));
+        let LearnerResponse::Counters { calls, applied, .. } =
+            self.on_rank(0, LearnerOp::Counters)?
+        else {
+            return Err(out_of_turn());
+        };
+        (opt.calls, opt.applied) = (calls, applied);
+        let (mut m, mut v) = (self.layout.clone(), self.layout.clone());
+        // With ZeRO-1 every rank holds its shard of the moments, at its own offsets.
+        let shards = self.shards.clone().unwrap_or_else(|| vec![(0, m.numel())]);
+        for (r, (a, l)) in shards.into_iter().enumerate() {
+            self.read_into(r, Slot::FirstMoment, (0, l), &mut m, a)?;
+            self.read_into(r, Slot::SecondMoment, (0, l), &mut v, a)?;
+        }
+        let (om, ov) = opt.moments_mut();
+        (*om, *ov) = (m, v);
+        Ok(opt)
+    }
+
+    /// A critic pool's checkpoint: `dir/critic` (trunk, value head) and its optimiser.
+    pub fn save_critic(&self, dir: &Path) -> Result<()> {
+        let (schedule, grad_clip) = self
+            .stage
+            .ok_or_else(|| PoolError::Runtime("a critic saved before its stage began".into()))?;
+        let critic = learner::critic::Critic::from_all(&self.config, self.weights()?)?;
+        let dir = dir.join("critic");
+        critic.save(&dir)?;
+        self.optimizer(schedule, grad_clip)?
+            .save(&dir.join("optimizer"))?;
+        Ok(())
+    }
+
     /// The weights, as `version`.
     pub fn snapshot(&mut self, version: u64) -> Result<WeightSnapshot> {
         Ok(WeightSnapshot {
@@ -580,26 +654,7 @@ impl LearnerPool {
                     "a save with the optimiser before the stage began".into(),
                 ));
             }
-            (true, Some((schedule, grad_clip))) => {
-                let mut opt =
-                    Optimizer::new(&self.layout, Default::default(), schedule, Some(grad_clip));
-                let LearnerResponse::Counters { calls, applied, .. } =
-                    self.on_rank(0, LearnerOp::Counters)?
-                else {
-                    return Err(out_of_turn());
-                };
-                (opt.calls, opt.applied) = (calls, applied);
-                let (mut m, mut v) = (self.layout.clone(), self.layout.clone());
-                // With ZeRO-1 every rank holds its shard of the moments, at its own offsets.
-                let shards = self.shards.clone().unwrap_or_else(|| vec![(0, m.numel())]);
-                for (r, (a, l)) in shards.into_iter().enumerate() {
-                    self.read_into(r, Slot::FirstMoment, (0, l), &mut m, a)?;
-                    self.read_into(r, Slot::SecondMoment, (0, l), &mut v, a)?;
-                }
-                let (om, ov) = opt.moments_mut();
-                (*om, *ov) = (m, v);
-                Some(opt)
-            }
+            (true, Some((schedule, grad_clip))) => Some(self.optimizer(schedule, grad_clip)?),
         };
         learner::checkpoint::save(&model, &self.assets, dir, opt.as_ref(), dtype)?;
         Ok(())
