@@ -168,10 +168,7 @@ enum Trainee {
     /// The policy on a training engine.
     Policy(Box<dyn TrainEngine>),
     /// The critic, with its gradient buffers (trunk, then head).
-    Critic {
-        critic: Box<Critic>,
-        grads: Params,
-    },
+    Critic { critic: Box<Critic>, grads: Params },
 }
 
 impl Trainee {
