@@ -82,6 +82,23 @@ pub fn listening(child: &mut std::process::Child) -> String {
         .to_string()
 }
 
+/// Waits (up to 2 minutes) until the run in `dir` has completely written the checkpoint of RL
+/// step 4, then kills `child` (the run) with -9 and reaps it.
+pub fn kill_at_rl_checkpoint(child: &mut std::process::Child, dir: &std::path::Path) {
+    let done = dir.join("checkpoints/rl/step_000004/trainer_state.json");
+    let start = std::time::Instant::now();
+    while !done.exists() {
+        assert!(
+            start.elapsed() < std::time::Duration::from_secs(120),
+            "no RL checkpoint appeared in {}",
+            dir.display()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+    child.kill().expect("kill -9 the run");
+    child.wait().expect("reap the run");
+}
+
 /// Runs `cmd` to completion and returns its output, failing the test with its stderr if it
 /// did not succeed.
 pub fn run_ok(cmd: &mut Command) -> std::process::Output {

@@ -6,7 +6,6 @@
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
-use std::time::{Duration, Instant};
 use trellis_tests::{run_ok, trellis};
 
 fn recipe() -> PathBuf {
@@ -114,16 +113,7 @@ fn a_run_on_pjrt_engines_equals_the_native_run_and_resumes_after_kill_9() {
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    let t0 = Instant::now();
-    while !killed
-        .join("checkpoints/rl/step_000004/trainer_state.json")
-        .exists()
-    {
-        assert!(t0.elapsed() < Duration::from_secs(120), "no RL checkpoint");
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    child.kill().unwrap();
-    child.wait().unwrap();
+    trellis_tests::kill_at_rl_checkpoint(&mut child, &killed);
     // The device's moments were copied into the checkpoint's optimiser state.
     let m = std::fs::metadata(killed.join("checkpoints/rl/step_000004/optimizer/m.safetensors"))
         .unwrap();

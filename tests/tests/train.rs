@@ -4,7 +4,7 @@ use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
-use trellis_tests::{run_ok, trellis};
+use trellis_tests::{kill_at_rl_checkpoint, run_ok, trellis};
 
 fn recipe() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data/tiny-arith.yaml")
@@ -232,22 +232,7 @@ fn kill_nine_then_resume_loses_nothing() {
         .spawn()
         .unwrap();
     // Wait for a checkpoint inside the RL stage, then kill -9.
-    let start = Instant::now();
-    loop {
-        if dir
-            .join("checkpoints/rl/step_000004/trainer_state.json")
-            .exists()
-        {
-            break;
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(120),
-            "no RL checkpoint appeared"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    child.kill().unwrap();
-    child.wait().unwrap();
+    kill_at_rl_checkpoint(&mut child, &dir);
     let out =
         String::from_utf8(run_ok(trellis().arg("status").arg(&dir).arg("--json")).stdout).unwrap();
     let status: Value = serde_json::from_str(&out).unwrap();
@@ -1517,16 +1502,7 @@ fn learner_ranks_train_as_one_learner_and_resume_from_their_checkpoints() {
                 .stderr(Stdio::null())
                 .spawn()
                 .unwrap();
-            let t0 = Instant::now();
-            while !killed
-                .join("checkpoints/rl/step_000004/trainer_state.json")
-                .exists()
-            {
-                assert!(t0.elapsed() < Duration::from_secs(120), "no RL checkpoint");
-                std::thread::sleep(Duration::from_millis(2));
-            }
-            child.kill().unwrap();
-            child.wait().unwrap();
+            kill_at_rl_checkpoint(&mut child, &killed);
             run_ok(trellis().arg("resume").arg(&killed).arg("--quiet"));
             assert_eq!(comparable(&killed), rows, "the resumed ranked run");
             for d in [&dir, &killed] {

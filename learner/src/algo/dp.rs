@@ -20,7 +20,8 @@ use crate::model::Batch;
 use crate::optim::{Optimizer, StepReport};
 use crate::params::Params;
 use crate::rl::Metrics;
-use crate::rl::agg::AggNorm;
+use crate::rl::Shape;
+use crate::rl::agg::{AggNorm, LossAgg};
 use crate::rl::loss::{ActorInput, CriticInput, actor_loss, value_loss};
 use serde::{Deserialize, Serialize};
 
@@ -273,6 +274,28 @@ pub fn merge(outcomes: &[Outcome]) -> Metrics {
         }
     }
     m
+}
+
+/// The mini-batches of `per` rows of `rows` (the last one may be shorter), each as its first
+/// row, one past its last, and the normalisers of the whole of it (what every share of it uses).
+pub fn mini_batches(
+    rows: &TokenRows,
+    per: usize,
+    agg: LossAgg,
+) -> impl Iterator<Item = Result<(usize, usize, AggNorm)>> + '_ {
+    let per = per.max(1);
+    (0..rows.shape.rows).step_by(per).map(move |r0| {
+        let r1 = (r0 + per).min(rows.shape.rows);
+        let shape = Shape {
+            rows: r1 - r0,
+            cols: rows.shape.cols,
+        };
+        Ok((
+            r0,
+            r1,
+            AggNorm::new(agg, shape, rows.slice(&rows.mask, r0, r1))?,
+        ))
+    })
 }
 
 /// Rows `r0..r1` cut into `n` consecutive shares, as even as they can be (the first ones one

@@ -4,12 +4,11 @@
 
 pub use super::PolicyUpdate;
 use super::TokenRows;
-use super::dp::{OneEngine, PolicyShard, Ranks, Work, merge, split};
+use super::dp::{OneEngine, PolicyShard, Ranks, Work, merge, mini_batches, split};
 use crate::engine::TrainEngine;
 use crate::error::Result;
 use crate::optim::{Optimizer, StepReport};
-use crate::rl::agg::AggNorm;
-use crate::rl::{Metrics, Shape};
+use crate::rl::Metrics;
 
 /// What one update trains on, all `[rows, cols]` over `rows`.
 #[derive(Clone, Copy, Debug)]
@@ -44,18 +43,11 @@ pub fn update_ranks<R: Ranks>(
     cfg: &PolicyUpdate,
 ) -> Result<Metrics, R::Error> {
     let rows = batch.rows;
-    let per = cfg.rows_per_update.max(1);
     let mut losses: Vec<Metrics> = Vec::new();
     let mut report: Option<StepReport> = None;
     for _epoch in 0..cfg.epochs {
-        for r0 in (0..rows.shape.rows).step_by(per) {
-            let r1 = (r0 + per).min(rows.shape.rows);
-            let shape = Shape {
-                rows: r1 - r0,
-                cols: rows.shape.cols,
-            };
-            let norm = AggNorm::new(cfg.agg, shape, rows.slice(&rows.mask, r0, r1))
-                .map_err(crate::Error::from)?;
+        for mini_batch in mini_batches(rows, cfg.rows_per_update, cfg.agg) {
+            let (r0, r1, norm) = mini_batch?;
             let work = split(r0, r1, ranks.count())
                 .into_iter()
                 .map(|(a, b)| Work::Policy {

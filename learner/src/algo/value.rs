@@ -2,14 +2,14 @@
 //! each the gradient of the clipped value loss.
 
 use super::TokenRows;
-use super::dp::{Ranks, ValueShard, Work, merge, split};
+use super::dp::{Ranks, ValueShard, Work, merge, mini_batches, split};
 use crate::critic::Critic;
 use crate::error::Result;
 use crate::optim::Optimizer;
 use crate::params::Params;
+use crate::rl::Metrics;
 use crate::rl::agg::{AggNorm, LossAgg};
 use crate::rl::loss::{CriticInput, value_loss};
-use crate::rl::{Metrics, Shape};
 
 /// A critic with its optimiser and gradient buffers.
 pub struct CriticTrainer {
@@ -45,16 +45,9 @@ pub fn update_ranks<R: Ranks>(
 ) -> Result<Metrics, R::Error> {
     let mut sums = Metrics::new();
     let mut n = 0.0;
-    let per = cfg.rows_per_update.max(1);
     for _ in 0..cfg.epochs {
-        for r0 in (0..rows.shape.rows).step_by(per) {
-            let r1 = (r0 + per).min(rows.shape.rows);
-            let shape = Shape {
-                rows: r1 - r0,
-                cols: rows.shape.cols,
-            };
-            let norm = AggNorm::new(cfg.agg, shape, rows.slice(&rows.mask, r0, r1))
-                .map_err(crate::Error::from)?;
+        for mini_batch in mini_batches(rows, cfg.rows_per_update, cfg.agg) {
+            let (r0, r1, norm) = mini_batch?;
             let work = split(r0, r1, ranks.count())
                 .into_iter()
                 .map(|(a, b)| Work::Value {

@@ -484,13 +484,18 @@ impl LearnerPool {
 
     /// Log-probs of every response token of `rows`, each rank scoring its share of them.
     pub fn logp(&self, rows: &TokenRows, temperature: f32, per: usize) -> Result<Vec<f32>> {
+        self.per_token(rows, |rows| LearnerOp::Logp {
+            rows,
+            temperature,
+            per,
+        })
+    }
+
+    /// `[rows, cols]` values of `rows`, each rank answering `op` for its share of them.
+    fn per_token(&self, rows: &TokenRows, op: impl Fn(TokenRows) -> LearnerOp) -> Result<Vec<f32>> {
         let ops = split(0, rows.shape.rows, self.ranks().len())
             .into_iter()
-            .map(|(a, b)| LearnerOp::Logp {
-                rows: rows.rows(a, b),
-                temperature,
-                per,
-            })
+            .map(|(a, b)| op(rows.rows(a, b)))
             .collect();
         let mut all = Vec::with_capacity(rows.shape.len());
         for r in self.on_ranks(ops)? {
@@ -572,18 +577,7 @@ impl LearnerPool {
 
     /// A critic pool's value at every response token of `rows`, each rank on its share.
     pub fn values(&self, rows: &TokenRows, per: usize) -> Result<Vec<f32>> {
-        let ops = split(0, rows.shape.rows, self.ranks().len())
-            .into_iter()
-            .map(|(a, b)| LearnerOp::Values {
-                rows: rows.rows(a, b),
-                per,
-            })
-            .collect();
-        let mut all = Vec::with_capacity(rows.shape.len());
-        for r in self.on_ranks(ops)? {
-            all.extend(values(r)?);
-        }
-        Ok(all)
+        self.per_token(rows, |rows| LearnerOp::Values { rows, per })
     }
 
     /// A critic pool's update towards `returns`; its metrics add `timing_s/allreduce_critic`.
