@@ -134,7 +134,7 @@ pub enum JobError {
     },
     /// Stopped on request before its first step, while waiting for agents for its pools.
     #[error(
-        "stopped on request while waiting for agents that can take the rollout pool: continue with `{resume}`"
+        "stopped on request while waiting for agents that can take the job's pools: continue with `{resume}`"
     )]
     StoppedWaiting {
         /// The command that continues the job.
