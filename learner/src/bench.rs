@@ -135,10 +135,11 @@ pub fn train_flops(c: &ModelConfig, tokens: usize, seq: usize) -> f64 {
     (6.0 * matmul_params + attn) * tokens as f64
 }
 
-fn median(xs: &[f64]) -> f64 {
+/// The median of timings (NaN for none: not timed).
+pub fn median(xs: &[f64]) -> f64 {
     let mut v = xs.to_vec();
     v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
 /// Peak resident set size of this process, in MiB (Linux; 0 elsewhere).

@@ -19,9 +19,7 @@ pub mod floats {
     /// As base64 of the little-endian bytes.
     pub fn serialize<S: Serializer>(v: &[f32], s: S) -> Result<S::Ok, S::Error> {
         let mut bytes = Vec::with_capacity(v.len() * 4);
-        for x in v {
-            bytes.extend_from_slice(&x.to_le_bytes());
-        }
+        push_le(&mut bytes, v);
         STANDARD.encode(bytes).serialize(s)
     }
 
@@ -35,17 +33,26 @@ pub mod floats {
         let bytes = STANDARD
             .decode(text)
             .map_err(|e| format!("f32 array: not base64: {e}"))?;
-        if bytes.len() % 4 != 0 {
-            return Err(format!(
-                "f32 array: {} bytes, not a multiple of 4",
-                bytes.len()
-            ));
-        }
-        Ok(bytes
+        from_le(&bytes)
+            .ok_or_else(|| format!("f32 array: {} bytes, not a multiple of 4", bytes.len()))
+    }
+}
+
+/// Appends `values` to `out` as their little-endian bytes.
+pub fn push_le(out: &mut Vec<u8>, values: &[f32]) {
+    for x in values {
+        out.extend_from_slice(&x.to_le_bytes());
+    }
+}
+
+/// f32 values from their little-endian bytes; `None` when the length is not a multiple of 4.
+pub fn from_le(bytes: &[u8]) -> Option<Vec<f32>> {
+    bytes.len().is_multiple_of(4).then(|| {
+        bytes
             .chunks_exact(4)
             .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect())
-    }
+            .collect()
+    })
 }
 
 /// `#[serde(with = "wire::opt_floats")]` on an `Option<Vec<f32>>`.

@@ -557,17 +557,20 @@ fn rl_rows(dir: &Path) -> Vec<Value> {
         .collect()
 }
 
+/// The tiny recipe's RL stage as PPO: GAE with a critic, and a KL loss.
+const PPO: [&str; 6] = [
+    "-o",
+    "stages.rl.algorithm.adv_estimator=gae",
+    "-o",
+    "stages.rl.algorithm.critic_lr=1.0e-3",
+    "-o",
+    "stages.rl.algorithm.use_kl_loss=true",
+];
+
 #[test]
 fn ppo_trains_a_critic_with_gae_and_resumes_it() {
     let dir = run_dir("ppo");
-    let args = [
-        "-o",
-        "stages.rl.algorithm.adv_estimator=gae",
-        "-o",
-        "stages.rl.algorithm.critic_lr=1.0e-3",
-        "-o",
-        "stages.rl.algorithm.use_kl_loss=true",
-    ];
+    let args = PPO;
     let mut child = trellis()
         .arg("train")
         .arg(recipe())
@@ -1437,20 +1440,12 @@ fn learner_ranks_train_as_one_learner_and_resume_from_their_checkpoints() {
             .args(["-o", &format!("pools.learner.count={ranks}")]);
         cmd
     };
-    let ppo = [
-        "-o",
-        "stages.rl.algorithm.adv_estimator=gae",
-        "-o",
-        "stages.rl.algorithm.critic_lr=1.0e-3",
-        "-o",
-        "stages.rl.algorithm.use_kl_loss=true",
-    ];
     // ZeRO-1 (the default) and replicated optimiser state alike.
     let replicas = ["-o", "pools.learner.shard_optimizer=false"];
     let grpo_ranks = [(2, &[][..]), (3, &[][..]), (2, &replicas[..])];
     for (algo, args, ranks, loss_tol) in [
         ("grpo", &[][..], &grpo_ranks[..], 1e-5),
-        ("ppo", &ppo[..], &grpo_ranks[..1], 1e-2),
+        ("ppo", &PPO[..], &grpo_ranks[..1], 1e-2),
     ] {
         let one = run_dir(&format!("{algo}-ranks-1"));
         run_ok(&mut ranked(&one, 1, args, &[]));

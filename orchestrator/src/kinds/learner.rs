@@ -520,9 +520,7 @@ fn frame(header: &impl Serialize, values: &[f32]) -> Result<Vec<u8>, String> {
     let mut out = Vec::with_capacity(4 + h.len() + 4 * values.len());
     out.extend_from_slice(&len.to_le_bytes());
     out.extend_from_slice(&h);
-    for v in values {
-        out.extend_from_slice(&v.to_le_bytes());
-    }
+    wire::push_le(&mut out, values);
     Ok(out)
 }
 
@@ -536,14 +534,7 @@ fn unframe(bytes: &[u8]) -> Result<(&[u8], Vec<f32>), String> {
         .map_err(|_| bad())?;
     let end = 4 + u32::from_le_bytes(len) as usize;
     let header = bytes.get(4..end).ok_or_else(bad)?;
-    let bulk = &bytes[end..];
-    if !bulk.len().is_multiple_of(4) {
-        return Err(bad());
-    }
-    let values = bulk
-        .chunks_exact(4)
-        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-        .collect();
+    let values = wire::from_le(&bytes[end..]).ok_or_else(bad)?;
     Ok((header, values))
 }
 

@@ -14,6 +14,7 @@ use kernels::tensor::WeightSnapshot;
 use learner::algo::TokenRows;
 use learner::algo::layout::Row;
 use learner::algo::policy::{PolicyBatch, PolicyUpdate};
+use learner::bench::median;
 use learner::engine::Backend;
 use learner::optim::{LrSchedule, Optimizer};
 use learner::rl::agg::LossAgg;
@@ -91,28 +92,19 @@ impl Drop for AgentProcess {
     }
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
-}
-
 /// Runs the benchmark.
 pub fn run(o: &LearnerBenchOptions) -> Result<LearnerBench, PoolError> {
     let model = Model::init(o.config.clone(), 1);
     let params = model.params.numel();
-    // Any tokens and advantages do: a splitmix64 stream, seeded.
-    let mut state = 7u64;
-    let mut next = move || {
-        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    };
-    let vocab = o.config.vocab_size as u64;
+    // Any tokens and advantages do (as `trellis bench train`'s: spread over the vocabulary).
+    let vocab = o.config.vocab_size;
     let half = (o.seq / 2).max(1);
     let seqs: Vec<Vec<u32>> = (0..o.batch)
-        .map(|_| (0..2 * half).map(|_| (next() % vocab) as u32).collect())
+        .map(|r| {
+            (0..2 * half)
+                .map(|t| ((r * 7919 + t * 104_729) % vocab) as u32)
+                .collect()
+        })
         .collect();
     let rows = TokenRows::new(seqs.iter().enumerate().map(|(i, s)| Row {
         prompt: &s[..half],
@@ -120,7 +112,7 @@ pub fn run(o: &LearnerBenchOptions) -> Result<LearnerBench, PoolError> {
         group: i as u64,
     }));
     let advantages: Vec<f32> = (0..rows.shape.len())
-        .map(|_| (next() % 2001) as f32 / 1000.0 - 1.0)
+        .map(|i| ((i * 7919) % 2001) as f32 / 1000.0 - 1.0)
         .collect();
     let batch = PolicyBatch {
         rows: &rows,
@@ -148,7 +140,7 @@ pub fn run(o: &LearnerBenchOptions) -> Result<LearnerBench, PoolError> {
         }
     }
     drop(engine);
-    let one = median(times);
+    let one = median(&times);
 
     let weights = WeightSnapshot {
         version: 0,
@@ -228,7 +220,7 @@ pub fn run(o: &LearnerBenchOptions) -> Result<LearnerBench, PoolError> {
                 reduces.push(pool.reduce_seconds() - r);
             }
         }
-        let (step_s, allreduce_s) = (median(steps), median(reduces));
+        let (step_s, allreduce_s) = (median(&steps), median(&reduces));
         runs.push(RankFigures {
             placement: name.into(),
             sharded,

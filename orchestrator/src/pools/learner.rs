@@ -217,32 +217,15 @@ impl LearnerPool {
         })
     }
 
-    /// `ops[i]` on rank `i` where there is one, every rank at once; the answers in rank order.
-    fn on_some(&self, ops: Vec<Option<LearnerOp>>) -> Result<Vec<Option<LearnerResponse>>> {
-        let given: Vec<bool> = ops.iter().map(Option::is_some).collect();
-        let ops = ops.into_iter().enumerate();
-        let mut answers = self
-            .on_many(ops.filter_map(|(r, op)| Some((r, op?))).collect())?
-            .into_iter();
-        Ok(given
-            .into_iter()
-            .map(|g| if g { answers.next() } else { None })
-            .collect())
-    }
-
     /// `ops[i]` on rank `i`, every rank at once; the answers in rank order.
     fn on_ranks(&self, ops: Vec<LearnerOp>) -> Result<Vec<LearnerResponse>> {
-        let answers = self.on_some(ops.into_iter().map(Some).collect())?;
-        Ok(answers.into_iter().flatten().collect())
+        self.on_many(ops.into_iter().enumerate().collect())
     }
 
     /// `op` on rank `r` alone.
     fn on_rank(&self, r: usize, op: LearnerOp) -> Result<LearnerResponse> {
-        let mut ops: Vec<Option<LearnerOp>> = (0..self.ranks().len()).map(|_| None).collect();
-        *ops.get_mut(r)
-            .ok_or_else(|| PoolError::Runtime(format!("no learner rank {r}")))? = Some(op);
-        self.on_some(ops)?
-            .swap_remove(r)
+        self.on_many(vec![(r, op)])?
+            .pop()
             .ok_or_else(|| PoolError::Runtime(format!("learner rank {r} did not answer")))
     }
 
@@ -257,11 +240,7 @@ impl LearnerPool {
         let mut out = self.layout.clone();
         let n = out.numel();
         let ranks = self.count().max(1);
-        let slices: Vec<(usize, usize)> = (0..n)
-            .step_by(SLICE)
-            .map(|o| (o, SLICE.min(n - o)))
-            .collect();
-        for window in slices.chunks(WINDOW * ranks) {
+        for window in slices(0, n).chunks(WINDOW * ranks) {
             let reads = window.iter().enumerate().map(|(i, &(offset, len))| {
                 let slot = Slot::Weights;
                 (i % ranks, LearnerOp::Read { slot, offset, len })
@@ -284,8 +263,7 @@ impl LearnerPool {
         out: &mut Params,
         to: usize,
     ) -> Result<()> {
-        for at in (0..len).step_by(SLICE) {
-            let n = SLICE.min(len - at);
+        for (at, n) in slices(0, len) {
             let op = LearnerOp::Read {
                 slot,
                 offset: a + at,
@@ -307,9 +285,8 @@ impl LearnerPool {
 
     /// Writes all of `p` into `slot` of every rank.
     fn write_all(&self, slot: Slot, p: &Params) -> Result<()> {
-        let n = p.numel();
-        for offset in (0..n).step_by(SLICE) {
-            let values = wire::read_range(p, offset, SLICE.min(n - offset))?;
+        for (offset, len) in slices(0, p.numel()) {
+            let values = wire::read_range(p, offset, len)?;
             self.on_all(|| LearnerOp::Write {
                 slot,
                 offset,
@@ -318,6 +295,14 @@ impl LearnerPool {
         }
         Ok(())
     }
+}
+
+/// The values `from..to` of a model's flat layout as message-sized (offset, length) slices.
+fn slices(from: usize, to: usize) -> Vec<(usize, usize)> {
+    (from..to)
+        .step_by(SLICE)
+        .map(|o| (o, SLICE.min(to - o)))
+        .collect()
 }
 
 fn out_of_turn() -> PoolError {
@@ -356,13 +341,8 @@ impl Ranks for LearnerPool {
         let mut sum_sq = 0.0f64;
         let ranks = self.count();
         if ranks > 1 {
-            let n = self.layout.numel();
-            let slices: Vec<(usize, usize)> = (0..n)
-                .step_by(SLICE)
-                .map(|o| (o, SLICE.min(n - o)))
-                .collect();
             // A window of slices in flight at once: the calls' latency overlaps.
-            for window in slices.chunks(WINDOW) {
+            for window in slices(0, self.layout.numel()).chunks(WINDOW) {
                 let reads = window.iter().flat_map(|&(offset, len)| {
                     (0..ranks).map(move |r| {
                         let slot = Slot::Gradient;
@@ -441,11 +421,7 @@ impl Ranks for LearnerPool {
         if let Some(shards) = self.shards.clone() {
             let started = std::time::Instant::now();
             for (r, &(a, l)) in shards.iter().enumerate() {
-                let slices: Vec<(usize, usize)> = (a..a + l)
-                    .step_by(SLICE)
-                    .map(|o| (o, SLICE.min(a + l - o)))
-                    .collect();
-                for window in slices.chunks(WINDOW) {
+                for window in slices(a, a + l).chunks(WINDOW) {
                     let reads = window.iter().map(|&(offset, len)| {
                         let slot = Slot::Weights;
                         (r, LearnerOp::Read { slot, offset, len })
@@ -541,8 +517,8 @@ impl LearnerPool {
                 Some(shards) => {
                     for (r, (a, l)) in shards.into_iter().enumerate() {
                         for (slot, p) in [(Slot::FirstMoment, &*m), (Slot::SecondMoment, &*v)] {
-                            for at in (0..l).step_by(SLICE) {
-                                let values = wire::read_range(p, a + at, SLICE.min(l - at))?;
+                            for (at, len) in slices(0, l) {
+                                let values = wire::read_range(p, a + at, len)?;
                                 let op = LearnerOp::Write {
                                     slot,
                                     offset: at,
