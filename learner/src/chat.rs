@@ -41,6 +41,7 @@ pub struct Message {
 /// A compiled chat template.
 pub struct ChatTemplate {
     env: Environment<'static>,
+    source: String,
     bos: String,
     eos: String,
 }
@@ -142,9 +143,50 @@ impl ChatTemplate {
             .map_err(|e| ChatError::Compile(e.to_string()))?;
         Ok(Self {
             env,
+            source: source.into(),
             bos: bos.into(),
             eos: eos.into(),
         })
+    }
+
+    /// What it was made from: the template, the BOS and the EOS text (to make it again in
+    /// another process with [`ChatTemplate::new`]).
+    pub fn parts(&self) -> (&str, &str, &str) {
+        (&self.source, &self.bos, &self.eos)
+    }
+
+    /// The text that follows an assistant's turn when `message` (a `tool` result or a `user`
+    /// reply) comes next, through the next assistant turn's opening: what a multi-turn
+    /// conversation appends after the model's own tokens, so that those are never rendered
+    /// again. Refused when the template does not render `message` there (a template without
+    /// `tool` messages, or one whose earlier text changes with what follows).
+    pub fn continuation(&self, message: &Message) -> Result<String, ChatError> {
+        let base = [
+            Message {
+                role: "user".into(),
+                content: "?".into(),
+            },
+            Message {
+                role: "assistant".into(),
+                content: "!".into(),
+            },
+        ];
+        let before = self.render(&base, false)?;
+        let mut all = base.to_vec();
+        all.push(message.clone());
+        let after = self.render(&all, true)?;
+        match after.strip_prefix(&before) {
+            Some(rest) if rest.contains(&message.content) => Ok(rest.to_string()),
+            Some(_) => Err(ChatError::Render(format!(
+                "the chat template does not render a `{}` message after the assistant's turn",
+                message.role
+            ))),
+            None => Err(ChatError::Render(format!(
+                "the chat template renders the conversation before a `{}` message differently \
+                 once it follows",
+                message.role
+            ))),
+        }
     }
 
     /// The text of one user message followed by the assistant's turn.
@@ -193,6 +235,25 @@ mod tests {
             t.render_user("What is 2+2?").unwrap(),
             "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
         );
+    }
+
+    #[test]
+    fn a_reply_continues_the_assistants_turn() {
+        let t = ChatTemplate::new(QWEN25, "", "<|im_end|>").unwrap();
+        let user = Message {
+            role: "user".into(),
+            content: "higher".into(),
+        };
+        assert_eq!(
+            t.continuation(&user).unwrap(),
+            "<|im_start|>user\nhigher<|im_end|>\n<|im_start|>assistant\n"
+        );
+        // This branch of Qwen's template has no `tool` messages: refused, not dropped.
+        let tool = Message {
+            role: "tool".into(),
+            content: "42".into(),
+        };
+        assert!(t.continuation(&tool).is_err());
     }
 
     #[test]

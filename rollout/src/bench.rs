@@ -91,6 +91,7 @@ fn requests(
                 seed: Some(r as u64),
                 ..Default::default()
             },
+            episode: None,
         })
         .collect()
 }

@@ -11,6 +11,8 @@
 //! `rollout/serve`'s); the native engine never opens a socket.
 
 pub mod bench;
+pub mod env;
+pub mod episode;
 pub mod external;
 pub mod kv;
 pub mod native;
@@ -35,6 +37,21 @@ pub struct GenerateRequest {
     pub prompt: Vec<u32>,
     /// Sampling settings; `n` completions come back for this request.
     pub params: SamplingParams,
+    /// Run each sample as an episode in an environment ([`episode::generate`] does; engines
+    /// themselves refuse such a request).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub episode: Option<episode::EpisodeSpec>,
+}
+
+impl GenerateRequest {
+    /// One prompt and its sampling, no episode.
+    pub fn new(prompt: Vec<u32>, params: SamplingParams) -> Self {
+        Self {
+            prompt,
+            params,
+            episode: None,
+        }
+    }
 }
 
 /// Why a completion ended.
@@ -73,6 +90,13 @@ pub struct Completion {
     pub finish_reason: FinishReason,
     /// Which weights produced which tokens.
     pub weight_versions: Vec<VersionSpan>,
+    /// Token ranges of `token_ids` an environment wrote (an episode's observations, whose
+    /// log-probs are 0): they are context, never trained on.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub observations: Vec<std::ops::Range<usize>>,
+    /// An episode's outcome (a request with an episode only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub episode: Option<episode::EpisodeStats>,
 }
 
 /// What can go wrong in an engine.

@@ -389,12 +389,16 @@ impl InferenceEngine for NativeEngine {
 }
 
 /// Refuses requests no engine of `c`'s model can serve (empty prompt, token ids past the
-/// vocabulary, invalid sampling parameters, longer than the context), naming the request.
+/// vocabulary, invalid sampling parameters, longer than the context, an episode), naming the
+/// request.
 pub(crate) fn check_requests(c: &ModelConfig, reqs: &[GenerateRequest]) -> Result<(), EngineError> {
     for (i, r) in reqs.iter().enumerate() {
         let bad = |msg: String| Err(EngineError::InvalidRequest { request: i, msg });
         if r.prompt.is_empty() {
             return bad("the prompt is empty".into());
+        }
+        if r.episode.is_some() {
+            return bad("an episode runs through rollout::episode::generate, not an engine".into());
         }
         if let Some(t) = r.prompt.iter().find(|&&t| t as usize >= c.vocab_size) {
             return bad(format!(
@@ -806,6 +810,8 @@ impl Worker {
             logprobs: s.logprobs,
             finish_reason: reason,
             weight_versions: s.spans,
+            observations: Vec::new(),
+            episode: None,
         });
         job.remaining -= 1;
         if job.remaining == 0 {

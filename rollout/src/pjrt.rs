@@ -153,6 +153,8 @@ impl Inner {
                 token_ids: r.tokens,
                 logprobs: r.logprobs,
                 finish_reason: r.done.unwrap_or(FinishReason::Length),
+                observations: Vec::new(),
+                episode: None,
             })
             .collect())
     }

@@ -158,6 +158,7 @@ mod tests {
                 n,
                 ..Default::default()
             },
+            episode: None,
         }
     }
 

@@ -72,6 +72,10 @@ pub struct ArithTask {
     /// Write the answer least-significant digit first (`37+45=` → `28`), the order in which
     /// addition is computed; an easier target for small models.
     pub reverse_answer: bool,
+    /// The share of problems whose answer is a worked tool call (`<call>37*45</call>` then
+    /// `<result>1665</result>` then `1665`, in the `builtin:tools` tokenizer's format): SFT
+    /// demonstrations of the calculator environment. The rest answer directly.
+    pub tool_demos: f64,
 }
 
 impl Default for ArithTask {
@@ -80,6 +84,7 @@ impl Default for ArithTask {
             digits: 2,
             ops: "+".into(),
             reverse_answer: false,
+            tool_demos: 0.0,
         }
     }
 }
@@ -94,6 +99,12 @@ impl ArithTask {
             return Err(format!(
                 "ops must be a non-empty string of + - *, got {:?}",
                 self.ops
+            ));
+        }
+        if !(0.0..=1.0).contains(&self.tool_demos) {
+            return Err(format!(
+                "tool_demos must lie in 0..=1, got {}",
+                self.tool_demos
             ));
         }
         Ok(())
@@ -115,6 +126,13 @@ impl ArithTask {
         }
         if v < 0 {
             answer.insert(0, '-');
+        }
+        // Whether this problem is a demonstration: a hash of it, so the stream of problems is
+        // the same whatever the share.
+        let mut z = (a << 32 ^ b ^ (op as u64) << 60).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        z = (z ^ (z >> 29)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        if ((z >> 11) as f64) < self.tool_demos * (1u64 << 53) as f64 {
+            answer = format!("<call>{a}{op}{b}</call><result>{v}</result>{answer}");
         }
         Problem::new(format!("{a}{op}{b}="), answer)
     }
@@ -433,23 +451,40 @@ pub const ARITH_VOCAB: &[&str] = &[
 /// Id of `<eos>` in the `builtin:arith` tokenizer.
 pub const ARITH_EOS: u32 = 1;
 
+/// The compact tool format's tokens, after [`ARITH_VOCAB`] in the `builtin:tools` tokenizer.
+pub const TOOL_TOKENS: &[&str] = &["<call>", "</call>", "<result>", "</result>"];
+
 /// The `builtin:arith` tokenizer as Hugging Face `tokenizer.json` text: one token per
 /// character, `<pad>` and `<eos>` special.
 pub fn arith_tokenizer_json() -> String {
-    let vocab: serde_json::Map<String, serde_json::Value> = ARITH_VOCAB
+    char_tokenizer_json(&[])
+}
+
+/// The `builtin:tools` tokenizer: `builtin:arith`'s, and the tokens of the compact tool format
+/// ([`TOOL_TOKENS`], ids from 17 on) that tool-use episodes write.
+pub fn tools_tokenizer_json() -> String {
+    char_tokenizer_json(TOOL_TOKENS)
+}
+
+/// One token per character of [`ARITH_VOCAB`], then `words` whole.
+fn char_tokenizer_json(words: &[&str]) -> String {
+    let all: Vec<&str> = ARITH_VOCAB.iter().chain(words).copied().collect();
+    let vocab: serde_json::Map<String, serde_json::Value> = all
         .iter()
         .enumerate()
         .map(|(i, t)| (t.to_string(), i.into()))
         .collect();
-    let special = |id: usize| {
-        serde_json::json!({"id": id, "content": ARITH_VOCAB[id], "single_word": false, "lstrip": false,
-            "rstrip": false, "normalized": false, "special": true})
+    let added = |id: usize, special: bool| {
+        serde_json::json!({"id": id, "content": all[id], "single_word": false, "lstrip": false,
+            "rstrip": false, "normalized": false, "special": special})
     };
+    let mut added_tokens = vec![added(0, true), added(1, true)];
+    added_tokens.extend((ARITH_VOCAB.len()..all.len()).map(|id| added(id, false)));
     serde_json::json!({
         "version": "1.0",
         "truncation": null,
         "padding": null,
-        "added_tokens": [special(0), special(1)],
+        "added_tokens": added_tokens,
         "normalizer": null,
         "pre_tokenizer": {"type": "Split", "pattern": {"Regex": "."}, "behavior": "Isolated", "invert": false},
         "post_processor": null,
@@ -578,11 +613,58 @@ mod tests {
     }
 
     #[test]
+    fn tool_demonstrations_are_a_share_of_the_same_problems() {
+        let plain = ArithTask {
+            digits: 3,
+            ops: "*".into(),
+            ..Default::default()
+        };
+        let demos = ArithTask {
+            tool_demos: 0.3,
+            ..plain.clone()
+        };
+        let (a, b) = (plain.eval_set(3, 400), demos.eval_set(3, 400));
+        let mut shown = 0;
+        for (p, d) in a.iter().zip(&b) {
+            assert_eq!(p.prompt, d.prompt);
+            if d.answer != p.answer {
+                let call = p.prompt.display().trim_end_matches('=');
+                let want = format!("<call>{call}</call><result>{0}</result>{0}", p.answer);
+                assert_eq!(d.answer, want);
+                shown += 1;
+            }
+        }
+        assert!((90..150).contains(&shown), "{shown} of 400");
+        // Every demonstration is one token per character but the tool's tokens.
+        let tok = learner::tokenizer::Tokenizer::from_json(
+            &tools_tokenizer_json(),
+            std::path::Path::new("builtin:tools"),
+        )
+        .unwrap();
+        let ids = tok
+            .encode_rendered("<call>12*3</call><result>36</result>36")
+            .unwrap();
+        assert_eq!(ids, [17, 3, 4, 14, 5, 18, 19, 5, 8, 20, 5, 8]);
+        assert_eq!(
+            tok.decode(&ids).unwrap(),
+            "<call>12*3</call><result>36</result>36"
+        );
+        assert!(
+            ArithTask {
+                tool_demos: 1.5,
+                ..plain
+            }
+            .validate()
+            .is_err()
+        );
+    }
+
+    #[test]
     fn problems_are_seeded_and_correct() {
         let t = ArithTask {
             digits: 2,
             ops: "+-*".into(),
-            reverse_answer: false,
+            ..Default::default()
         };
         let a = t.eval_set(7, 50);
         assert_eq!(a, t.eval_set(7, 50));

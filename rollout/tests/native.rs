@@ -43,6 +43,7 @@ fn req(prompt: &[u32], f: impl FnOnce(&mut SamplingParams)) -> GenerateRequest {
     GenerateRequest {
         prompt: prompt.to_vec(),
         params,
+        episode: None,
     }
 }
 

@@ -74,6 +74,7 @@ fn requests() -> Vec<GenerateRequest> {
             seed: Some(seed),
             ..Default::default()
         },
+        episode: None,
     };
     vec![
         sampled(vec![5, 17, 200, 33], 3, 11),
@@ -85,6 +86,7 @@ fn requests() -> Vec<GenerateRequest> {
                 stop_token_ids: vec![42],
                 ..Default::default()
             },
+            episode: None,
         },
         sampled(vec![100, 101], 2, 12),
     ]

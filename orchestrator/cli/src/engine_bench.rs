@@ -78,6 +78,7 @@ pub fn run(model: Model, repeats: usize) -> Result<EngineBenchReport, BenchError
                 seed: Some(i as u64),
                 ..Default::default()
             },
+            episode: None,
         })
         .collect();
     let generated = (prompts * n * tokens) as f64;

@@ -78,7 +78,11 @@ pub(super) fn evaluate(
             max_tokens: stage.eval_tokens,
             ..Default::default()
         };
-        reqs.push(GenerateRequest { prompt, params });
+        reqs.push(GenerateRequest {
+            prompt,
+            params,
+            episode: None,
+        });
     }
     let out = rollouts.generate(reqs)?;
     let texts = out

@@ -219,6 +219,9 @@ fn tokenizer(wf: &Workflow, e: &Errs<'_>) -> Result<(Tokenizer, String), PlanErr
         (Some(t), _) if t == "builtin:arith" => {
             (rollout::task::arith_tokenizer_json(), PathBuf::from(t))
         }
+        (Some(t), _) if t == "builtin:tools" => {
+            (rollout::task::tools_tokenizer_json(), PathBuf::from(t))
+        }
         (Some(t), _) => (
             std::fs::read_to_string(t)
                 .map_err(|err| e.at("model.tokenizer", format!("{t}: {err}")))?,
@@ -240,7 +243,7 @@ fn tokenizer(wf: &Workflow, e: &Errs<'_>) -> Result<(Tokenizer, String), PlanErr
         (None, None) => {
             return Err(e.at(
                 "model.tokenizer",
-                "is required with model.init (`builtin:arith`, or a tokenizer.json)",
+                "is required with model.init (`builtin:arith`, `builtin:tools`, or a tokenizer.json)",
             ));
         }
     };

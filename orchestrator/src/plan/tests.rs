@@ -223,7 +223,7 @@ fn bad_workflows_get_messages_that_say_where_and_why() {
         (
             "  tokenizer: builtin:arith\n",
             "",
-            "t.yaml: model.tokenizer: is required with model.init (`builtin:arith`, or a tokenizer.json)",
+            "t.yaml: model.tokenizer: is required with model.init (`builtin:arith`, `builtin:tools`, or a tokenizer.json)",
         ),
         (
             "tokenizer: builtin:arith",

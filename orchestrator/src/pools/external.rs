@@ -81,6 +81,7 @@ impl Probe {
                 seed: Some(0x7e11),
                 ..Default::default()
             },
+            episode: None,
         }
     }
 }

@@ -523,6 +523,7 @@ mod tests {
                     seed: Some(i as u64),
                     ..Default::default()
                 },
+                episode: None,
             })
             .collect();
         let plan = |count| RolloutPlan {
@@ -557,6 +558,7 @@ mod tests {
                     max_tokens: 2,
                     ..Default::default()
                 },
+                episode: None,
             }])
             .unwrap();
         assert!(c[0].weight_versions.iter().all(|s| s.version == 4));

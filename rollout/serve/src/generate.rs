@@ -119,6 +119,7 @@ fn requests(job: &TextJob) -> Vec<GenerateRequest> {
         .map(|p| GenerateRequest {
             prompt: p.clone(),
             params: job.params.clone(),
+            episode: None,
         })
         .collect()
 }

@@ -88,6 +88,7 @@ pub(crate) async fn vllm_generate(With(state): With<Shared>, bytes: Bytes) -> An
         .run(vec![GenerateRequest {
             prompt: b.token_ids,
             params,
+            episode: None,
         }])
         .await?;
     let choices: Vec<Value> = out
@@ -132,7 +133,13 @@ pub(crate) async fn sglang_generate(With(state): With<Shared>, bytes: Bytes) -> 
     };
     let params = b.sampling_params.params()?;
     let plen = prompt.len();
-    let out = state.run(vec![GenerateRequest { prompt, params }]).await?;
+    let out = state
+        .run(vec![GenerateRequest {
+            prompt,
+            params,
+            episode: None,
+        }])
+        .await?;
     let many = out.len() > 1;
     let items: Vec<Value> = out
         .iter()

@@ -219,6 +219,8 @@ async fn generate(
             logprobs,
             finish_reason,
             weight_versions,
+            observations: Vec::new(),
+            episode: None,
         });
     }
     Ok(done)

@@ -336,6 +336,8 @@ impl Call {
                 logprobs,
                 finish_reason,
                 weight_versions,
+                observations: Vec::new(),
+                episode: None,
             });
         }
         Ok(out)
@@ -386,6 +388,7 @@ mod tests {
                 n: 2,
                 ..Default::default()
             },
+            episode: None,
         };
         let v: Value = serde_json::from_str(VLLM_0_32).unwrap();
         let out = call.parse(3, &req, &v, "/inference/v1/generate").unwrap();

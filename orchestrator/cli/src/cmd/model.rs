@@ -104,7 +104,11 @@ impl GenerateArgs {
         })??;
         let prompt = tok.encode(&a.prompt)?;
         let engine = rollout::native::NativeEngine::new(ckpt.model, Default::default());
-        let out = engine.generate_blocking(vec![rollout::GenerateRequest { prompt, params }])?;
+        let out = engine.generate_blocking(vec![rollout::GenerateRequest {
+            prompt,
+            params,
+            episode: None,
+        }])?;
         for c in out {
             let text = tok.decode(&c.token_ids)?;
             if a.json {

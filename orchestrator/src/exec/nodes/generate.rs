@@ -71,7 +71,11 @@ fn draw(
             seed: Some(seed),
             ..Default::default()
         };
-        reqs.push(GenerateRequest { prompt, params });
+        reqs.push(GenerateRequest {
+            prompt,
+            params,
+            episode: None,
+        });
     }
     let indexed = (start..).zip(problems).collect();
     Ok((indexed, reqs))
