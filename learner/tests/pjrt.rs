@@ -330,6 +330,7 @@ fn the_update_loops_run_on_either_engine_behind_one_face() {
         prompt: prompts[i],
         response: responses[i],
         group: (i / 2) as u64,
+        observed: &[],
     }));
     let adv: Vec<f32> = (0..rows.shape.len())
         .map(|i| ((i * 5 % 7) as f32 - 3.0) * 0.4)

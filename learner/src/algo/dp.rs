@@ -399,10 +399,13 @@ mod tests {
     fn ranks_train_as_one_engine_does() {
         let prompts: [&[u32]; 5] = [&[1, 2, 3], &[4, 5], &[6, 7, 8, 9], &[10], &[3, 3]];
         let responses: [&[u32]; 5] = [&[11, 12], &[13, 14, 15], &[16], &[17, 18, 19, 20], &[]];
+        // Row 3 is an episode: its tokens 1..3 are an environment's, masked on every rank.
+        let observed = [std::ops::Range { start: 1, end: 3 }];
         let rows = TokenRows::new((0..5).map(|i| Row {
             prompt: prompts[i],
             response: responses[i],
             group: (i / 2) as u64,
+            observed: if i == 3 { &observed[..] } else { &[] },
         }));
         let adv: Vec<f32> = (0..rows.shape.len())
             .map(|i| ((i * 5 % 7) as f32 - 3.0) * 0.4)

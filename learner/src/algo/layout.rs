@@ -12,7 +12,8 @@ use crate::rl::Shape;
 pub struct TokenRows {
     /// Rows × the longest response.
     pub shape: Shape,
-    /// 1 where a row has a response token, 0 on padding (`[rows, cols]`).
+    /// 1 where a row has a model's response token, 0 on padding and on an environment's
+    /// tokens (`[rows, cols]`).
     #[serde(with = "crate::wire::floats")]
     pub mask: Vec<f32>,
     /// Per row: the prompt's length, and the prompt followed by the response.
@@ -30,6 +31,9 @@ pub struct Row<'a> {
     pub response: &'a [u32],
     /// Its group.
     pub group: u64,
+    /// Ranges of `response` an environment wrote (an episode's observations): context, masked
+    /// out of every loss, advantage and metric.
+    pub observed: &'a [std::ops::Range<usize>],
 }
 
 impl TokenRows {
@@ -47,6 +51,9 @@ impl TokenRows {
         let mut group = Vec::with_capacity(rows.len());
         for (r, row) in rows.iter().enumerate() {
             mask[r * cols..r * cols + row.response.len()].fill(1.0);
+            for o in row.observed {
+                mask[r * cols + o.start..r * cols + o.end].fill(0.0);
+            }
             let mut seq = row.prompt.to_vec();
             seq.extend(row.response);
             seqs.push((row.prompt.len(), seq));
@@ -194,11 +201,13 @@ mod tests {
                 prompt: &[1, 2, 3],
                 response: &[4, 5],
                 group: 0,
+                observed: &[],
             },
             Row {
                 prompt: &[6],
                 response: &[7, 8, 9],
                 group: 1,
+                observed: &[],
             },
         ]);
         assert_eq!(rows.shape, Shape { rows: 2, cols: 3 });
@@ -220,5 +229,23 @@ mod tests {
             rows.scatter([&[1.0f32][..], &[2.0, 3.0][..]]),
             [1., 0., 0., 2., 3., 0.]
         );
+    }
+
+    #[test]
+    fn an_environments_tokens_are_context_not_response() {
+        // Model 4 5, environment 6 7, model 8: only the model's tokens are in the mask, and
+        // every token still sits at the position that predicts it.
+        let rows = TokenRows::new([Row {
+            prompt: &[1, 2],
+            response: &[4, 5, 6, 7, 8],
+            group: 0,
+            observed: &[std::ops::Range { start: 2, end: 4 }],
+        }]);
+        assert_eq!(rows.mask, [1., 1., 0., 0., 1.]);
+        assert_eq!(rows.response_tokens(), 3.0);
+        assert_eq!(rows.seqs[0].1, [1, 2, 4, 5, 6, 7, 8]);
+        let c = rows.chunks(1).next().unwrap();
+        let at: Vec<f32> = c.batch.targets.iter().map(|&t| t as f32).collect();
+        assert_eq!(c.gather(&at), [4., 5., 6., 7., 8.]);
     }
 }

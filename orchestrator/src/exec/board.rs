@@ -29,6 +29,16 @@ pub(crate) struct Group {
     pub scores: Vec<f32>,
 }
 
+impl Group {
+    /// The environment's score of each response, when they are episodes.
+    pub fn episode_rewards(&self) -> Option<Vec<f32>> {
+        self.completions
+            .iter()
+            .map(|c| c.episode.as_ref().map(|e| e.reward))
+            .collect()
+    }
+}
+
 /// The behaviour policy's log-probs.
 #[derive(Clone, Debug)]
 pub(crate) enum OldLogp {
@@ -110,6 +120,7 @@ impl Board {
                 prompt: &grp.prompt,
                 response: &c.token_ids,
                 group: g as u64,
+                observed: &c.observations,
             })
         }))
     }

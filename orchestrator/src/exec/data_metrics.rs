@@ -77,11 +77,13 @@ mod tests {
                 prompt: &[1, 2, 3],
                 response: &[4, 5],
                 group: 0,
+                observed: &[],
             },
             Row {
                 prompt: &[6],
                 response: &[7],
                 group: 0,
+                observed: &[],
             },
         ]);
         let adv = [0.5, -1.0, 2.0, 99.0]; // 99 sits on padding: never counted

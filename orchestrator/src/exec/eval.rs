@@ -1,4 +1,5 @@
-//! Greedy evaluation on a stage's held-out problems, and the samples it writes out
+//! Greedy evaluation on a stage's held-out problems (episodes where the stage has an
+//! environment), and the samples it writes out
 //! (`trainer.log_generations`); the writer of per-step JSON-lines files (these, and the rollouts
 //! of `trainer.log_rollouts`).
 
@@ -78,10 +79,15 @@ pub(super) fn evaluate(
             max_tokens: stage.eval_tokens,
             ..Default::default()
         };
+        let episode = stage
+            .data
+            .env
+            .as_ref()
+            .map(|env| env.episode(p, stage.data.chat_template));
         reqs.push(GenerateRequest {
             prompt,
             params,
-            episode: None,
+            episode,
         });
     }
     let out = rollouts.generate(reqs)?;
@@ -94,7 +100,16 @@ pub(super) fn evaluate(
         .zip(&texts)
         .map(|(c, t)| Item::new(t, &set[c.request]))
         .collect();
-    let scored = stage.reward.score_all(&items)?;
+    // Episodes are scored by their environment.
+    let scored = match out
+        .iter()
+        .map(|c| c.episode.as_ref().map(|e| e.reward))
+        .collect::<Option<Vec<f32>>>()
+        .filter(|_| stage.data.env.is_some())
+    {
+        Some(scores) => rollout::reward::Scored { scores, failed: 0 },
+        None => stage.reward.score_all(&items)?,
+    };
     let mut correct = 0.0;
     let mut total = 0.0;
     let mut samples = Vec::new();
@@ -102,8 +117,9 @@ pub(super) fn evaluate(
         let problem = &set[c.request];
         let s = f64::from(s);
         total += s;
-        // Correct: full marks, and the answer ended (not cut at the token budget).
-        if s >= 1.0 && c.token_ids.last() == Some(&prompts.eos) {
+        // Correct: full marks, and the answer ended (not cut at the token budget); an
+        // episode's environment decides when it is over.
+        if s >= 1.0 && (c.episode.is_some() || c.token_ids.last() == Some(&prompts.eos)) {
             correct += 1.0;
         }
         if samples.len() < stage.log_generations {

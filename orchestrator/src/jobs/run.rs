@@ -600,6 +600,7 @@ fn run(
             run_dir: dir,
             needs_processed: plan.trains_on_engine_logprobs(),
             note: &mut note,
+            agent: plan.agent_setup(model.config.max_position_embeddings),
         })
         .map_err(stopped)?
     };

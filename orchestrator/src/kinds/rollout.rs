@@ -5,6 +5,7 @@ use crate::plan::Device;
 use actors::{Actor, CallError};
 use kernels::tensor::WeightSnapshot;
 use learner::{Model, ModelConfig};
+use rollout::episode::{self, Agent, AgentSetup};
 use rollout::native::NativeConfig;
 use rollout::{Completion, EngineError, GenerateRequest, InferenceEngine};
 use serde::{Deserialize, Serialize};
@@ -36,12 +37,16 @@ pub struct RolloutConfig {
     pub kv_cache_bytes: usize,
     /// Its engine.
     pub engine: EngineSpec,
+    /// How it plays episodes (a job with an environment only).
+    #[serde(default)]
+    pub agent: Option<AgentSetup>,
 }
 
 /// What a rollout actor is asked.
 #[derive(Debug, Serialize, Deserialize)]
 pub enum RolloutRequest {
-    /// Generate completions (ordered by request, then sample).
+    /// Generate completions (ordered by request, then sample); a request with an episode is
+    /// played here, every turn beside the engine.
     Generate(Vec<GenerateRequest>),
 }
 
@@ -50,6 +55,7 @@ pub struct RolloutActor {
     config: ModelConfig,
     start: RolloutConfig,
     engine: Option<Box<dyn InferenceEngine>>,
+    agent: Option<Agent>,
 }
 
 /// The PJRT plugin's device kind for a pool's device.
@@ -70,10 +76,12 @@ impl Actor for RolloutActor {
     fn start(config: RolloutConfig) -> Result<Self, String> {
         let mc = ModelConfig::from_json(config.model.clone(), Path::new("rollout actor config"))
             .map_err(|e| e.to_string())?;
+        let agent = config.agent.as_ref().map(Agent::new).transpose()?;
         Ok(Self {
             config: mc,
             start: config,
             engine: None,
+            agent,
         })
     }
 
@@ -83,11 +91,15 @@ impl Actor for RolloutActor {
             .as_ref()
             .ok_or("no weights yet: push a snapshot before generating")?;
         match request {
-            RolloutRequest::Generate(reqs) => engine.generate(reqs).await.map_err(|e| match e {
-                // An engine that did not answer may answer the same call later.
-                EngineError::Unavailable(m) => CallError::retryable(m),
-                e => CallError::fatal(e.to_string()),
-            }),
+            RolloutRequest::Generate(reqs) => {
+                episode::generate(engine.as_ref(), self.agent.as_ref(), reqs)
+                    .await
+                    .map_err(|e| match e {
+                        // An engine that did not answer may answer the same call later.
+                        EngineError::Unavailable(m) => CallError::retryable(m),
+                        e => CallError::fatal(e.to_string()),
+                    })
+            }
         }
     }
 

@@ -118,7 +118,7 @@ pub(super) fn plan(mut spec: Workflow, origin: &str) -> Result<Plan, PlanError> 
             let steps = steps_of_epochs(s, epochs, &data, &at("trainer.total_epochs"), &e)?;
             spec.stages[i].trainer.steps = steps;
         }
-        stages.push(stage(&spec.stages[i], i, data, &e)?);
+        stages.push(stage(&spec.stages[i], i, data, &tokenizer, &e)?);
     }
     let mlflow = mlflow_target(&spec, &e)?;
     Ok(Plan {
@@ -682,12 +682,65 @@ fn data_plan(
             "is for jsonl and parquet datasets (arith prompts are a few tokens)",
         ));
     }
+    let env = d
+        .env
+        .as_ref()
+        .map(|x| env_plan(x, prompts, &format!("{at}.env"), e))
+        .transpose()?;
     let eval_set = source.eval_set(seed, d.eval_size);
     Ok(DataPlan {
         exclude: eval_set.iter().cloned().collect(),
         eval_set,
         source,
         chat_template: d.chat_template,
+        env,
+    })
+}
+
+/// `data.env`, checked: limits that let an episode run, and a tool format the tokenizer can
+/// write (the compact one where it has `builtin:tools`' tokens, else Hermes').
+fn env_plan(
+    x: &schema::EnvConfig,
+    prompts: &Prompts<'_>,
+    at: &str,
+    e: &Errs<'_>,
+) -> Result<EnvPlan, PlanError> {
+    use rollout::env::tools::{CALL, ToolFormat};
+    if x.max_turns == 0 {
+        return Err(e.at(format!("{at}.max_turns"), "must be at least 1"));
+    }
+    if x.max_episode_tokens == Some(0) {
+        return Err(e.at(format!("{at}.max_episode_tokens"), "must be at least 1"));
+    }
+    if !(x.step_timeout_s.is_finite() && x.step_timeout_s > 0.0) {
+        return Err(e.at(
+            format!("{at}.step_timeout_s"),
+            format!(
+                "must be a positive number of seconds, got {}",
+                x.step_timeout_s
+            ),
+        ));
+    }
+    let compact_ok = rollout::episode::compact_token(prompts.tokenizer, CALL).is_ok();
+    let format = match x.tool_format {
+        Some(ToolFormat::Compact) if !compact_ok => {
+            return Err(e.at(
+                format!("{at}.tool_format"),
+                rollout::episode::compact_token(prompts.tokenizer, CALL)
+                    .err()
+                    .unwrap_or_default(),
+            ));
+        }
+        Some(f) => f,
+        None if compact_ok => ToolFormat::Compact,
+        None => ToolFormat::Hermes,
+    };
+    Ok(EnvPlan {
+        spec: x.kind,
+        format,
+        max_turns: x.max_turns,
+        max_episode_tokens: x.max_episode_tokens,
+        step_timeout_s: x.step_timeout_s,
     })
 }
 
@@ -819,10 +872,27 @@ fn stage(
     s: &schema::Stage,
     i: usize,
     data: Arc<DataPlan>,
+    tokenizer: &Tokenizer,
     e: &Errs<'_>,
 ) -> Result<StagePlan, PlanError> {
     let at = |field: &str| format!("stages[{i}].{field}");
-    let reward = Scorer::open(s.reward.clone()).map_err(|m| e.at(at("reward"), m))?;
+    if data.env.is_some() && s.kind == StageKind::Sft {
+        return Err(e.at(
+            at("data.env"),
+            "is for rl and eval stages (an sft stage trains on the task's answers)",
+        ));
+    }
+    if data.env.is_some() && s.reward.is_some() {
+        return Err(e.at(
+            at("reward"),
+            "an episode's score is its environment's (data.env): remove `reward`",
+        ));
+    }
+    let reward = s
+        .reward
+        .clone()
+        .unwrap_or(rollout::reward::Reward::ExactMatch);
+    let reward = Scorer::open(reward).map_err(|m| e.at(at("reward"), m))?;
     if s.trainer.max_ckpt_to_keep == 0 {
         return Err(e.at(
             at("trainer.max_ckpt_to_keep"),
@@ -857,9 +927,19 @@ fn stage(
         StageKind::Rl => Work::Rl(Box::new(rl(s, i, e)?)),
     };
     let eval_tokens = if data.source.is_arith() {
+        // In tokens (an answer may hold the tool format's tokens); a turn of an episode may
+        // also be a call that restates the problem.
+        let tokens = |t: &str| {
+            tokenizer
+                .encode_rendered(t)
+                .map_or(t.len(), |ids| ids.len())
+        };
         data.eval_set
             .iter()
-            .map(|p| p.answer.len())
+            .map(|p| match data.env {
+                Some(_) => tokens(&p.answer).max(tokens(p.prompt.display())),
+                None => tokens(&p.answer),
+            })
             .max()
             .unwrap_or(1)
             + 2

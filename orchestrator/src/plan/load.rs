@@ -89,7 +89,7 @@ pub(super) fn resolve(
             *t = base.join(t.as_str()).display().to_string();
         }
         for s in &mut wf.stages {
-            if let rollout::reward::Reward::Python { path, python, .. } = &mut s.reward {
+            if let Some(rollout::reward::Reward::Python { path, python, .. }) = &mut s.reward {
                 if path.is_relative() {
                     *path = base.join(&*path);
                 }

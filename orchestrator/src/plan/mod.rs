@@ -243,6 +243,42 @@ pub struct DataPlan {
     pub exclude: HashSet<Problem>,
     /// Prompts are rendered through the chat template.
     pub chat_template: bool,
+    /// Every sample is an episode in this environment (RL and eval).
+    pub env: Option<EnvPlan>,
+}
+
+/// A stage's environment.
+#[derive(Clone, Debug, PartialEq)]
+pub struct EnvPlan {
+    /// Which.
+    pub spec: rollout::env::EnvSpec,
+    /// How the model writes tool calls.
+    pub format: rollout::env::tools::ToolFormat,
+    /// Model turns at most.
+    pub max_turns: usize,
+    /// Tokens after the prompt at most (`None`: as many as the model's context holds).
+    pub max_episode_tokens: Option<usize>,
+    /// Seconds one step may take.
+    pub step_timeout_s: f64,
+}
+
+impl EnvPlan {
+    /// The episode of `problem`, whose prompt `chat` rendered (each turn samples as many
+    /// tokens as its request's `max_tokens` at most).
+    pub fn episode(&self, problem: &Problem, chat: bool) -> rollout::episode::EpisodeSpec {
+        rollout::episode::EpisodeSpec {
+            env: self.spec,
+            format: self.format,
+            chat,
+            prompt: problem.prompt.display().to_string(),
+            answer: problem.answer.clone(),
+            limits: rollout::episode::Limits {
+                max_turns: self.max_turns,
+                max_tokens: self.max_episode_tokens.unwrap_or(usize::MAX),
+                step_timeout_s: self.step_timeout_s,
+            },
+        }
+    }
 }
 
 /// SFT settings.
@@ -403,5 +439,21 @@ impl Plan {
             Work::Rl(rl) => matches!(rl.mode, Mode::Async { .. }),
             _ => false,
         })
+    }
+
+    /// How the rollout engines' side plays episodes for a model of `max_context` tokens, when
+    /// some stage has an environment.
+    pub fn agent_setup(&self, max_context: usize) -> Option<rollout::episode::AgentSetup> {
+        self.stages
+            .iter()
+            .any(|s| s.data.env.is_some())
+            .then(|| rollout::episode::AgentSetup {
+                tokenizer_json: self.model.tokenizer_json.clone(),
+                chat: self.model.chat.as_ref().map(|t| {
+                    let (source, bos, eos) = t.parts();
+                    (source.to_string(), bos.to_string(), eos.to_string())
+                }),
+                max_context,
+            })
     }
 }

@@ -321,6 +321,40 @@ pub struct Data {
     /// `data.filter_overlong_prompts`), train and eval rows alike.
     #[serde(default)]
     pub filter_overlong_prompts: bool,
+    /// RL and eval: every sample is an episode in this environment — model turns, tool
+    /// results or replies, until it is done — which scores it (docs/agents.md).
+    #[serde(default)]
+    pub env: Option<EnvConfig>,
+}
+
+/// An environment's settings (`data.env`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EnvConfig {
+    /// `calculator` (tool use) or `guess` (higher/lower replies).
+    #[serde(rename = "type")]
+    pub kind: rollout::env::EnvSpec,
+    /// Model turns at most.
+    #[serde(default = "default_max_turns")]
+    pub max_turns: usize,
+    /// Tokens after the prompt, the model's and the environment's (default: what the model's
+    /// context holds); each turn samples `max_response_length` at most.
+    #[serde(default)]
+    pub max_episode_tokens: Option<usize>,
+    /// Seconds one environment step may take; a slower one fails that episode only.
+    #[serde(default = "default_step_timeout_s")]
+    pub step_timeout_s: f64,
+    /// How the model writes tool calls: `compact` (`<call>…</call>`, the `builtin:tools`
+    /// tokenizer's default) or `hermes` (`<tool_call>{json}</tool_call>`, anything else's).
+    #[serde(default)]
+    pub tool_format: Option<rollout::env::tools::ToolFormat>,
+}
+
+fn default_max_turns() -> usize {
+    4
+}
+fn default_step_timeout_s() -> f64 {
+    30.0
 }
 
 fn default_prompt_key() -> String {
@@ -593,9 +627,9 @@ pub struct Stage {
     /// RL settings.
     #[serde(default)]
     pub algorithm: Algorithm,
-    /// RL reward.
-    #[serde(default = "default_reward")]
-    pub reward: Reward,
+    /// RL reward (default `exact_match`; none with `data.env`, whose environment scores).
+    #[serde(default)]
+    pub reward: Option<Reward>,
     /// Steps and cadences.
     #[serde(default)]
     pub trainer: Trainer,
@@ -703,8 +737,4 @@ pub enum ScoreMode {
     Add,
     /// Replaces it (times `weight`).
     Replace,
-}
-
-fn default_reward() -> Reward {
-    Reward::ExactMatch
 }

@@ -219,6 +219,37 @@ fn bad_workflows_get_messages_that_say_where_and_why() {
             "data: {task: jsonl, path: /no/such/rows.jsonl}\n    sft",
             "t.yaml: stages[0].data: /no/such/rows.jsonl: No such file or directory (os error 2)",
         ),
+        // Environments.
+        (
+            "eval_size: 4}\n    algorithm",
+            "eval_size: 4, env: {type: calculator}}\n    reward: {type: exact_match}\n    algorithm",
+            "t.yaml: stages[1].reward: an episode's score is its environment's (data.env): remove `reward`",
+        ),
+        (
+            "eval_size: 4}\n    algorithm",
+            "eval_size: 4, env: {type: calculator, tool_format: compact}}\n    algorithm",
+            "t.yaml: stages[1].data.env.tool_format: the tokenizer has no <call> token, which the compact tool format needs (use builtin:tools)",
+        ),
+        (
+            "eval_size: 4}\n    algorithm",
+            "eval_size: 4, env: {type: guess, max_turns: 0}}\n    algorithm",
+            "t.yaml: stages[1].data.env.max_turns: must be at least 1",
+        ),
+        (
+            "eval_size: 4}\n    algorithm",
+            "eval_size: 4, env: {type: guess, step_timeout_s: -1}}\n    algorithm",
+            "t.yaml: stages[1].data.env.step_timeout_s: must be a positive number of seconds, got -1",
+        ),
+        (
+            "eval_size: 4}\n    algorithm",
+            "eval_size: 4, env: {type: calculater}}\n    algorithm",
+            "t.yaml:15:62: stages[1].data.env.type: unknown variant `calculater` (did you mean `calculator`?); expected one of calculator, guess",
+        ),
+        (
+            "eval_size: 4}\n    sft",
+            "eval_size: 4, env: {type: guess}}\n    sft",
+            "t.yaml: stages[0].data.env: is for rl and eval stages (an sft stage trains on the task's answers)",
+        ),
         // The model and the pools.
         (
             "  tokenizer: builtin:arith\n",

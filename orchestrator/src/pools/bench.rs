@@ -110,6 +110,7 @@ pub fn run(o: &LearnerBenchOptions) -> Result<LearnerBench, PoolError> {
         prompt: &s[..half],
         response: &s[half..],
         group: i as u64,
+        observed: &[],
     }));
     let advantages: Vec<f32> = (0..rows.shape.len())
         .map(|i| ((i * 7919) % 2001) as f32 / 1000.0 - 1.0)

@@ -19,6 +19,7 @@ use crate::plan::{Placement, RolloutEngine, RolloutPlan};
 use actors::ActorRef;
 use kernels::tensor::WeightSnapshot;
 use learner::ModelConfig;
+use rollout::episode::{Agent, AgentSetup};
 use rollout::external::{Api, ExternalConfig, ExternalEngine, Load, WeightFolders};
 use rollout::router::{Router, Weights};
 use rollout::{Completion, EngineError, GenerateRequest};
@@ -30,14 +31,15 @@ use std::time::{Duration, Instant};
 #[derive(Clone)]
 enum Member {
     Actor(ActorRef<RolloutActor>),
-    External(Arc<dyn ExternalEngine>),
+    /// A server, and the agent that plays episodes beside its client.
+    External(Arc<dyn ExternalEngine>, Option<Arc<Agent>>),
 }
 
 impl Member {
     fn location(&self) -> String {
         match self {
             Self::Actor(a) => a.location(),
-            Self::External(e) => e.url().to_string(),
+            Self::External(e, _) => e.url().to_string(),
         }
     }
 
@@ -48,7 +50,11 @@ impl Member {
             Self::Actor(a) => {
                 Ok(retry(a, || a.call(RolloutRequest::Generate(reqs.clone()))).await?)
             }
-            Self::External(e) => Ok(e.generate(reqs).await?),
+            // An episode's turns run here, beside the server's client.
+            Self::External(e, agent) => {
+                let engine: &dyn rollout::InferenceEngine = e.as_ref();
+                Ok(rollout::episode::generate(engine, agent.as_deref(), reqs).await?)
+            }
         }
     }
 }
@@ -71,6 +77,8 @@ pub struct PoolStart<'a> {
     pub needs_processed: bool,
     /// Told what people must know while the pool starts (where agents register).
     pub note: &'a mut dyn FnMut(&str),
+    /// How the engines' side plays episodes, when a stage has an environment.
+    pub agent: Option<AgentSetup>,
 }
 
 /// The rollout engines of a job, and the router that spreads prompts over them.
@@ -124,18 +132,23 @@ impl RolloutPool {
                     api: name,
                     source,
                 };
+                let agent = match &start.agent {
+                    Some(a) => Some(Arc::new(Agent::new(a).map_err(PoolError::Runtime)?)),
+                    None => None,
+                };
                 let mut engines = Vec::new();
                 let mut down = Vec::new();
                 let mut first_down = None;
                 for (index, (result, cfg)) in connected.into_iter().zip(configs).enumerate() {
                     match result {
-                        Ok(e) => engines.push(Member::External(Arc::from(e))),
+                        Ok(e) => engines.push(Member::External(Arc::from(e), agent.clone())),
                         Err(EngineError::Unavailable(msg)) => {
                             down.push((index, msg.clone()));
                             first_down.get_or_insert((index, msg));
-                            engines.push(Member::External(Arc::new(
-                                rollout::external::Pending::new(api, cfg),
-                            )));
+                            engines.push(Member::External(
+                                Arc::new(rollout::external::Pending::new(api, cfg)),
+                                agent.clone(),
+                            ));
                         }
                         Err(source) => return Err(endpoint_error(index, source)),
                     }
@@ -198,6 +211,7 @@ impl RolloutPool {
                 kv_cache_bytes
             },
             engine,
+            agent: start.agent,
         };
         let pool = rt.block_on(ActorPool::start(
             PoolShape {
@@ -326,7 +340,7 @@ impl RolloutPool {
             out.push(match (up, m) {
                 (false, _) => None,
                 (true, Member::Actor(_)) => Some(Load::default()),
-                (true, Member::External(e)) => Some(e.load().await.unwrap_or_default()),
+                (true, Member::External(e, _)) => Some(e.load().await.unwrap_or_default()),
             });
         }
         out
@@ -380,7 +394,7 @@ impl RolloutPool {
         let probe = lock(&x.probe).clone();
         // Every engine due at once: each costs at most its health check's deadline.
         let attempts = due.into_iter().filter_map(|i| match &self.members[i] {
-            Member::External(e) => Some((i, e)),
+            Member::External(e, _) => Some((i, e)),
             Member::Actor(_) => None,
         });
         let attempts = attempts.map(|(i, e)| {
@@ -436,7 +450,7 @@ impl RolloutPool {
             .iter()
             .enumerate()
             .filter_map(|(i, m)| match (up[i], m) {
-                (true, Member::External(e)) => Some((i, e)),
+                (true, Member::External(e, _)) => Some((i, e)),
                 _ => None,
             })
             .map(|(i, e)| {
@@ -508,6 +522,7 @@ mod tests {
             run_dir: Path::new("."),
             needs_processed: false,
             note,
+            agent: None,
         }
     }
 

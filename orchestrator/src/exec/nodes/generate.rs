@@ -71,10 +71,14 @@ fn draw(
             seed: Some(seed),
             ..Default::default()
         };
+        let episode = data
+            .env
+            .as_ref()
+            .map(|env| env.episode(p, data.chat_template));
         reqs.push(GenerateRequest {
             prompt,
             params,
-            episode: None,
+            episode,
         });
     }
     let indexed = (start..).zip(problems).collect();
@@ -129,9 +133,14 @@ fn now(cx: &StepCx<'_, '_>, m: &mut Metrics) -> Result<Vec<Group>, ExecError> {
         for g in groups_of(cx, problems, &reqs, out)? {
             generated += 1;
             let keep = !filter || {
-                let items: Vec<Item<'_>> =
-                    g.texts.iter().map(|t| Item::new(t, &g.problem)).collect();
-                let s = cx.stage.reward.score_all(&items)?.scores;
+                let s = match g.episode_rewards() {
+                    Some(s) => s,
+                    None => {
+                        let items: Vec<Item<'_>> =
+                            g.texts.iter().map(|t| Item::new(t, &g.problem)).collect();
+                        cx.stage.reward.score_all(&items)?.scores
+                    }
+                };
                 keep_informative_groups(&vec![0; s.len()], &s)[0]
             };
             if keep {
@@ -144,6 +153,7 @@ fn now(cx: &StepCx<'_, '_>, m: &mut Metrics) -> Result<Vec<Group>, ExecError> {
     }
     kept.truncate(b);
     whole_mini_batches(cx, &mut kept);
+    episode_metrics(cx, &kept, m);
     if filter {
         m.insert("dapo/kept_groups".into(), kept.len() as f64);
         m.insert("dapo/generated_groups".into(), generated as f64);
@@ -245,5 +255,49 @@ fn ahead(
         }
     }
     whole_mini_batches(cx, &mut groups);
+    episode_metrics(cx, &groups, m);
     Ok(groups)
+}
+
+/// What the step's episodes did (a stage with an environment): turns, tool calls and their
+/// errors, tokens (the model's and the environment's), the environment's failures, and the
+/// tokens prefilled again for turns after the first.
+fn episode_metrics(cx: &StepCx<'_, '_>, groups: &[Group], m: &mut Metrics) {
+    let Some(env) = &cx.stage.data.env else {
+        return;
+    };
+    let stats: Vec<(&Completion, &rollout::episode::EpisodeStats)> = groups
+        .iter()
+        .flat_map(|g| g.completions.iter())
+        .filter_map(|c| c.episode.as_ref().map(|e| (c, e)))
+        .collect();
+    let n = stats.len().max(1) as f64;
+    let mean = |f: &dyn Fn(&(&Completion, &rollout::episode::EpisodeStats)) -> usize| {
+        stats.iter().map(f).sum::<usize>() as f64 / n
+    };
+    m.insert("episode/turns/mean".into(), mean(&|(_, e)| e.turns));
+    m.insert(
+        "episode/tool_calls/mean".into(),
+        mean(&|(_, e)| e.tool_calls),
+    );
+    m.insert(
+        "episode/tool_errors".into(),
+        stats.iter().map(|(_, e)| e.tool_errors).sum::<usize>() as f64,
+    );
+    m.insert(
+        "episode/tokens/mean".into(),
+        mean(&|(c, _)| c.token_ids.len()),
+    );
+    m.insert(
+        "episode/observation_tokens/mean".into(),
+        mean(&|(c, _)| c.observations.iter().map(|r| r.len()).sum()),
+    );
+    m.insert(
+        "episode/prefill_tokens".into(),
+        stats.iter().map(|(_, e)| e.prefill_tokens).sum::<usize>() as f64,
+    );
+    m.insert(
+        format!("env/{}/failed", env.spec.name()),
+        stats.iter().filter(|(_, e)| e.failed.is_some()).count() as f64,
+    );
 }

@@ -1,5 +1,5 @@
-//! `reward`: the stage's reward of every response, with DAPO's overlong shaping; a Python
-//! reward's failed calls are counted in `reward/failed`.
+//! `reward`: the stage's reward of every response — an episode's is its environment's —, with
+//! DAPO's overlong shaping; a Python reward's failed calls are counted in `reward/failed`.
 
 use super::{Board, Compute, ExecError, StepCx, Update};
 use crate::exec::board::Write;
@@ -16,7 +16,18 @@ impl Compute for Reward {
             .iter()
             .flat_map(|g| g.texts.iter().map(|t| Item::new(t, &g.problem)))
             .collect();
-        let scored = cx.stage.reward.score_all(&items)?;
+        // Episodes are scored by their environment; other responses by the stage's reward.
+        let env_scores: Option<Vec<f32>> = board
+            .groups
+            .iter()
+            .map(|g| g.episode_rewards())
+            .collect::<Option<Vec<_>>>()
+            .map(|v| v.concat())
+            .filter(|_| cx.stage.data.env.is_some());
+        let scored = match env_scores {
+            Some(scores) => rollout::reward::Scored { scores, failed: 0 },
+            None => cx.stage.reward.score_all(&items)?,
+        };
         let mut flat = scored.scores.into_iter();
         let scores = board
             .groups
@@ -40,10 +51,12 @@ impl Compute for Reward {
             })
             .collect();
         let mut update = Update::write(Write::Scores(scores));
-        if matches!(
-            cx.stage.reward.reward(),
-            rollout::reward::Reward::Python { .. }
-        ) {
+        if cx.stage.data.env.is_none()
+            && matches!(
+                cx.stage.reward.reward(),
+                rollout::reward::Reward::Python { .. }
+            )
+        {
             update
                 .metrics
                 .insert("reward/failed".into(), scored.failed as f64);
