@@ -9,6 +9,7 @@ mod chaos;
 mod cli;
 mod deploy;
 mod engines;
+mod episodes;
 mod generate;
 mod netns;
 mod pjrt;

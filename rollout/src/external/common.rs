@@ -84,6 +84,12 @@ where
     F: Fn(usize, GenerateRequest) -> Fut,
     Fut: std::future::Future<Output = Result<Vec<Completion>, EngineError>> + Send + 'static,
 {
+    if let Some(request) = reqs.iter().position(|r| r.episode.is_some()) {
+        return Err(EngineError::InvalidRequest {
+            request,
+            msg: "an episode runs through rollout::episode::generate, not an engine".into(),
+        });
+    }
     let mut calls = tokio::task::JoinSet::new();
     for (i, r) in reqs.into_iter().enumerate() {
         calls.spawn(call(i, r));
