@@ -307,7 +307,7 @@ pub async fn generate(
             request: c.request,
             index: c.index,
             spec: spec.clone(),
-            env: Some(env::make(spec.env, spec.format)),
+            env: None,
             params,
             prompt_len: r.prompt.len(),
             context: r.prompt.clone(),
@@ -319,12 +319,6 @@ pub async fn generate(
             stats: EpisodeStats::default(),
             over: false,
         };
-        let problem = Problem::new(spec.prompt.clone(), spec.answer.clone());
-        if let Some(env) = e.env.as_mut()
-            && let Err(err) = env.reset(&problem)
-        {
-            e.fail(&err);
-        }
         e.take_turn(c);
         live.push(e);
     }
@@ -373,18 +367,30 @@ async fn step(agent: &Agent, e: &mut Episode) {
             return;
         }
     };
-    let Some(mut env) = e.env.take() else {
-        e.over = true;
-        return;
-    };
-    let name = e.spec.env.name();
     let timeout = Duration::from_secs_f64(e.spec.limits.step_timeout_s.max(0.001));
+    // The environment is made and reset with the first step, on the blocking pool like every
+    // step (a program's start runs beside the others').
+    let (env, problem) = match e.env.take() {
+        Some(env) => (env, None),
+        None => (
+            env::make(&e.spec.env, e.spec.format, timeout),
+            Some(Problem::new(e.spec.prompt.clone(), e.spec.answer.clone())),
+        ),
+    };
+    let mut env = env;
+    let name = e.spec.env.name().to_string();
     let run = tokio::task::spawn_blocking(move || {
-        let s = env.step(&text);
+        let s = match &problem {
+            Some(p) => env.reset(p).and_then(|()| env.step(&text)),
+            None => env.step(&text),
+        };
         (env, s)
     });
-    let outcome = match tokio::time::timeout(timeout, run).await {
-        Err(_) => Err(format!("a step took over {:.1} s", timeout.as_secs_f64())),
+    // A program enforces the timeout on its own answers; this bounds a built-in's step (and a
+    // program's start).
+    let bound = timeout * 2 + Duration::from_secs(5);
+    let outcome = match tokio::time::timeout(bound, run).await {
+        Err(_) => Err(format!("a step took over {:.1} s", bound.as_secs_f64())),
         Ok(Err(join)) => Err(format!("a step panicked: {join}")),
         Ok(Ok((env, s))) => {
             e.env = Some(env);
@@ -395,7 +401,7 @@ async fn step(agent: &Agent, e: &mut Episode) {
         Ok(s) => s,
         Err(msg) => {
             e.fail(&EnvError {
-                env: name.into(),
+                env: name.clone(),
                 msg,
             });
             return;
@@ -422,7 +428,7 @@ async fn step(agent: &Agent, e: &mut Episode) {
         Ok(t) => t,
         Err(msg) => {
             e.fail(&EnvError {
-                env: name.into(),
+                env: name.clone(),
                 msg,
             });
             return;

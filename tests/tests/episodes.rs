@@ -135,3 +135,87 @@ fn grpo_teaches_a_tiny_model_to_call_its_calculator_and_a_killed_run_resumes_ali
     assert!(f(last, "episode/turns/mean") >= 1.0);
     std::fs::remove_dir_all(&root).unwrap();
 }
+
+/// A tiny random model guessing one-digit sums for a few RL steps, in the environment `env`
+/// (YAML), with an eval at the end.
+fn guessing(env: &str) -> String {
+    format!(
+        "name: guess\nseed: 4\nmodel:\n  init: {{arch: qwen2, hidden_size: 32, num_hidden_layers: 1, \
+         num_attention_heads: 2, intermediate_size: 64, max_position_embeddings: 40}}\n  \
+         tokenizer: builtin:arith\nstages:\n  - id: rl\n    kind: rl\n    data: {{task: arith, \
+         digits: 1, ops: \"+\", eval_size: 8, env: {env}}}\n    algorithm: {{rollout_n: 4, \
+         train_batch_size: 4, ppo_mini_batch_size: 4, max_response_length: 3}}\n    \
+         trainer: {{steps: 3, eval_freq: 3}}\n"
+    )
+}
+
+fn python_example() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../examples/python/guess_env.py")
+}
+
+#[test]
+fn a_python_environment_drives_episodes_as_the_built_in_one_and_a_broken_one_fails_alone() {
+    let root = scratch("episodes-python");
+    let run = |name: &str, env: &str| {
+        let file = root.join(format!("{name}.yaml"));
+        std::fs::write(&file, guessing(env)).unwrap();
+        let dir = root.join(name);
+        run_ok(
+            trellis()
+                .arg("train")
+                .arg(&file)
+                .arg("--run-dir")
+                .arg(&dir)
+                .arg("--quiet"),
+        );
+        metric_rows(&dir)
+    };
+    // examples/python/guess_env.py is the built-in `guess` written in Python: the same episodes,
+    // token for token, so the same rows (but for the name of the failure count).
+    let builtin = run("builtin", "{type: guess, max_turns: 3}");
+    let python = run(
+        "python",
+        &format!(
+            "{{type: command, name: guess, command: [python3, {}], max_turns: 3}}",
+            python_example().display()
+        ),
+    );
+    assert_eq!(python, builtin);
+    let turns: f64 = builtin
+        .iter()
+        .filter_map(|r| r["episode/turns/mean"].as_f64())
+        .sum();
+    assert!(turns > 3.0, "some episodes run past a turn: {turns}");
+
+    // A program that crashes on the answer 7 and hangs on 3 fails those episodes only: the run
+    // ends, and counts them.
+    let flaky = root.join("flaky.py");
+    std::fs::write(
+        &flaky,
+        format!(
+            "import json, runpy, sys, time\n\
+             lines = sys.stdin\n\
+             class Watch:\n    def __iter__(self):\n        for line in lines:\n            \
+             answer = json.loads(line).get('answer')\n            \
+             if answer == '7': sys.exit(3)\n            \
+             if answer == '3': time.sleep(60)\n            yield line\n\
+             sys.stdin = Watch()\nrunpy.run_path({:?}, run_name='__main__')\n",
+            python_example().display().to_string()
+        ),
+    )
+    .unwrap();
+    let rows = run(
+        "flaky",
+        &format!(
+            "{{type: command, name: flaky, command: [python3, {}], max_turns: 3, step_timeout_s: 1}}",
+            flaky.display()
+        ),
+    );
+    let failed: f64 = rows
+        .iter()
+        .filter_map(|r| r["env/flaky/failed"].as_f64())
+        .sum();
+    assert!(failed > 0.0, "{rows:?}");
+    assert!(rows.iter().any(|r| r["stage"] == "rl" && r["step"] == 3));
+    std::fs::remove_dir_all(&root).unwrap();
+}

@@ -721,6 +721,48 @@ fn env_plan(
             ),
         ));
     }
+    let spec = match (x.kind, &x.command) {
+        (schema::EnvKind::Calculator, None) => rollout::env::EnvSpec::Calculator,
+        (schema::EnvKind::Guess, None) => rollout::env::EnvSpec::Guess,
+        (schema::EnvKind::Command, Some(argv)) => {
+            let Some(cmd) = argv.first() else {
+                return Err(e.at(format!("{at}.command"), "is empty: name a program"));
+            };
+            if x.memory_mb == 0 {
+                return Err(e.at(format!("{at}.memory_mb"), "must be positive"));
+            }
+            let dir = Path::new(e.0)
+                .parent()
+                .filter(|d| !d.as_os_str().is_empty())
+                .map(Path::to_path_buf);
+            let program = find_program(cmd, dir.as_deref()).ok_or_else(|| {
+                e.at(
+                    format!("{at}.command"),
+                    format!("`{cmd}` is not a program found on PATH (or executable file)"),
+                )
+            })?;
+            let mut argv = argv.clone();
+            argv[0] = program.display().to_string();
+            rollout::env::EnvSpec::Command(rollout::env::command::CommandEnv {
+                name: x.name.clone().unwrap_or_else(|| "command".into()),
+                argv,
+                dir,
+                memory_bytes: x.memory_mb.saturating_mul(1 << 20),
+            })
+        }
+        (schema::EnvKind::Command, None) => {
+            return Err(e.at(
+                format!("{at}.command"),
+                "is required with type: command (the program and its arguments)",
+            ));
+        }
+        (_, Some(_)) => {
+            return Err(e.at(
+                format!("{at}.command"),
+                "is for type: command (the built-in environments run in Trellis)",
+            ));
+        }
+    };
     let compact_ok = rollout::episode::compact_token(prompts.tokenizer, CALL).is_ok();
     let format = match x.tool_format {
         Some(ToolFormat::Compact) if !compact_ok => {
@@ -736,7 +778,7 @@ fn env_plan(
         None => ToolFormat::Hermes,
     };
     Ok(EnvPlan {
-        spec: x.kind,
+        spec,
         format,
         max_turns: x.max_turns,
         max_episode_tokens: x.max_episode_tokens,

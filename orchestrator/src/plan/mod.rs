@@ -267,7 +267,7 @@ impl EnvPlan {
     /// tokens as its request's `max_tokens` at most).
     pub fn episode(&self, problem: &Problem, chat: bool) -> rollout::episode::EpisodeSpec {
         rollout::episode::EpisodeSpec {
-            env: self.spec,
+            env: self.spec.clone(),
             format: self.format,
             chat,
             prompt: problem.prompt.display().to_string(),

@@ -331,9 +331,20 @@ pub struct Data {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct EnvConfig {
-    /// `calculator` (tool use) or `guess` (higher/lower replies).
+    /// `calculator` (tool use), `guess` (higher/lower replies), or `command`: a program of
+    /// one's own, started for every episode, speaking JSON lines (docs/agents.md).
     #[serde(rename = "type")]
-    pub kind: rollout::env::EnvSpec,
+    pub kind: EnvKind,
+    /// `command`: the program and its arguments (relative paths start at the workflow's folder,
+    /// where it runs).
+    #[serde(default)]
+    pub command: Option<Vec<String>>,
+    /// `command`: its name in metrics (`env/<name>/failed`).
+    #[serde(default)]
+    pub name: Option<String>,
+    /// `command`: the program's address-space limit, in MiB.
+    #[serde(default = "default_env_memory_mb")]
+    pub memory_mb: u64,
     /// Model turns at most.
     #[serde(default = "default_max_turns")]
     pub max_turns: usize,
@@ -350,6 +361,21 @@ pub struct EnvConfig {
     pub tool_format: Option<rollout::env::tools::ToolFormat>,
 }
 
+/// Which environment (`data.env.type`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum EnvKind {
+    /// The built-in tool-use task.
+    Calculator,
+    /// The built-in higher/lower task.
+    Guess,
+    /// A program of one's own.
+    Command,
+}
+
+fn default_env_memory_mb() -> u64 {
+    2048
+}
 fn default_max_turns() -> usize {
     4
 }

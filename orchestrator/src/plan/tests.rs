@@ -243,7 +243,22 @@ fn bad_workflows_get_messages_that_say_where_and_why() {
         (
             "eval_size: 4}\n    algorithm",
             "eval_size: 4, env: {type: calculater}}\n    algorithm",
-            "t.yaml:15:62: stages[1].data.env.type: unknown variant `calculater` (did you mean `calculator`?); expected one of calculator, guess",
+            "t.yaml:15:62: stages[1].data.env.type: unknown variant `calculater` (did you mean `calculator`?); expected one of calculator, guess, command",
+        ),
+        (
+            "eval_size: 4}\n    algorithm",
+            "eval_size: 4, env: {type: command}}\n    algorithm",
+            "t.yaml: stages[1].data.env.command: is required with type: command (the program and its arguments)",
+        ),
+        (
+            "eval_size: 4}\n    algorithm",
+            "eval_size: 4, env: {type: guess, command: [python3, env.py]}}\n    algorithm",
+            "t.yaml: stages[1].data.env.command: is for type: command (the built-in environments run in Trellis)",
+        ),
+        (
+            "eval_size: 4}\n    algorithm",
+            "eval_size: 4, env: {type: command, command: [no-such-program-here, env.py]}}\n    algorithm",
+            "t.yaml: stages[1].data.env.command: `no-such-program-here` is not a program found on PATH (or executable file)",
         ),
         (
             "eval_size: 4}\n    sft",

@@ -1,21 +1,24 @@
 //! Environments that a model acts in over several turns: the [`Environment`] interface (reset
 //! with the problem; step with the model's turn → an observation, a reward, whether the episode
 //! is over), the built-in ones (`calculator`: a tool-use task; `guess`: a number to find from
-//! higher/lower replies), the tool-call formats they read ([`tools`]), and the limits an episode
-//! runs under.
+//! higher/lower replies), one's own as a program speaking JSON lines ([`command`]), and the
+//! tool-call formats they read ([`tools`]).
 //!
 //! Owns: what an environment says to a turn and what it scores. Never: tokenizes, samples or
 //! decides when an episode stops for lack of turns or tokens (the episode loop,
 //! [`crate::episode`], does).
 
+pub mod command;
 pub mod tools;
 
 use crate::task::Problem;
+use command::CommandEnv;
 use serde::{Deserialize, Serialize};
+use std::time::Duration;
 use tools::{Call, ToolFormat};
 
 /// Which environment an episode runs in.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum EnvSpec {
     /// A tool-use task: the model may call the `calculator` tool (any number of times) and
@@ -24,14 +27,17 @@ pub enum EnvSpec {
     /// A feedback task: find the problem's answer (a whole number) by guessing; every wrong
     /// guess is answered `+` (higher) or `-` (lower); 1 for finding it within the turns.
     Guess,
+    /// A program of one's own, started for every episode (see [`command`]).
+    Command(CommandEnv),
 }
 
 impl EnvSpec {
     /// Its name in metrics (`env/<name>/failed`) and workflows.
-    pub fn name(self) -> &'static str {
+    pub fn name(&self) -> &str {
         match self {
             EnvSpec::Calculator => "calculator",
             EnvSpec::Guess => "guess",
+            EnvSpec::Command(c) => &c.name,
         }
     }
 }
@@ -90,14 +96,16 @@ pub trait Environment: Send {
     fn step(&mut self, text: &str) -> Result<Step, EnvError>;
 }
 
-/// The environment `spec` names, reading tool calls in `format`: the one place one is made.
-pub fn make(spec: EnvSpec, format: ToolFormat) -> Box<dyn Environment> {
+/// The environment `spec` names, reading tool calls in `format`, with `step_timeout` for a
+/// program's answers: the one place one is made.
+pub fn make(spec: &EnvSpec, format: ToolFormat, step_timeout: Duration) -> Box<dyn Environment> {
     match spec {
         EnvSpec::Calculator => Box::new(Calculator {
             format,
             answer: String::new(),
         }),
         EnvSpec::Guess => Box::new(Guess { secret: 0 }),
+        EnvSpec::Command(c) => Box::new(command::Command::new(c.clone(), step_timeout)),
     }
 }
 
@@ -203,7 +211,7 @@ mod tests {
     use super::*;
 
     fn run(spec: EnvSpec, format: ToolFormat, answer: &str, turns: &[&str]) -> Vec<Step> {
-        let mut env = make(spec, format);
+        let mut env = make(&spec, format, Duration::from_secs(1));
         env.reset(&Problem::new("q", answer)).unwrap();
         turns.iter().map(|t| env.step(t).unwrap()).collect()
     }
@@ -253,7 +261,7 @@ mod tests {
         assert_eq!((s[2].reward, s[2].done), (1.0, true));
         let lost = run(EnvSpec::Guess, ToolFormat::Compact, "3", &["none"]);
         assert_eq!((lost[0].reward, lost[0].done), (0.0, true));
-        let mut env = make(EnvSpec::Guess, ToolFormat::Compact);
+        let mut env = make(&EnvSpec::Guess, ToolFormat::Compact, Duration::from_secs(1));
         assert!(env.reset(&Problem::new("q", "x")).is_err());
     }
 

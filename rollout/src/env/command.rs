@@ -1,0 +1,298 @@
+//! An environment of one's own: a program (any language) started for every episode, speaking
+//! JSON lines on its standard input and output.
+//!
+//! Trellis writes `{"op": "reset", "prompt": …, "answer": …}` and then, for every model turn,
+//! `{"op": "step", "text": …}`; the program answers each with one line: `{"ok": true}` to the
+//! reset, and `{"observation": TEXT or null, "reward": R, "done": B, "role": "tool" | "user",
+//! "tool": "ok" | "error" | null}` to a step (`role` default `user`, `reward` 0, `done` false), or
+//! `{"error": …}`. Its standard error is discarded (the protocol owns stdout). It runs under an
+//! address-space limit; a program that does not answer within the step timeout, dies or answers
+//! something else fails its episode only, and is killed when the episode ends either way.
+
+use super::{EnvError, Environment, Observation, Step, ToolUse};
+use crate::task::Problem;
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+use std::io::{BufRead, BufReader, Write};
+use std::path::PathBuf;
+use std::process::{Child, ChildStdin, Stdio};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, channel};
+use std::time::Duration;
+
+/// Which program, and how it runs.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CommandEnv {
+    /// Its name (metrics: `env/<name>/failed`).
+    pub name: String,
+    /// The program and its arguments.
+    pub argv: Vec<String>,
+    /// Where it runs (the workflow file's folder).
+    pub dir: Option<PathBuf>,
+    /// Its address-space limit, in bytes.
+    pub memory_bytes: u64,
+}
+
+/// One episode's program.
+pub(super) struct Command {
+    spec: CommandEnv,
+    timeout: Duration,
+    proc: Option<Proc>,
+}
+
+struct Proc {
+    child: Child,
+    stdin: ChildStdin,
+    lines: Receiver<String>,
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Command {
+    pub(super) fn new(spec: CommandEnv, timeout: Duration) -> Self {
+        Self {
+            spec,
+            timeout,
+            proc: None,
+        }
+    }
+
+    fn error(&self, msg: impl Into<String>) -> EnvError {
+        EnvError {
+            env: self.spec.name.clone(),
+            msg: msg.into(),
+        }
+    }
+
+    fn start(&self) -> Result<Proc, EnvError> {
+        let (program, args) = self
+            .spec
+            .argv
+            .split_first()
+            .ok_or_else(|| self.error("the command is empty"))?;
+        let mut cmd = std::process::Command::new(program);
+        cmd.args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null());
+        if let Some(dir) = &self.spec.dir {
+            cmd.current_dir(dir);
+        }
+        crate::reward::limit_address_space(&mut cmd, self.spec.memory_bytes);
+        let mut child = cmd
+            .spawn()
+            .map_err(|e| self.error(format!("cannot start `{program}`: {e}")))?;
+        let (Some(stdin), Some(stdout)) = (child.stdin.take(), child.stdout.take()) else {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(self.error("no pipes to the program"));
+        };
+        let (tx, lines) = channel();
+        let reader = std::thread::Builder::new()
+            .name("env-reader".into())
+            .spawn(move || {
+                for line in BufReader::new(stdout).lines() {
+                    let Ok(line) = line else { break };
+                    if tx.send(line).is_err() {
+                        break;
+                    }
+                }
+            });
+        let proc = Proc {
+            child,
+            stdin,
+            lines,
+        };
+        reader.map_err(|e| self.error(format!("cannot read the program: {e}")))?;
+        Ok(proc)
+    }
+
+    /// Sends `msg` and waits for the answer (within the step timeout); a failure kills it.
+    fn call(&mut self, msg: &Value) -> Result<Value, EnvError> {
+        let timeout = self.timeout;
+        let Some(p) = self.proc.as_mut() else {
+            return Err(self.error("the episode was not reset"));
+        };
+        let mut line = msg.to_string();
+        line.push('\n');
+        let sent = p
+            .stdin
+            .write_all(line.as_bytes())
+            .and_then(|()| p.stdin.flush());
+        let answer = match sent {
+            Err(e) => Err(format!("the program is gone ({e})")),
+            Ok(()) => match p.lines.recv_timeout(timeout) {
+                Ok(a) => Ok(a),
+                Err(RecvTimeoutError::Timeout) => {
+                    Err(format!("no answer within {:.1} s", timeout.as_secs_f64()))
+                }
+                Err(RecvTimeoutError::Disconnected) => {
+                    let status = p
+                        .child
+                        .wait()
+                        .map_or_else(|e| e.to_string(), |s| s.to_string());
+                    Err(format!("the program ended ({status})"))
+                }
+            },
+        };
+        let answer = answer.map_err(|m| {
+            self.proc = None;
+            self.error(m)
+        })?;
+        let v: Value = serde_json::from_str(&answer)
+            .map_err(|_| self.error(format!("answered {answer:?}, not a JSON object")))?;
+        if let Some(e) = v.get("error") {
+            let e = e.as_str().map_or_else(|| e.to_string(), str::to_string);
+            return Err(self.error(format!("says: {e}")));
+        }
+        Ok(v)
+    }
+}
+
+impl Environment for Command {
+    fn reset(&mut self, problem: &Problem) -> Result<(), EnvError> {
+        self.proc = Some(self.start()?);
+        self.call(&json!({
+            "op": "reset",
+            "prompt": problem.prompt.display(),
+            "answer": problem.answer,
+        }))
+        .map(drop)
+    }
+
+    fn step(&mut self, text: &str) -> Result<Step, EnvError> {
+        let v = self.call(&json!({"op": "step", "text": text}))?;
+        let bad = |what: &str| self.error(format!("answered {v} ({what})"));
+        let reward = match v.get("reward") {
+            None | Some(Value::Null) => 0.0,
+            Some(r) => {
+                r.as_f64()
+                    .filter(|r| r.is_finite())
+                    .ok_or_else(|| bad("`reward` is not a finite number"))? as f32
+            }
+        };
+        let done = match v.get("done") {
+            None | Some(Value::Null) => false,
+            Some(d) => d
+                .as_bool()
+                .ok_or_else(|| bad("`done` is not true or false"))?,
+        };
+        let observation = match v.get("observation") {
+            None | Some(Value::Null) => None,
+            Some(Value::String(text)) => Some(match v.get("role").and_then(Value::as_str) {
+                Some("tool") => Observation::Tool(text.clone()),
+                None | Some("user") => Observation::Reply(text.clone()),
+                Some(_) => return Err(bad("`role` is neither \"tool\" nor \"user\"")),
+            }),
+            Some(_) => return Err(bad("`observation` is not text")),
+        };
+        if !done && observation.is_none() {
+            return Err(bad("not done, and no observation"));
+        }
+        let tool = match v.get("tool").and_then(Value::as_str) {
+            Some("ok") => ToolUse::Ok,
+            Some("error") => ToolUse::Error,
+            _ => ToolUse::None,
+        };
+        if done {
+            self.proc = None;
+        }
+        Ok(Step {
+            observation,
+            reward,
+            done,
+            tool,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sh(name: &str, script: &str) -> Command {
+        Command::new(
+            CommandEnv {
+                name: name.into(),
+                argv: vec!["sh".into(), "-c".into(), script.into()],
+                dir: None,
+                memory_bytes: 1 << 30,
+            },
+            Duration::from_millis(500),
+        )
+    }
+
+    #[test]
+    fn a_program_steps_an_episode_over_json_lines() {
+        // Answers the reset, then one tool result, then done with reward 1.
+        let mut env = sh(
+            "echo",
+            r#"read r; echo '{"ok": true}'; read s; echo '{"observation": "4", "role": "tool", "tool": "ok"}'; read s; echo '{"reward": 1, "done": true}'"#,
+        );
+        env.reset(&Problem::new("2+2=", "4")).unwrap();
+        let s = env.step("<call>2+2</call>").unwrap();
+        assert_eq!(s.observation, Some(Observation::Tool("4".into())));
+        assert_eq!((s.tool, s.done), (ToolUse::Ok, false));
+        let s = env.step("4").unwrap();
+        assert_eq!((s.reward, s.done, s.observation), (1.0, true, None));
+    }
+
+    #[test]
+    fn a_program_that_fails_says_how() {
+        let cases = [
+            ("read r; exit 3", "the program ended (exit status: 3)"),
+            ("read r; sleep 5", "no answer within 0.5 s"),
+            (
+                "read r; echo nonsense",
+                "answered \"nonsense\", not a JSON object",
+            ),
+            (
+                "read r; echo '{\"error\": \"no such task\"}'",
+                "says: no such task",
+            ),
+        ];
+        for (script, want) in cases {
+            let e = sh("bad", script)
+                .reset(&Problem::new("q", "a"))
+                .unwrap_err();
+            assert_eq!(
+                e.to_string(),
+                format!("environment `bad`: {want}"),
+                "{script}"
+            );
+        }
+        let mut env = sh(
+            "odd",
+            r#"read r; echo '{}'; read s; echo '{"reward": "high"}'"#,
+        );
+        env.reset(&Problem::new("q", "a")).unwrap();
+        assert!(
+            env.step("x")
+                .unwrap_err()
+                .to_string()
+                .contains("`reward` is not a finite number")
+        );
+        let e = sh("none", "").reset(&Problem::new("q", "a"));
+        assert!(e.is_err());
+        let e = Command::new(
+            CommandEnv {
+                name: "missing".into(),
+                argv: vec!["/no/such/program".into()],
+                dir: None,
+                memory_bytes: 1 << 30,
+            },
+            Duration::from_secs(1),
+        )
+        .reset(&Problem::new("q", "a"))
+        .unwrap_err();
+        assert!(
+            e.to_string()
+                .starts_with("environment `missing`: cannot start `/no/such/program`"),
+            "{e}"
+        );
+    }
+}
