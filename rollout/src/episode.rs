@@ -62,9 +62,11 @@ pub struct EpisodeStats {
     pub tool_calls: usize,
     /// See `tool_calls`.
     pub tool_errors: usize,
-    /// Tokens the engine prefilled for the turns after the first (each turn's whole context
-    /// without a prefix cache).
+    /// Tokens the engine prefilled for the turns after the first: each turn's context but what
+    /// its prefix cache held.
     pub prefill_tokens: usize,
+    /// Tokens of those turns' contexts the engine's prefix cache held (not computed again).
+    pub cached_tokens: usize,
     /// Why the environment failed, when it did (the episode ended there).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub failed: Option<String>,
@@ -187,6 +189,11 @@ impl Episode {
     /// Appends a model turn.
     fn take_turn(&mut self, c: Completion) {
         let start = self.response_len();
+        if self.stats.turns > 0 {
+            self.stats.prefill_tokens +=
+                self.context.len() - c.cached_tokens.min(self.context.len());
+            self.stats.cached_tokens += c.cached_tokens;
+        }
         self.spans
             .extend(c.weight_versions.iter().map(|s| VersionSpan {
                 version: s.version,
@@ -232,6 +239,7 @@ impl Episode {
             finish_reason: self.finish,
             weight_versions: self.spans,
             observations: self.observations,
+            cached_tokens: 0,
             episode: Some(self.stats),
         }
     }
@@ -336,7 +344,6 @@ pub async fn generate(
             .iter()
             .map(|&i| {
                 let e = &mut live[i];
-                e.stats.prefill_tokens += e.context.len();
                 let mut base = e.params.clone();
                 base.seed = turn_seed(e.params.seed, e.index, e.stats.turns);
                 turn_request(e.context.clone(), &base, e.room(agent.max_context))

@@ -1,8 +1,12 @@
 //! The paged KV cache: a fixed pool of blocks of `block_size` token slots per layer, a block
 //! table per sequence, reference counts so the `n` samples of one prompt share the prompt's
-//! full blocks, and the cached attention that generation runs through [`learner::Attend`].
+//! full blocks, a **prefix cache** (full blocks of finished sequences kept under the chained
+//! hash of the tokens up to them, found again by a later prompt with the same prefix — an
+//! episode's next turn, a shared system prompt — and evicted least recently used when blocks
+//! run short), and the cached attention that generation runs through [`learner::Attend`].
 
 use rayon::prelude::*;
+use std::collections::{BTreeMap, HashMap};
 
 /// Geometry of the pool.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -43,6 +47,30 @@ pub struct BlockPool {
     v: Vec<f32>,
     free: Vec<u32>,
     refs: Vec<u32>,
+    prefix: Prefix,
+}
+
+/// The prefix cache's bookkeeping. A cached block holds one reference of its own; one that no
+/// sequence holds besides is evictable, in `lru` by the tick it was last used.
+#[derive(Default)]
+struct Prefix {
+    /// Chained hash → block.
+    blocks: HashMap<u64, u32>,
+    /// Per block: its hash and tokens, when cached.
+    entry: HashMap<u32, (u64, Vec<u32>)>,
+    /// Evictable blocks by last use.
+    lru: BTreeMap<u64, u32>,
+    /// Per evictable block: its key in `lru`.
+    since: HashMap<u32, u64>,
+    tick: u64,
+}
+
+/// The hash of block `tokens` following the blocks hashed `prev`, under `salt` (the weights).
+fn chain(salt: u64, prev: u64, tokens: &[u32]) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    (salt, prev, tokens).hash(&mut h);
+    h.finish()
 }
 
 /// A sequence's view of the cache: its blocks, and how many tokens they hold.
@@ -64,6 +92,7 @@ impl BlockPool {
             v: kernels::mem::zeroed_f32(n),
             free: (0..shape.num_blocks as u32).rev().collect(),
             refs: vec![0; shape.num_blocks],
+            prefix: Prefix::default(),
         }
     }
 
@@ -72,15 +101,31 @@ impl BlockPool {
         self.shape
     }
 
-    /// Blocks not held by any sequence.
+    /// Blocks no sequence holds: free, or kept by the prefix cache only (taken back when
+    /// needed).
     pub fn free_blocks(&self) -> usize {
-        self.free.len()
+        self.free.len() + self.prefix.lru.len()
     }
 
-    /// Takes `n` blocks, or none if fewer are free.
+    /// Blocks the prefix cache keeps.
+    pub fn cached_blocks(&self) -> usize {
+        self.prefix.entry.len()
+    }
+
+    /// Takes `n` blocks (evicting the least recently used cached ones when too few are free),
+    /// or none if fewer are to be had.
     pub fn alloc(&mut self, n: usize) -> Option<Vec<u32>> {
-        if self.free.len() < n {
+        if self.free_blocks() < n {
             return None;
+        }
+        while self.free.len() < n {
+            let (_, b) = self.prefix.lru.pop_first().expect("counted as free");
+            self.prefix.since.remove(&b);
+            if let Some((h, _)) = self.prefix.entry.remove(&b) {
+                self.prefix.blocks.remove(&h);
+            }
+            self.refs[b as usize] = 0;
+            self.free.push(b);
         }
         let out: Vec<u32> = self.free.split_off(self.free.len() - n);
         for &b in &out {
@@ -89,9 +134,81 @@ impl BlockPool {
         Some(out)
     }
 
+    /// Drops a hold on block `b`: one nobody holds returns to the pool, a cached one only the
+    /// cache holds becomes evictable.
+    fn unref(&mut self, b: u32) {
+        let r = &mut self.refs[b as usize];
+        *r -= 1;
+        if *r == 0 {
+            self.free.push(b);
+        } else if *r == 1 && self.prefix.entry.contains_key(&b) {
+            self.prefix.tick += 1;
+            self.prefix.lru.insert(self.prefix.tick, b);
+            self.prefix.since.insert(b, self.prefix.tick);
+        }
+    }
+
     /// Drops a sequence's hold on its blocks; blocks nobody holds return to the pool.
     pub fn release(&mut self, seq: &SeqCache) {
         for &b in &seq.blocks {
+            self.unref(b);
+        }
+    }
+
+    /// Keeps `seq`'s full blocks in the prefix cache, under `tokens` (the sequence's tokens
+    /// from position 0, at least `seq.len` of them) and `salt` (the weights that computed
+    /// them). Blocks already cached, or whose prefix another block holds, are left as they are.
+    pub fn remember(&mut self, seq: &SeqCache, tokens: &[u32], salt: u64) {
+        let bs = self.shape.block_size;
+        let mut h = 0;
+        for (i, &b) in seq
+            .blocks
+            .iter()
+            .enumerate()
+            .take(seq.len.min(tokens.len()) / bs)
+        {
+            let block = &tokens[i * bs..(i + 1) * bs];
+            h = chain(salt, h, block);
+            if self.prefix.entry.contains_key(&b) || self.prefix.blocks.contains_key(&h) {
+                continue;
+            }
+            self.prefix.blocks.insert(h, b);
+            self.prefix.entry.insert(b, (h, block.to_vec()));
+            self.refs[b as usize] += 1;
+        }
+    }
+
+    /// The cached blocks holding the longest prefix of `tokens` in whole blocks (never all of
+    /// them: the last token is left to compute), held for the caller; `salt` as
+    /// [`BlockPool::remember`] got it.
+    pub fn lookup(&mut self, tokens: &[u32], salt: u64) -> Vec<u32> {
+        let bs = self.shape.block_size;
+        let mut out = Vec::new();
+        let mut h = 0;
+        for block in tokens[..tokens.len().saturating_sub(1)].chunks_exact(bs) {
+            h = chain(salt, h, block);
+            let Some(&b) = self.prefix.blocks.get(&h) else {
+                break;
+            };
+            if self.prefix.entry.get(&b).is_none_or(|(_, t)| t != block) {
+                break;
+            }
+            if let Some(t) = self.prefix.since.remove(&b) {
+                self.prefix.lru.remove(&t);
+            }
+            self.refs[b as usize] += 1;
+            out.push(b);
+        }
+        out
+    }
+
+    /// Forgets every cached block (new weights make them stale): those no sequence holds
+    /// return to the pool.
+    pub fn forget(&mut self) {
+        let mut cached: Vec<u32> = self.prefix.entry.keys().copied().collect();
+        cached.sort_unstable();
+        self.prefix = Prefix::default();
+        for b in cached {
             let r = &mut self.refs[b as usize];
             *r -= 1;
             if *r == 0 {
@@ -468,6 +585,73 @@ mod tests {
             heads: 2,
             head_dim: 2,
         }
+    }
+
+    #[test]
+    fn the_prefix_cache_keeps_full_blocks_finds_them_and_evicts_the_oldest() {
+        // Blocks of 4 tokens, 6 in the pool.
+        let mut pool = BlockPool::new(shape());
+        let tokens: Vec<u32> = (0..11).collect();
+        let seq = SeqCache {
+            blocks: pool.alloc(3).unwrap(),
+            len: 10,
+        };
+        pool.remember(&seq, &tokens, 7);
+        // Two full blocks are kept (the third holds only 2 of its 4 tokens).
+        assert_eq!(pool.cached_blocks(), 2);
+        pool.release(&seq);
+        assert_eq!(
+            pool.free_blocks(),
+            6,
+            "cached blocks nobody holds count as free"
+        );
+        // A prompt continuing the sequence finds both blocks; one that differs in its second
+        // block finds the first; other weights find nothing; the last token is always left.
+        let hit = pool.lookup(&[tokens.clone(), vec![40, 41]].concat(), 7);
+        assert_eq!(hit, seq.blocks[..2]);
+        assert_eq!(pool.free_blocks(), 4, "held again");
+        pool.release(&SeqCache {
+            blocks: hit,
+            len: 8,
+        });
+        let other: Vec<u32> = [&tokens[..4], &[9, 9, 9, 9, 1][..]].concat();
+        let one = pool.lookup(&other, 7);
+        assert_eq!(one, seq.blocks[..1]);
+        pool.release(&SeqCache {
+            blocks: one,
+            len: 4,
+        });
+        assert!(pool.lookup(&tokens, 8).is_empty());
+        assert_eq!(
+            pool.lookup(&tokens[..8], 7).len(),
+            1,
+            "8 tokens: the last is left"
+        );
+        pool.release(&SeqCache {
+            blocks: vec![seq.blocks[0]],
+            len: 4,
+        });
+        // Allocating past the free blocks evicts the least recently used cached block first:
+        // the second (released before the first was used again).
+        let taken = pool.alloc(5).unwrap();
+        assert_eq!(pool.cached_blocks(), 1);
+        assert_eq!(pool.lookup(&tokens, 7), seq.blocks[..1]);
+        assert!(
+            pool.alloc(1).is_none(),
+            "the held cached block is not evictable"
+        );
+        pool.release(&SeqCache {
+            blocks: taken,
+            len: 0,
+        });
+        // New weights: everything cached is forgotten, and the pool is whole again.
+        pool.release(&SeqCache {
+            blocks: seq.blocks[..1].to_vec(),
+            len: 4,
+        });
+        pool.forget();
+        assert_eq!((pool.cached_blocks(), pool.free_blocks()), (0, 6));
+        assert_eq!(pool.free.len(), 6);
     }
 
     #[test]

@@ -94,9 +94,17 @@ pub struct Completion {
     /// log-probs are 0): they are context, never trained on.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub observations: Vec<std::ops::Range<usize>>,
+    /// Prompt tokens whose keys and values the engine found in its prefix cache instead of
+    /// computing them (the native engine; 0 elsewhere).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub cached_tokens: usize,
     /// An episode's outcome (a request with an episode only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub episode: Option<episode::EpisodeStats>,
+}
+
+fn is_zero(n: &usize) -> bool {
+    *n == 0
 }
 
 /// What can go wrong in an engine.

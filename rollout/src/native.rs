@@ -58,6 +58,9 @@ pub struct NativeConfig {
     /// Report `log_softmax(logits)` of each sampled token instead of the sampled distribution's
     /// log-prob (vLLM's `--logprobs-mode raw_logprobs`; for servers that mimic it).
     pub raw_logprobs: bool,
+    /// Keep finished sequences' full KV blocks for later prompts with the same prefix (an
+    /// episode's next turn, a shared system prompt); forgotten at every weight swap.
+    pub prefix_cache: bool,
 }
 
 impl Default for NativeConfig {
@@ -70,6 +73,7 @@ impl Default for NativeConfig {
             swap: SwapPolicy::default(),
             initial_version: 0,
             raw_logprobs: false,
+            prefix_cache: true,
         }
     }
 }
@@ -147,6 +151,8 @@ pub type Completions = BoxFuture<'static, Result<Vec<Completion>, EngineError>>;
 pub struct Stats {
     /// Prompt tokens run through the model (once per request, whatever its `n`).
     pub prefill_tokens: AtomicU64,
+    /// Prompt tokens found in the prefix cache instead.
+    pub cached_tokens: AtomicU64,
     /// Forward passes over prompts (prompts admitted together share one).
     pub prefill_passes: AtomicU64,
     /// Tokens produced by decode steps.
@@ -166,6 +172,8 @@ pub struct Stats {
 pub struct StatsSnapshot {
     /// See [`Stats::prefill_tokens`].
     pub prefill_tokens: u64,
+    /// See [`Stats::cached_tokens`].
+    pub cached_tokens: u64,
     /// See [`Stats::prefill_passes`].
     pub prefill_passes: u64,
     /// See [`Stats::decode_tokens`].
@@ -245,6 +253,7 @@ impl NativeEngine {
     pub fn stats(&self) -> StatsSnapshot {
         StatsSnapshot {
             prefill_tokens: self.stats.prefill_tokens.load(Ordering::Relaxed),
+            cached_tokens: self.stats.cached_tokens.load(Ordering::Relaxed),
             prefill_passes: self.stats.prefill_passes.load(Ordering::Relaxed),
             decode_tokens: self.stats.decode_tokens.load(Ordering::Relaxed),
             decode_steps: self.stats.decode_steps.load(Ordering::Relaxed),
@@ -452,6 +461,10 @@ struct Seq {
     rng: ChaCha8Rng,
     model: Arc<Model>,
     version: u64,
+    /// Its prompt (the prefix cache keeps blocks under the tokens they hold).
+    prompt: Arc<Vec<u32>>,
+    /// Prompt tokens the prefix cache held.
+    cached: usize,
     cache: SeqCache,
     /// Sampled but not yet run through the model.
     pending: u32,
@@ -594,6 +607,8 @@ impl Worker {
             .map_err(|e| EngineError::BadWeights(e.to_string()))?;
         self.model = Arc::new(model);
         self.version = snap.version;
+        // Keys and values of the old weights are no prefix of anything the new ones compute.
+        self.pool.forget();
         self.shared_version.store(snap.version, Ordering::Release);
         if self.cfg.swap == SwapPolicy::ContinueOnNew {
             for s in &mut self.running {
@@ -633,22 +648,44 @@ impl Worker {
     /// forks into its samples, which draw their first token from the prompt's last logits.
     fn prefill(&mut self, batch: Vec<Pending>) {
         let kv = self.pool.shape();
-        let mut parents: Vec<SeqCache> = batch
+        // The prefix cache's blocks first (held, so allocating the rest cannot evict them),
+        // then fresh blocks for the rest of each prompt.
+        let hits: Vec<Vec<u32>> = batch
             .iter()
-            .map(|p| SeqCache {
-                blocks: self
-                    .pool
-                    .alloc(kv.blocks_for(p.req.prompt.len()))
-                    .expect("admission checked the pool"),
-                len: 0,
+            .map(|p| match self.cfg.prefix_cache {
+                true => self.pool.lookup(&p.req.prompt, self.version),
+                false => Vec::new(),
             })
             .collect();
-        let lens: Vec<usize> = batch.iter().map(|p| p.req.prompt.len()).collect();
+        let mut parents: Vec<SeqCache> = batch
+            .iter()
+            .zip(hits)
+            .map(|(p, mut blocks)| {
+                let len = blocks.len() * kv.block_size;
+                let rest = kv.blocks_for(p.req.prompt.len()) - blocks.len();
+                blocks.extend(self.pool.alloc(rest).expect("admission checked the pool"));
+                SeqCache { blocks, len }
+            })
+            .collect();
+        let lens: Vec<usize> = batch
+            .iter()
+            .zip(&parents)
+            .map(|(p, c)| p.req.prompt.len() - c.len)
+            .collect();
         let tokens: Vec<u32> = batch
             .iter()
-            .flat_map(|p| p.req.prompt.iter().copied())
+            .zip(&parents)
+            .flat_map(|(p, c)| p.req.prompt[c.len..].iter().copied())
             .collect();
-        let positions: Vec<u32> = lens.iter().flat_map(|&l| 0..l as u32).collect();
+        let positions: Vec<u32> = parents
+            .iter()
+            .zip(&lens)
+            .flat_map(|(c, &l)| c.len as u32..(c.len + l) as u32)
+            .collect();
+        let cached: Vec<usize> = parents.iter().map(|c| c.len).collect();
+        self.stats
+            .cached_tokens
+            .fetch_add(cached.iter().sum::<usize>() as u64, Ordering::Relaxed);
         let hidden = {
             let mut step = CachedStep {
                 pool: &mut self.pool,
@@ -670,22 +707,27 @@ impl Worker {
         }
         let logits = self.model.logits_of_hidden(&last);
         let vocab = self.model.config.vocab_size;
-        for ((p, parent), row) in batch
+        for (((p, parent), row), cached) in batch
             .into_iter()
             .zip(&mut parents)
             .zip(logits.chunks(vocab))
+            .zip(cached)
         {
             parent.len = p.req.prompt.len();
-            self.start(p, parent, row);
+            if self.cfg.prefix_cache {
+                self.pool.remember(parent, &p.req.prompt, self.version);
+            }
+            self.start(p, parent, row, cached);
             self.pool.release(parent);
         }
     }
 
     /// Forks a prefilled request into its `n` samples and draws each one's first token.
-    fn start(&mut self, p: Pending, parent: &SeqCache, logits: &[f32]) {
+    fn start(&mut self, p: Pending, parent: &SeqCache, logits: &[f32], cached: usize) {
         let kv = self.pool.shape();
         let plen = parent.len;
         let params = Arc::new(p.req.params);
+        let prompt = Arc::new(p.req.prompt);
         let mut stops = params.stop_token_ids.clone();
         if !params.ignore_eos
             && let Some(eos) = self.model.config.eos_token_id
@@ -717,6 +759,8 @@ impl Worker {
                 rng,
                 model: self.model.clone(),
                 version: self.version,
+                prompt: prompt.clone(),
+                cached,
                 cache,
                 pending: 0,
                 tokens: Vec::new(),
@@ -799,6 +843,18 @@ impl Worker {
     }
 
     fn finish(&mut self, s: Seq, reason: FinishReason) {
+        // Blocks computed wholly by the served weights are kept for a prompt that continues
+        // this sequence.
+        if self.cfg.prefix_cache
+            && s.version == self.version
+            && Arc::ptr_eq(&s.model, &self.model)
+            && s.spans.len() <= 1
+        {
+            let mut tokens = Vec::with_capacity(s.prompt.len() + s.tokens.len());
+            tokens.extend_from_slice(&s.prompt);
+            tokens.extend_from_slice(&s.tokens);
+            self.pool.remember(&s.cache, &tokens, self.version);
+        }
         self.pool.release(&s.cache);
         let Some(job) = self.jobs.get_mut(&s.job) else {
             return;
@@ -811,6 +867,7 @@ impl Worker {
             finish_reason: reason,
             weight_versions: s.spans,
             observations: Vec::new(),
+            cached_tokens: s.cached,
             episode: None,
         });
         job.remaining -= 1;

@@ -98,6 +98,7 @@ fn an_episode_is_the_models_tokens_and_the_environments_exactly() {
     assert!(out[3].episode.is_none() && out[3].observations.is_empty());
     let (plus, minus) = (12u32, 13u32);
     let mut turns_seen = 0;
+    let (mut cached, mut longest) = (0, 0);
     for c in out.iter().filter(|c| c.request != 1) {
         let stats = c.episode.as_ref().unwrap();
         assert!(stats.failed.is_none());
@@ -131,8 +132,16 @@ fn an_episode_is_the_models_tokens_and_the_environments_exactly() {
             );
         }
         assert_eq!(model_tokens, made);
-        assert!(stats.prefill_tokens >= (stats.turns - 1) * prompt.len());
+        // Turns after the first prefill their context but what the prefix cache held.
+        assert!(stats.prefill_tokens + stats.cached_tokens >= (stats.turns - 1) * prompt.len());
+        cached += stats.cached_tokens;
+        longest = longest.max(c.token_ids.len());
     }
+    // Once a context passes a whole block (16 tokens), the next turn finds it cached.
+    assert!(
+        longest < 16 || cached > 0,
+        "{cached} cached tokens, longest {longest}"
+    );
     // The random model writes numbers often enough that some episodes go on past a turn.
     assert!(turns_seen > 6, "{turns_seen} turns in 6 episodes");
     // Episodes replay exactly from their seeds.

@@ -481,3 +481,58 @@ fn a_stream_sends_every_token_in_order_and_stops_samples_on_request() {
         plain[2].token_ids
     );
 }
+
+#[test]
+fn a_continued_prompt_reuses_the_cached_prefix_until_new_weights() {
+    let m = model();
+    let prompt = ids(&reference()["input_ids"][2]);
+    let greedy = |p: &[u32]| {
+        req(p, |s| {
+            s.temperature = 0.0;
+            s.max_tokens = 20;
+            s.ignore_eos = true;
+        })
+    };
+    let cached = NativeEngine::new(m.clone(), NativeConfig::default());
+    let plain = NativeEngine::new(
+        m.clone(),
+        NativeConfig {
+            prefix_cache: false,
+            ..Default::default()
+        },
+    );
+    let first = cached.generate_blocking(vec![greedy(&prompt)]).unwrap();
+    assert_eq!(first[0].cached_tokens, 0);
+    // The next turn: the whole sequence so far and a few tokens of an environment's.
+    let next: Vec<u32> = [&prompt[..], &first[0].token_ids, &[5, 6, 7]].concat();
+    let before = cached.stats();
+    let turn = cached.generate_blocking(vec![greedy(&next)]).unwrap();
+    let after = cached.stats();
+    // Every full block of what the first turn computed is reused (its last sampled token never
+    // went through the model).
+    let bs = cached.kv_shape().block_size;
+    let held = (prompt.len() + first[0].token_ids.len() - 1) / bs * bs;
+    assert!(held > 0);
+    assert_eq!(turn[0].cached_tokens, held);
+    assert_eq!(after.cached_tokens - before.cached_tokens, held as u64);
+    assert_eq!(
+        after.prefill_tokens - before.prefill_tokens,
+        (next.len() - held) as u64
+    );
+    // Same tokens as an engine that computes everything (log-probs to rounding: decode and
+    // prefill sum in different orders).
+    let full = plain.generate_blocking(vec![greedy(&next)]).unwrap();
+    assert_eq!(turn[0].token_ids, full[0].token_ids);
+    for (a, b) in turn[0].logprobs.iter().zip(&full[0].logprobs) {
+        assert!((a - b).abs() < 1e-4, "{a} vs {b}");
+    }
+    // New weights forget the cache.
+    cached
+        .update_weights_blocking(WeightSnapshot {
+            version: 1,
+            params: Arc::new(m.params.clone()),
+        })
+        .unwrap();
+    let again = cached.generate_blocking(vec![greedy(&next)]).unwrap();
+    assert_eq!(again[0].cached_tokens, 0);
+}

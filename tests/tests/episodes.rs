@@ -66,6 +66,11 @@ fn grpo_teaches_a_tiny_model_to_call_its_calculator_and_a_killed_run_resumes_ali
         );
         assert!(f(r, "episode/tool_errors") >= 0.0);
         assert!(f(r, "episode/prefill_tokens") > 0.0);
+        // A second turn's context (prompt, call, result: over 16 tokens) starts with a block
+        // the first turn left in the engine's prefix cache.
+        if turns > 1.0 {
+            assert!(f(r, "episode/cached_tokens") > 0.0, "{r}");
+        }
     }
     let (first, last) = (steps[0], steps[steps.len() - 1]);
     assert!(

@@ -260,8 +260,8 @@ fn ahead(
 }
 
 /// What the step's episodes did (a stage with an environment): turns, tool calls and their
-/// errors, tokens (the model's and the environment's), the environment's failures, and the
-/// tokens prefilled again for turns after the first.
+/// errors, tokens (the model's and the environment's), the environment's failures, and for
+/// turns after the first the tokens prefilled and those the engines' prefix caches held.
 fn episode_metrics(cx: &StepCx<'_, '_>, groups: &[Group], m: &mut Metrics) {
     let Some(env) = &cx.stage.data.env else {
         return;
@@ -295,6 +295,10 @@ fn episode_metrics(cx: &StepCx<'_, '_>, groups: &[Group], m: &mut Metrics) {
     m.insert(
         "episode/prefill_tokens".into(),
         stats.iter().map(|(_, e)| e.prefill_tokens).sum::<usize>() as f64,
+    );
+    m.insert(
+        "episode/cached_tokens".into(),
+        stats.iter().map(|(_, e)| e.cached_tokens).sum::<usize>() as f64,
     );
     m.insert(
         format!("env/{}/failed", env.spec.name()),
