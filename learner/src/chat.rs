@@ -158,9 +158,12 @@ impl ChatTemplate {
     /// The text that follows an assistant's turn when `message` (a `tool` result or a `user`
     /// reply) comes next, through the next assistant turn's opening: what a multi-turn
     /// conversation appends after the model's own tokens, so that those are never rendered
-    /// again. Refused when the template does not render `message` there (a template without
-    /// `tool` messages, or one whose earlier text changes with what follows).
-    pub fn continuation(&self, message: &Message) -> Result<String, ChatError> {
+    /// again. It starts after the template's end-of-sequence text (the token a model ends its
+    /// turn with); `.0` is that text, for a turn cut short before writing it. Refused when the
+    /// template does not render `message` there (a template without `tool` messages, or one
+    /// whose earlier text changes with what follows).
+    pub fn continuation(&self, message: &Message) -> Result<(String, String), ChatError> {
+        const TURN: &str = "@@trellis-turn@@";
         let base = [
             Message {
                 role: "user".into(),
@@ -168,25 +171,37 @@ impl ChatTemplate {
             },
             Message {
                 role: "assistant".into(),
-                content: "!".into(),
+                content: TURN.into(),
             },
         ];
         let before = self.render(&base, false)?;
         let mut all = base.to_vec();
         all.push(message.clone());
         let after = self.render(&all, true)?;
-        match after.strip_prefix(&before) {
-            Some(rest) if rest.contains(&message.content) => Ok(rest.to_string()),
-            Some(_) => Err(ChatError::Render(format!(
-                "the chat template does not render a `{}` message after the assistant's turn",
-                message.role
-            ))),
-            None => Err(ChatError::Render(format!(
-                "the chat template renders the conversation before a `{}` message differently \
-                 once it follows",
-                message.role
-            ))),
-        }
+        let rest = match after.strip_prefix(&before) {
+            Some(rest) if rest.contains(&message.content) => rest,
+            Some(_) => {
+                return Err(ChatError::Render(format!(
+                    "the chat template does not render a `{}` message after the assistant's turn",
+                    message.role
+                )));
+            }
+            None => {
+                return Err(ChatError::Render(format!(
+                    "the chat template renders the conversation before a `{}` message differently \
+                     once it follows",
+                    message.role
+                )));
+            }
+        };
+        // What the template writes after the turn's text: its end-of-sequence text (the
+        // model's own last token), then what closes the turn.
+        let tail = before.rfind(TURN).map_or("", |i| &before[i + TURN.len()..]);
+        let closing = match tail.strip_prefix(self.eos.as_str()) {
+            Some(t) if !self.eos.is_empty() => t,
+            _ => tail,
+        };
+        Ok((self.eos.clone(), format!("{closing}{rest}")))
     }
 
     /// The text of one user message followed by the assistant's turn.
@@ -244,9 +259,13 @@ mod tests {
             role: "user".into(),
             content: "higher".into(),
         };
+        // The model ended its turn with `<|im_end|>`; the newline after it is the template's.
         assert_eq!(
             t.continuation(&user).unwrap(),
-            "<|im_start|>user\nhigher<|im_end|>\n<|im_start|>assistant\n"
+            (
+                "<|im_end|>".to_string(),
+                "\n<|im_start|>user\nhigher<|im_end|>\n<|im_start|>assistant\n".to_string()
+            )
         );
         // This branch of Qwen's template has no `tool` messages: refused, not dropped.
         let tool = Message {

@@ -124,29 +124,41 @@ impl Agent {
         })
     }
 
-    /// Token ids of `obs`, as they follow a model turn of `spec`'s episode.
-    fn observe(&self, spec: &EpisodeSpec, obs: &Observation) -> Result<Vec<u32>, String> {
+    /// Token ids of `obs`, as they follow a model turn of `spec`'s episode (`ended`: the turn
+    /// ended with a stop token, not cut at its budget).
+    fn observe(
+        &self,
+        spec: &EpisodeSpec,
+        obs: &Observation,
+        ended: bool,
+    ) -> Result<Vec<u32>, String> {
         let chat = match (spec.chat, &self.chat) {
             (true, Some(t)) => Some(t),
             (true, None) => return Err("a chat episode, and the agent has no chat template".into()),
             (false, _) => None,
         };
         let text = match (chat, obs) {
-            (Some(t), Observation::Tool(c)) => t.continuation(&Message {
-                role: "tool".into(),
-                content: c.clone(),
-            }),
-            (Some(t), Observation::Reply(c)) => t.continuation(&Message {
-                role: "user".into(),
-                content: c.clone(),
-            }),
-            (None, Observation::Tool(c)) => Ok(match spec.format {
+            (Some(t), Observation::Tool(c) | Observation::Reply(c)) => {
+                let role = if matches!(obs, Observation::Tool(_)) {
+                    "tool"
+                } else {
+                    "user"
+                };
+                let (eos, rest) = t
+                    .continuation(&Message {
+                        role: role.into(),
+                        content: c.clone(),
+                    })
+                    .map_err(|e| e.to_string())?;
+                // A turn cut short never wrote its end of turn: the template's closes it.
+                if ended { rest } else { format!("{eos}{rest}") }
+            }
+            (None, Observation::Tool(c)) => match spec.format {
                 ToolFormat::Compact => format!("{}{c}{}", RESULT.0, RESULT.1),
                 ToolFormat::Hermes => format!("<tool_response>\n{c}\n</tool_response>\n"),
-            }),
-            (None, Observation::Reply(c)) => Ok(c.clone()),
-        }
-        .map_err(|e| e.to_string())?;
+            },
+            (None, Observation::Reply(c)) => c.clone(),
+        };
         self.tokenizer
             .encode_rendered(&text)
             .map_err(|e| e.to_string())
@@ -431,7 +443,8 @@ async fn step(agent: &Agent, e: &mut Episode) {
         e.over = true;
         return;
     }
-    let tokens = match agent.observe(&e.spec, &obs) {
+    let ended = e.finish == FinishReason::Stop;
+    let tokens = match agent.observe(&e.spec, &obs, ended) {
         Ok(t) => t,
         Err(msg) => {
             e.fail(&EnvError {

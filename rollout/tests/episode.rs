@@ -181,3 +181,114 @@ fn an_episode_needs_an_agent_and_engines_refuse_one() {
         .unwrap_err();
     assert!(e.to_string().contains("use builtin:tools"), "{e}");
 }
+
+/// Qwen2.5-Instruct's chat template as shipped, but for the system prompt that lists tools:
+/// its `tool` messages become `<tool_response>` blocks in a user turn.
+const QWEN25_TOOLS: &str = r#"{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}{%- else %}{{- '<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n' }}{%- endif %}{%- for message in messages %}{%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>' + '\n' }}{%- elif message.role == "tool" %}{%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}{{- '<|im_start|>user' }}{%- endif %}{{- '\n<tool_response>\n' }}{{- message.content }}{{- '\n</tool_response>' }}{%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}{{- '<|im_end|>\n' }}{%- endif %}{%- endif %}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"#;
+
+/// The transformers fixture model, its tokenizer, and Qwen2.5's chat template with its `tool`
+/// messages.
+fn qwen() -> (Model, learner::chat::ChatTemplate, AgentSetup) {
+    let data = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/data");
+    let model = learner::checkpoint::Checkpoint::load(&data.join("tiny-qwen2/checkpoint"))
+        .unwrap()
+        .model;
+    let template = learner::chat::ChatTemplate::new(QWEN25_TOOLS, "", "<|im_end|>").unwrap();
+    let (source, bos, eos) = template.parts();
+    let setup = AgentSetup {
+        tokenizer_json: std::fs::read_to_string(data.join("tiny-qwen2/checkpoint/tokenizer.json"))
+            .unwrap(),
+        chat: Some((source.into(), bos.into(), eos.into())),
+        max_context: model.config.max_position_embeddings,
+    };
+    (model, template, setup)
+}
+
+#[test]
+fn a_chat_episodes_tool_results_are_the_templates_text_after_the_models_turn() {
+    let (m, template, setup) = qwen();
+    let agent = Agent::new(&setup).unwrap();
+    let tokenizer =
+        learner::tokenizer::Tokenizer::from_json(&setup.tokenizer_json, Path::new("tiny-qwen2"))
+            .unwrap();
+    let engine = NativeEngine::new(m.clone(), NativeConfig::default());
+    // An environment that answers every turn with a tool result, until the turns run out.
+    let script = r#"read r; echo '{"ok": true}'; while read s; do echo '{"observation": "42", "role": "tool", "tool": "ok"}'; done"#;
+    let prompt = tokenizer
+        .encode_rendered(&template.render_user("What is 6*7?").unwrap())
+        .unwrap();
+    let request = GenerateRequest {
+        prompt: prompt.clone(),
+        params: SamplingParams {
+            n: 2,
+            temperature: 1.0,
+            max_tokens: 6,
+            seed: Some(11),
+            ..Default::default()
+        },
+        episode: Some(EpisodeSpec {
+            env: EnvSpec::Command(rollout::env::command::CommandEnv {
+                name: "tool".into(),
+                argv: vec!["sh".into(), "-c".into(), script.into()],
+                dir: None,
+                memory_bytes: 1 << 30,
+            }),
+            format: ToolFormat::Hermes,
+            chat: true,
+            prompt: "What is 6*7?".into(),
+            answer: "42".into(),
+            limits: Limits {
+                max_turns: 3,
+                max_tokens: 200,
+                step_timeout_s: 10.0,
+            },
+        }),
+    };
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let out = rt
+        .block_on(generate(&engine, Some(&agent), vec![request]))
+        .unwrap();
+    let (eos, rest) = template
+        .continuation(&learner::chat::Message {
+            role: "tool".into(),
+            content: "42".into(),
+        })
+        .unwrap();
+    assert!(
+        rest.contains("<tool_response>\n42\n</tool_response>"),
+        "{rest:?}"
+    );
+    let eos_id = m.config.eos_token_id;
+    for c in &out {
+        let stats = c.episode.as_ref().unwrap();
+        assert!(stats.failed.is_none(), "{stats:?}");
+        assert_eq!((stats.turns, c.observations.len()), (3, 2));
+        assert_eq!(stats.tool_calls, 3);
+        for r in &c.observations {
+            // After a turn that ended with its stop token, the template's text from there; after
+            // one cut at its budget, the end-of-turn text first.
+            let ended = eos_id.is_some_and(|e| c.token_ids[r.start - 1] == e);
+            let text = if ended {
+                rest.clone()
+            } else {
+                format!("{eos}{rest}")
+            };
+            assert_eq!(
+                c.token_ids[r.clone()],
+                tokenizer.encode_rendered(&text).unwrap()[..]
+            );
+        }
+        // The learner scores the model's tokens of the whole conversation as the engine did.
+        let full: Vec<u32> = prompt.iter().chain(&c.token_ids).copied().collect();
+        let scores = m.score(&Batch::padded(&[&full]), 1.0).unwrap();
+        for (j, lp) in c.logprobs.iter().enumerate() {
+            if c.observations.iter().all(|r| !r.contains(&j)) {
+                let learner = scores.logp[prompt.len() - 1 + j];
+                assert!((lp - learner).abs() < 1e-4, "token {j}: {lp} vs {learner}");
+            }
+        }
+    }
+}
