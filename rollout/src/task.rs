@@ -72,10 +72,11 @@ pub struct ArithTask {
     /// Write the answer least-significant digit first (`37+45=` → `28`), the order in which
     /// addition is computed; an easier target for small models.
     pub reverse_answer: bool,
-    /// The share of problems whose answer is a worked tool call (`<call>37*45</call>` then
-    /// `<result>1665</result>` then `1665`, in the `builtin:tools` tokenizer's format): SFT
-    /// demonstrations of the calculator environment. The rest answer directly.
-    pub tool_demos: f64,
+    /// The share of problems answered with a worked episode, for an SFT warm start of an
+    /// environment: `arith`, a calculator call (`<call>37*45</call>` then `<result>1665</result>`
+    /// then `1665`, in the `builtin:tools` tokenizer's format; the rest answer directly);
+    /// `guess`, a whole game (guesses, each answered `+` or `-`, until the secret).
+    pub demos: f64,
 }
 
 impl Default for ArithTask {
@@ -84,7 +85,7 @@ impl Default for ArithTask {
             digits: 2,
             ops: "+".into(),
             reverse_answer: false,
-            tool_demos: 0.0,
+            demos: 0.0,
         }
     }
 }
@@ -101,11 +102,8 @@ impl ArithTask {
                 self.ops
             ));
         }
-        if !(0.0..=1.0).contains(&self.tool_demos) {
-            return Err(format!(
-                "tool_demos must lie in 0..=1, got {}",
-                self.tool_demos
-            ));
+        if !(0.0..=1.0).contains(&self.demos) {
+            return Err(format!("demos must lie in 0..=1, got {}", self.demos));
         }
         Ok(())
     }
@@ -131,7 +129,7 @@ impl ArithTask {
         // the same whatever the share.
         let mut z = (a << 32 ^ b ^ (op as u64) << 60).wrapping_mul(0x9E37_79B9_7F4A_7C15);
         z = (z ^ (z >> 29)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        if ((z >> 11) as f64) < self.tool_demos * (1u64 << 53) as f64 {
+        if ((z >> 11) as f64) < self.demos * (1u64 << 53) as f64 {
             answer = format!("<call>{a}{op}{b}</call><result>{v}</result>{answer}");
         }
         Problem::new(format!("{a}{op}{b}="), answer)
@@ -401,6 +399,8 @@ impl Dataset {
 pub enum Source {
     /// The built-in arithmetic task.
     Arith(ArithTask),
+    /// The built-in guessing game's secrets (`digits`, `demos` of [`ArithTask`]).
+    Guess(ArithTask),
     /// A JSON-lines or Parquet dataset.
     Dataset(Dataset),
 }
@@ -410,6 +410,7 @@ impl Source {
     pub fn eval_set(&self, seed: u64, size: usize) -> Vec<Problem> {
         match self {
             Source::Arith(a) => a.eval_set(seed, size),
+            Source::Guess(g) => guess_problems(g, seed, 1, 0, size),
             Source::Dataset(d) => d.eval.clone(),
         }
     }
@@ -425,22 +426,65 @@ impl Source {
     ) -> Vec<Problem> {
         match self {
             Source::Arith(a) => a.train_batch(seed, start, count, exclude),
+            // A secret is all a problem is (every prompt is the same): the held-out games are
+            // their own stream, and nothing can be learnt by heart.
+            Source::Guess(g) => guess_problems(g, seed, 0, start, count),
             Source::Dataset(d) => d.train_batch(seed, start, count),
         }
     }
 
     /// Whether answers are short arithmetic results (eval then needs only a few tokens).
     pub fn is_arith(&self) -> bool {
-        matches!(self, Source::Arith(_))
+        matches!(self, Source::Arith(_) | Source::Guess(_))
     }
 
     /// Training rows of a dataset (`None`: an endless stream).
     pub fn train_rows(&self) -> Option<usize> {
         match self {
-            Source::Arith(_) => None,
+            Source::Arith(_) | Source::Guess(_) => None,
             Source::Dataset(d) => Some(d.train.len()),
         }
     }
+}
+
+/// The guessing game's prompt: every game starts the same, the secret is the answer.
+pub const GUESS_PROMPT: &str = "=";
+
+/// Games `start..start + count` of stream `stream` of `seed`: secrets drawn uniformly from
+/// `0..10^digits`; a `demos` share answered with a whole game, played by guessing uniformly
+/// among the numbers the replies so far allow (a weak strategy that halving would beat), each
+/// guess ended by `<eos>` and answered `+` (higher) or `-` (lower), as an episode writes it.
+fn guess_problems(g: &ArithTask, seed: u64, stream: u64, start: u64, count: usize) -> Vec<Problem> {
+    let hi = 10u64.pow(g.digits);
+    (start..start + count as u64)
+        .map(|i| {
+            let mut rng = ChaCha8Rng::seed_from_u64(seed ^ i.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+            rng.set_stream(stream + 2);
+            let secret = rng.next_u64() % hi;
+            let mut answer = secret.to_string();
+            if (rng.next_u64() >> 11) as f64 <= g.demos * (1u64 << 53) as f64 && g.demos > 0.0 {
+                let (mut lo, mut top) = (0, hi - 1);
+                let mut game = String::new();
+                loop {
+                    let guess = lo + rng.next_u64() % (top - lo + 1);
+                    game.push_str(&guess.to_string());
+                    if guess == secret {
+                        break;
+                    }
+                    game.push_str("<eos>");
+                    if guess < secret {
+                        game.push('+');
+                        lo = guess + 1;
+                    } else {
+                        game.push('-');
+                        top = guess - 1;
+                    }
+                }
+                answer = game;
+            }
+            Problem::new(GUESS_PROMPT, answer)
+        })
+        .collect()
 }
 
 /// Tokens of the `builtin:arith` tokenizer, by id.
@@ -620,7 +664,7 @@ mod tests {
             ..Default::default()
         };
         let demos = ArithTask {
-            tool_demos: 0.3,
+            demos: 0.3,
             ..plain.clone()
         };
         let (a, b) = (plain.eval_set(3, 400), demos.eval_set(3, 400));
@@ -651,12 +695,60 @@ mod tests {
         );
         assert!(
             ArithTask {
-                tool_demos: 1.5,
+                demos: 1.5,
                 ..plain
             }
             .validate()
             .is_err()
         );
+    }
+
+    #[test]
+    fn guessing_games_are_seeded_and_their_demonstrations_find_the_secret() {
+        let g = ArithTask {
+            digits: 1,
+            demos: 1.0,
+            ..Default::default()
+        };
+        let plain = ArithTask {
+            demos: 0.0,
+            ..g.clone()
+        };
+        let games = Source::Guess(g.clone()).train_batch(5, 10, 50, &HashSet::new());
+        assert_eq!(
+            games,
+            Source::Guess(g.clone()).train_batch(5, 10, 50, &HashSet::new())
+        );
+        let secrets = Source::Guess(plain).train_batch(5, 10, 50, &HashSet::new());
+        let tok = learner::tokenizer::Tokenizer::from_json(
+            &arith_tokenizer_json(),
+            std::path::Path::new("builtin:arith"),
+        )
+        .unwrap();
+        let mut seen = HashSet::new();
+        for (game, secret) in games.iter().zip(&secrets) {
+            assert_eq!(game.prompt.display(), GUESS_PROMPT);
+            let s: u64 = secret.answer.parse().unwrap();
+            seen.insert(s);
+            // Every guess is answered truly, and the last one is the secret.
+            let turns: Vec<&str> = game.answer.split("<eos>").collect();
+            for (k, t) in turns.iter().enumerate() {
+                let guess: u64 = t.trim_start_matches(['+', '-']).parse().unwrap();
+                if k + 1 == turns.len() {
+                    assert_eq!(guess, s);
+                } else {
+                    let next = turns[k + 1].chars().next().unwrap();
+                    assert_eq!(next, if guess < s { '+' } else { '-' }, "{}", game.answer);
+                }
+            }
+            // `<eos>` inside a demonstration is the end-of-sequence token.
+            let ids = tok.encode_rendered(&game.answer).unwrap();
+            assert_eq!(
+                ids.iter().filter(|&&t| t == ARITH_EOS).count(),
+                turns.len() - 1
+            );
+        }
+        assert!(seen.len() >= 8, "{seen:?}");
     }
 
     #[test]

@@ -1,5 +1,5 @@
-//! Greedy evaluation on a stage's held-out problems (episodes where the stage has an
-//! environment), and the samples it writes out
+//! Evaluation on a stage's held-out problems — greedy, or sampled at `eval_temperature` —
+//! (episodes where the stage has an environment), and the samples it writes out
 //! (`trainer.log_generations`); the writer of per-step JSON-lines files (these, and the rollouts
 //! of `trainer.log_rollouts`).
 
@@ -63,7 +63,8 @@ pub(super) fn write_step_lines<T: Serialize>(
         .map_err(|source| ExecError::Io { path: file, source })
 }
 
-/// Greedy accuracy (full marks and an answer that ended), mean reward and the first samples on
+/// Accuracy (full marks and an answer that ended; greedy, or sampled at the stage's
+/// `eval_temperature`), mean reward and the first samples on
 /// `stage`'s held-out problems.
 pub(super) fn evaluate(
     stage: &StagePlan,
@@ -72,11 +73,13 @@ pub(super) fn evaluate(
 ) -> Result<Evaluation, ExecError> {
     let set = &stage.data.eval_set;
     let mut reqs = Vec::with_capacity(set.len());
-    for p in set {
+    for (i, p) in set.iter().enumerate() {
         let (prompt, _) = prompts.encode(p, stage.data.chat_template)?;
         let params = SamplingParams {
-            temperature: 0.0,
+            temperature: stage.eval_temperature,
             max_tokens: stage.eval_tokens,
+            // The same draws at every evaluation: its changes are the policy's.
+            seed: Some(0xE7A1_5EED ^ i as u64),
             ..Default::default()
         };
         let episode = stage

@@ -48,10 +48,11 @@ pub(super) fn plan(mut spec: Workflow, origin: &str) -> Result<Plan, PlanError> 
             .unwrap_or(0);
         format!("stages[{i}].data.chat_template")
     };
-    let datasets = spec
-        .stages
-        .iter()
-        .any(|s| s.data.as_ref().is_some_and(|d| d.task != Task::Arith));
+    let datasets = spec.stages.iter().any(|s| {
+        s.data
+            .as_ref()
+            .is_some_and(|d| matches!(d.task, Task::Jsonl | Task::Parquet))
+    });
     let chat = match (&spec.model.path, wants_chat) {
         (Some(p), true) => Some(Arc::new(
             ChatTemplate::from_tokenizer_config(&p.join("tokenizer_config.json"))
@@ -604,6 +605,16 @@ fn data_plan(
             d.arith.validate().map_err(|m| e.at(at, m))?;
             Source::Arith(d.arith.clone())
         }
+        Task::Guess => {
+            d.arith.validate().map_err(|m| e.at(at, m))?;
+            if d.arith.reverse_answer {
+                return Err(e.at(
+                    format!("{at}.reverse_answer"),
+                    "is for task: arith (a guessing game's answer is its secret)",
+                ));
+            }
+            Source::Guess(d.arith.clone())
+        }
         Task::Jsonl | Task::Parquet => {
             let read = if d.task == Task::Jsonl {
                 rollout::task::read_jsonl
@@ -676,7 +687,9 @@ fn data_plan(
             "needs max_prompt_length (the length over which prompts are dropped)",
         ));
     }
-    if d.task == Task::Arith && (d.max_prompt_length.is_some() || d.filter_overlong_prompts) {
+    if matches!(d.task, Task::Arith | Task::Guess)
+        && (d.max_prompt_length.is_some() || d.filter_overlong_prompts)
+    {
         return Err(e.at(
             format!("{at}.max_prompt_length"),
             "is for jsonl and parquet datasets (arith prompts are a few tokens)",
@@ -935,6 +948,13 @@ fn stage(
         .clone()
         .unwrap_or(rollout::reward::Reward::ExactMatch);
     let reward = Scorer::open(reward).map_err(|m| e.at(at("reward"), m))?;
+    let t = s.trainer.eval_temperature;
+    if !(t.is_finite() && t >= 0.0) {
+        return Err(e.at(
+            at("trainer.eval_temperature"),
+            format!("must be 0 (greedy) or a positive temperature, got {t}"),
+        ));
+    }
     if s.trainer.max_ckpt_to_keep == 0 {
         return Err(e.at(
             at("trainer.max_ckpt_to_keep"),
@@ -1004,6 +1024,7 @@ fn stage(
         keep: s.trainer.max_ckpt_to_keep,
         eval_tokens,
         log_generations: s.trainer.log_generations,
+        eval_temperature: s.trainer.eval_temperature,
         log_rollouts: s.trainer.log_rollouts,
     })
 }

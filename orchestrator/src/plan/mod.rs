@@ -219,6 +219,8 @@ pub struct StagePlan {
     pub eval_tokens: usize,
     /// Eval samples written out at each evaluation.
     pub log_generations: usize,
+    /// The temperature evaluations sample at (0: greedy).
+    pub eval_temperature: f32,
     /// Trained samples written out at every step.
     pub log_rollouts: bool,
 }

@@ -262,6 +262,8 @@ pub enum StageKind {
 pub enum Task {
     /// The built-in arithmetic task, seeded.
     Arith,
+    /// The built-in guessing game's secrets (`digits`; `demos` for SFT), for `env: guess`.
+    Guess,
     /// A JSON-lines file.
     Jsonl,
     /// A Parquet file's flat columns.
@@ -272,8 +274,8 @@ pub enum Task {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Data {
-    /// The task: `arith` (built in, seeded), `jsonl` (a JSON-lines file) or `parquet` (a
-    /// Parquet file's flat columns).
+    /// The task: `arith` (built in, seeded), `guess` (the built-in guessing game's secrets),
+    /// `jsonl` (a JSON-lines file) or `parquet` (a Parquet file's flat columns).
     pub task: Task,
     /// `arith` settings (flattened: `digits`, `ops`, `reverse_answer`).
     #[serde(flatten)]
@@ -581,6 +583,10 @@ pub struct Trainer {
     /// At every evaluation, write this many of its samples (prompt, response, answer, score) to
     /// `RUN_DIR/generations/<stage>/step_<N>.jsonl` (VeRL's `log_val_generations`); 0: none.
     pub log_generations: usize,
+    /// Sample evaluations at this temperature (a seed per held-out problem, the same at every
+    /// evaluation) instead of greedily (0): the success rate of the policy as it samples, for
+    /// tasks where greedy decoding is not what RL improves (VeRL's `val_kwargs.temperature`).
+    pub eval_temperature: f32,
     /// RL: write every trained sample of every step (its prompt's position in the stage's
     /// stream, prompt, response, answer, score, weight version) to
     /// `RUN_DIR/rollouts/<stage>/step_<N>.jsonl` (VeRL's `trainer.rollout_data_dir`).
@@ -600,6 +606,7 @@ impl Default for Trainer {
             max_ckpt_to_keep: 1,
             save_dtype: learner::params::WeightDtype::F32,
             log_generations: 0,
+            eval_temperature: 0.0,
             log_rollouts: false,
         }
     }

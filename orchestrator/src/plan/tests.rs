@@ -79,17 +79,17 @@ fn bad_workflows_get_messages_that_say_where_and_why() {
         (
             "trainer: {steps: 2}\n  - id: final",
             "trainer: {steps: 2, test_freq: 1}\n  - id: final",
-            "t.yaml:18:25: stages[1].trainer: unknown field `test_freq`: VeRL's `trainer.test_freq` is `eval_freq` in a stage's `trainer`; expected one of steps, total_epochs, eval_freq, save_freq, mode, max_staleness, stale_samples, max_ckpt_to_keep, save_dtype, log_generations, log_rollouts",
+            "t.yaml:18:25: stages[1].trainer: unknown field `test_freq`: VeRL's `trainer.test_freq` is `eval_freq` in a stage's `trainer`; expected one of steps, total_epochs, eval_freq, save_freq, mode, max_staleness, stale_samples, max_ckpt_to_keep, save_dtype, log_generations, eval_temperature, log_rollouts",
         ),
         (
             "trainer: {steps: 2}\n  - id: final",
             "trainer: {steps: 2, log_val_generations: 4}\n  - id: final",
-            "t.yaml:18:25: stages[1].trainer: unknown field `log_val_generations`: VeRL's `trainer.log_val_generations` is `log_generations` in a stage's `trainer`; expected one of steps, total_epochs, eval_freq, save_freq, mode, max_staleness, stale_samples, max_ckpt_to_keep, save_dtype, log_generations, log_rollouts",
+            "t.yaml:18:25: stages[1].trainer: unknown field `log_val_generations`: VeRL's `trainer.log_val_generations` is `log_generations` in a stage's `trainer`; expected one of steps, total_epochs, eval_freq, save_freq, mode, max_staleness, stale_samples, max_ckpt_to_keep, save_dtype, log_generations, eval_temperature, log_rollouts",
         ),
         (
             "trainer: {steps: 2}\n  - id: final",
             "trainer: {total_training_steps: 2}\n  - id: final",
-            "t.yaml:18:15: stages[1].trainer: unknown field `total_training_steps`: VeRL's `trainer.total_training_steps` is `steps` in a stage's `trainer`; expected one of steps, total_epochs, eval_freq, save_freq, mode, max_staleness, stale_samples, max_ckpt_to_keep, save_dtype, log_generations, log_rollouts",
+            "t.yaml:18:15: stages[1].trainer: unknown field `total_training_steps`: VeRL's `trainer.total_training_steps` is `steps` in a stage's `trainer`; expected one of steps, total_epochs, eval_freq, save_freq, mode, max_staleness, stale_samples, max_ckpt_to_keep, save_dtype, log_generations, eval_temperature, log_rollouts",
         ),
         (
             "kind: sft",
@@ -220,6 +220,16 @@ fn bad_workflows_get_messages_that_say_where_and_why() {
             "t.yaml: stages[0].data: /no/such/rows.jsonl: No such file or directory (os error 2)",
         ),
         // Environments.
+        (
+            "trainer: {steps: 2}\n  - id: final",
+            "trainer: {steps: 2, eval_temperature: -1}\n  - id: final",
+            "t.yaml: stages[1].trainer.eval_temperature: must be 0 (greedy) or a positive temperature, got -1",
+        ),
+        (
+            "data: {task: arith, digits: 1, eval_size: 4}\n    algorithm",
+            "data: {task: guess, digits: 1, eval_size: 4, reverse_answer: true}\n    algorithm",
+            "t.yaml: stages[1].data.reverse_answer: is for task: arith (a guessing game's answer is its secret)",
+        ),
         (
             "eval_size: 4}\n    algorithm",
             "eval_size: 4, env: {type: calculator}}\n    reward: {type: exact_match}\n    algorithm",
