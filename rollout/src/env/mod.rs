@@ -21,8 +21,9 @@ use tools::{Call, ToolFormat};
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum EnvSpec {
-    /// A tool-use task: the model may call the `calculator` tool (any number of times) and
-    /// ends with its answer, scored 1 when its last number equals the problem's answer.
+    /// A tool-use task: the model may call its tools — `calculator`, and `python` (sandboxed) —
+    /// any number of times and ends with its answer, scored 1 when its last number equals the
+    /// problem's answer.
     Calculator,
     /// A feedback task: find the problem's answer (a whole number) by guessing; every wrong
     /// guess is answered `+` (higher) or `-` (lower); 1 for finding it within the turns.
@@ -103,6 +104,10 @@ pub fn make(spec: &EnvSpec, format: ToolFormat, step_timeout: Duration) -> Box<d
         EnvSpec::Calculator => Box::new(Calculator {
             format,
             answer: String::new(),
+            sandbox: tools::Sandbox {
+                timeout: step_timeout,
+                memory_bytes: 1 << 30,
+            },
         }),
         EnvSpec::Guess => Box::new(Guess { secret: 0 }),
         EnvSpec::Command(c) => Box::new(command::Command::new(c.clone(), step_timeout)),
@@ -127,6 +132,8 @@ fn last_number(text: &str) -> Option<&str> {
 struct Calculator {
     format: ToolFormat,
     answer: String,
+    /// How the `python` tool runs.
+    sandbox: tools::Sandbox,
 }
 
 impl Environment for Calculator {
@@ -147,16 +154,17 @@ impl Environment for Calculator {
                 });
             }
             Some(Err(msg)) => (format!("error: {msg}"), ToolUse::Error),
-            Some(Ok(Call { name, arguments })) if name == "calculator" => {
-                match tools::calculate(&arguments) {
-                    Ok(v) => (v.to_string(), ToolUse::Ok),
+            Some(Ok(Call { name, arguments })) => {
+                let out = match name.as_str() {
+                    "calculator" => tools::calculate(&arguments).map(|v| v.to_string()),
+                    "python" => tools::python(&arguments, self.sandbox),
+                    _ => Err(format!("no tool `{name}` (tools: calculator, python)")),
+                };
+                match out {
+                    Ok(v) => (v, ToolUse::Ok),
                     Err(msg) => (format!("error: {msg}"), ToolUse::Error),
                 }
             }
-            Some(Ok(Call { name, .. })) => (
-                format!("error: no tool `{name}` (tools: calculator)"),
-                ToolUse::Error,
-            ),
         };
         Ok(Step {
             observation: Some(Observation::Tool(observation)),
@@ -246,6 +254,17 @@ mod tests {
             matches!(&hermes[0].observation, Some(Observation::Tool(t)) if t.contains("no tool `search`"))
         );
         assert_eq!(hermes[1].reward, 1.0);
+        let py = run(
+            EnvSpec::Calculator,
+            ToolFormat::Hermes,
+            "56088",
+            &[
+                "<tool_call>{\"name\": \"python\", \"arguments\": {\"code\": \"print(123*456)\"}}</tool_call>",
+                "56088",
+            ],
+        );
+        assert_eq!(py[0].observation, Some(Observation::Tool("56088".into())));
+        assert_eq!((py[0].tool, py[1].reward), (ToolUse::Ok, 1.0));
     }
 
     #[test]

@@ -1,4 +1,5 @@
-//! Tool calls read from a model's turn, and the built-in `calculator`.
+//! Tool calls read from a model's turn, and the built-in tools: `calculator`, and `python` (a
+//! sandboxed interpreter: a process of its own with a deadline, a memory limit and no network).
 //!
 //! Formats: `hermes` — Qwen's and Hermes' `<tool_call>{"name": …, "arguments": {…}}</tool_call>`
 //! (what their chat templates teach), also Llama 3's bare `{"name": …, "parameters": {…}}` turn;
@@ -6,6 +7,9 @@
 //! own tokens, answered `<result>VALUE</result>`.
 
 use serde::{Deserialize, Serialize};
+use std::io::Read;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
 
 /// How tool calls are written in a model's turns.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -111,6 +115,124 @@ pub fn calculate(arguments: &serde_json::Value) -> Result<i64, String> {
         return Err(format!("calculator: cannot read {e:?} past byte {}", p.i));
     }
     Ok(v)
+}
+
+/// How the `python` tool runs a call's code.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Sandbox {
+    /// Wall-clock limit.
+    pub timeout: Duration,
+    /// Address-space limit, in bytes.
+    pub memory_bytes: u64,
+}
+
+/// What the `python` tool prints of a call at most, in bytes.
+const PYTHON_OUTPUT: usize = 2000;
+
+/// The `python` tool: `arguments.code` run by `python3 -I` (isolated: no user site, no
+/// environment variables) in a fresh folder, without network (a network namespace of its own,
+/// refused where none can be made), under `sandbox`'s limits. What it printed (standard output,
+/// then standard error), or why it failed.
+pub fn python(arguments: &serde_json::Value, sandbox: Sandbox) -> Result<String, String> {
+    let code = arguments
+        .get("code")
+        .and_then(|c| c.as_str())
+        .ok_or("python: no \"code\" argument")?;
+    let dir = std::env::temp_dir().join(format!(
+        "trellis-python-{}-{}",
+        std::process::id(),
+        RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    ));
+    std::fs::create_dir_all(&dir).map_err(|e| format!("python: {e}"))?;
+    let out = run_sandboxed(code, &dir, sandbox);
+    let _ = std::fs::remove_dir_all(&dir);
+    out
+}
+
+static RUNS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+fn run_sandboxed(code: &str, dir: &std::path::Path, sandbox: Sandbox) -> Result<String, String> {
+    let mut cmd = Command::new("python3");
+    cmd.args(["-I", "-c", code])
+        .current_dir(dir)
+        .env_clear()
+        .env("PATH", "/usr/bin:/bin")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    crate::reward::limit_address_space(&mut cmd, sandbox.memory_bytes);
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::unix::process::CommandExt;
+        // SAFETY: between fork and exec only async-signal-safe calls (unshare) are made.
+        unsafe {
+            cmd.pre_exec(|| {
+                // A network namespace of its own: only a loopback interface, down. Privileged
+                // hosts make one directly, others inside a user namespace.
+                if libc::unshare(libc::CLONE_NEWNET) == 0
+                    || libc::unshare(libc::CLONE_NEWUSER | libc::CLONE_NEWNET) == 0
+                {
+                    return Ok(());
+                }
+                Err(std::io::Error::last_os_error())
+            });
+        }
+    }
+    let mut child = cmd
+        .spawn()
+        .map_err(|e| format!("python: cannot start python3 without network access ({e})"))?;
+    let (stdout, stderr) = (child.stdout.take(), child.stderr.take());
+    let out = std::thread::spawn(move || read_capped(stdout));
+    let err = std::thread::spawn(move || read_capped(stderr));
+    let start = Instant::now();
+    let status = loop {
+        match child.try_wait() {
+            Ok(Some(s)) => break s,
+            Ok(None) if start.elapsed() < sandbox.timeout => {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            _ => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(format!(
+                    "python: the code ran past {:.1} s",
+                    sandbox.timeout.as_secs_f64()
+                ));
+            }
+        }
+    };
+    let text = |b: Vec<u8>| String::from_utf8_lossy(&b).into_owned();
+    let (out, err) = (
+        text(out.join().unwrap_or_default()),
+        text(err.join().unwrap_or_default()),
+    );
+    let mut all = out;
+    if !err.is_empty() {
+        all.push_str(&err);
+    }
+    if all.len() > PYTHON_OUTPUT {
+        let mut cut = PYTHON_OUTPUT;
+        while !all.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        all.truncate(cut);
+        all.push_str("…");
+    }
+    if status.success() {
+        Ok(all.trim_end().to_string())
+    } else {
+        Err(format!("python: {status}\n{}", all.trim_end()))
+    }
+}
+
+/// What `pipe` gives, up to a few times what the tool shows (the rest is left unread: a
+/// process that prints without end is stopped by its deadline).
+fn read_capped(pipe: Option<impl Read>) -> Vec<u8> {
+    let mut buf = Vec::new();
+    if let Some(p) = pipe {
+        let _ = p.take(PYTHON_OUTPUT as u64 * 4).read_to_end(&mut buf);
+    }
+    buf
 }
 
 struct Parser<'a> {
@@ -221,6 +343,37 @@ mod tests {
         }
         assert!(calculate(&json!({})).is_err());
         assert!(calculate(&json!({"expression": "9999999999*9999999999"})).is_err());
+    }
+
+    #[test]
+    fn the_python_tool_runs_code_within_its_limits_and_without_network() {
+        let sandbox = Sandbox {
+            timeout: Duration::from_secs(5),
+            memory_bytes: 512 << 20,
+        };
+        let run = |code: &str| python(&json!({"code": code}), sandbox);
+        assert_eq!(run("print(123 * 456)"), Ok("56088".into()));
+        let e = run("raise ValueError('no')").unwrap_err();
+        assert!(e.contains("ValueError: no"), "{e}");
+        let e = run("x = bytearray(4 << 30)").unwrap_err();
+        assert!(e.contains("MemoryError"), "{e}");
+        let e =
+            run("import socket; socket.create_connection(('1.1.1.1', 53), timeout=3)").unwrap_err();
+        assert!(e.contains("Network is unreachable"), "{e}");
+        let quick = Sandbox {
+            timeout: Duration::from_millis(300),
+            ..sandbox
+        };
+        let e = python(&json!({"code": "while True: pass"}), quick).unwrap_err();
+        assert_eq!(e, "python: the code ran past 0.3 s");
+        let long = run("print('x' * 5000)").unwrap();
+        assert!(long.len() <= PYTHON_OUTPUT + 3 && long.ends_with('…'));
+        assert!(
+            run("import os; print(os.getcwd())")
+                .unwrap()
+                .contains("trellis-python-")
+        );
+        assert!(python(&json!({}), sandbox).is_err());
     }
 
     #[test]
