@@ -216,7 +216,7 @@ fn run_sandboxed(code: &str, dir: &std::path::Path, sandbox: Sandbox) -> Result<
             cut -= 1;
         }
         all.truncate(cut);
-        all.push_str("…");
+        all.push('…');
     }
     if status.success() {
         Ok(all.trim_end().to_string())
