@@ -21,6 +21,13 @@ impl Errs<'_> {
     fn whole(&self, message: impl Into<String>) -> PlanError {
         PlanError::new(self.0, message)
     }
+    /// The workflow file's folder, where its programs run (`None`: the current one).
+    fn dir(&self) -> Option<PathBuf> {
+        Path::new(self.0)
+            .parent()
+            .filter(|d| !d.as_os_str().is_empty())
+            .map(Path::to_path_buf)
+    }
 }
 
 pub(super) fn plan(mut spec: Workflow, origin: &str) -> Result<Plan, PlanError> {
@@ -744,10 +751,7 @@ fn env_plan(
             if x.memory_mb == 0 {
                 return Err(e.at(format!("{at}.memory_mb"), "must be positive"));
             }
-            let dir = Path::new(e.0)
-                .parent()
-                .filter(|d| !d.as_os_str().is_empty())
-                .map(Path::to_path_buf);
+            let dir = e.dir();
             let program = find_program(cmd, dir.as_deref()).ok_or_else(|| {
                 e.at(
                     format!("{at}.command"),
@@ -1263,10 +1267,7 @@ fn user_nodes(s: &schema::Stage, i: usize, e: &Errs<'_>) -> Result<Vec<GraphNode
                         ),
                     ));
                 }
-                let dir = Path::new(e.0)
-                    .parent()
-                    .filter(|d| !d.as_os_str().is_empty())
-                    .map(Path::to_path_buf);
+                let dir = e.dir();
                 let program = find_program(cmd, dir.as_deref()).ok_or_else(|| {
                     e.at(
                         format!("{at}.command"),

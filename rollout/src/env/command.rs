@@ -13,10 +13,10 @@ use super::{EnvError, Environment, Observation, Step, ToolUse};
 use crate::task::Problem;
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
-use std::io::{BufRead, BufReader, Write};
+use std::io::Write;
 use std::path::PathBuf;
 use std::process::{Child, ChildStdin, Stdio};
-use std::sync::mpsc::{Receiver, RecvTimeoutError, channel};
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::time::Duration;
 
 /// Which program, and how it runs.
@@ -91,23 +91,19 @@ impl Command {
             let _ = child.wait();
             return Err(self.error("no pipes to the program"));
         };
-        let (tx, lines) = channel();
-        let reader = std::thread::Builder::new()
-            .name("env-reader".into())
-            .spawn(move || {
-                for line in BufReader::new(stdout).lines() {
-                    let Ok(line) = line else { break };
-                    if tx.send(line).is_err() {
-                        break;
-                    }
-                }
-            });
+        let lines = match crate::reward::read_lines(stdout, "env-reader") {
+            Ok(lines) => lines,
+            Err(e) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(self.error(format!("cannot read the program: {e}")));
+            }
+        };
         let proc = Proc {
             child,
             stdin,
             lines,
         };
-        reader.map_err(|e| self.error(format!("cannot read the program: {e}")))?;
         Ok(proc)
     }
 

@@ -132,6 +132,27 @@ pub fn limit_address_space(cmd: &mut std::process::Command, bytes: u64) {
     }
 }
 
+/// The lines `stdout` (a child's standard output) writes, as they come, read by a thread named
+/// `name` that ends with the pipe (or when nobody receives any more).
+pub(crate) fn read_lines(
+    stdout: std::process::ChildStdout,
+    name: &str,
+) -> std::io::Result<std::sync::mpsc::Receiver<String>> {
+    use std::io::BufRead;
+    let (tx, lines) = std::sync::mpsc::channel();
+    std::thread::Builder::new()
+        .name(name.into())
+        .spawn(move || {
+            for line in std::io::BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        })?;
+    Ok(lines)
+}
+
 /// Why responses could not be scored.
 #[derive(Debug, thiserror::Error)]
 pub enum RewardError {

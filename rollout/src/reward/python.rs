@@ -9,12 +9,12 @@
 
 use super::{Item, RewardError};
 use serde_json::{Value, json};
-use std::io::{BufRead, BufReader, Write};
+use std::io::Write;
 use std::path::PathBuf;
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::mpsc::{Receiver, RecvTimeoutError, channel};
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::time::Duration;
 
 /// The worker: imports the function, says `ready` (or sends the import's traceback), then
@@ -103,26 +103,18 @@ impl Worker {
                 message: "no pipes to the worker".into(),
             });
         };
-        let (tx, lines) = channel();
-        let reader = std::thread::Builder::new()
-            .name("reward-worker-reader".into())
-            .spawn(move || {
-                for line in BufReader::new(stdout).lines() {
-                    let Ok(line) = line else { break };
-                    if tx.send(line).is_err() {
-                        break;
-                    }
-                }
-            });
-        if let Err(e) = reader {
-            // Not left running without anyone reading it.
-            let _ = child.kill();
-            let _ = child.wait();
-            return Err(RewardError::Start {
-                python: spec.python.clone(),
-                message: e.to_string(),
-            });
-        }
+        let lines = match super::read_lines(stdout, "reward-worker-reader") {
+            Ok(lines) => lines,
+            Err(e) => {
+                // Not left running without anyone reading it.
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(RewardError::Start {
+                    python: spec.python.clone(),
+                    message: e.to_string(),
+                });
+            }
+        };
         let mut w = Worker {
             child,
             stdin,
