@@ -56,6 +56,10 @@ pub struct Limits {
 pub struct EpisodeStats {
     /// Its score: the sum of its steps' rewards (0 when it failed).
     pub reward: f32,
+    /// The steps' rewards that are not 0, each at the index (in the completion's tokens) of the
+    /// last token of the turn it answered: where a per-token estimator credits it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub turn_rewards: Vec<(usize, f32)>,
     /// Model turns.
     pub turns: usize,
     /// Tool calls, and those that failed (malformed, unknown tool, a failed evaluation).
@@ -238,6 +242,7 @@ impl Episode {
         );
         self.stats.failed = Some(e.to_string());
         self.stats.reward = 0.0;
+        self.stats.turn_rewards.clear();
         self.over = true;
     }
 
@@ -427,6 +432,11 @@ async fn step(agent: &Agent, e: &mut Episode) {
         }
     };
     e.stats.reward += s.reward;
+    if s.reward != 0.0 {
+        e.stats
+            .turn_rewards
+            .push((e.turn.end.saturating_sub(1), s.reward));
+    }
     match s.tool {
         ToolUse::None => {}
         ToolUse::Ok => e.stats.tool_calls += 1,
