@@ -1,6 +1,6 @@
 //! `trellis train` with its rollout pool on `trellis agent` processes (loopback): the run's
 //! results equal an in-process run's, and an agent killed with -9 mid-run costs nothing but a
-//! restart of its engine on the other agent.
+//! restart of its engine on the other agent; episodes play beside an engine on an agent.
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -367,4 +367,51 @@ fn bench_learners_times_ranks_in_the_process_and_on_agents() {
         .unwrap();
     assert!(!refused.status.success());
     assert!(String::from_utf8_lossy(&refused.stderr).contains("--ranks needs at least 2"));
+}
+
+#[test]
+fn episodes_play_beside_an_engine_on_an_agent_as_in_process() {
+    let dir = scratch("episodes");
+    // The RL stage's problems (one-digit sums) as guessing games, three turns each; the final
+    // eval plays them too.
+    let python = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../examples/python/guess_env.py");
+    let builtin = "stages.rl.data.env={type: guess, max_turns: 3}".to_string();
+    let program = format!(
+        "stages.rl.data.env={{type: command, name: guess, max_turns: 3, command: [python3, {}]}}",
+        python.display()
+    );
+    run_ok(
+        trellis()
+            .arg("train")
+            .arg(recipe())
+            .args(["-o", &builtin, "-o", "stages.rl.trainer.steps=4"])
+            .args(["--quiet", "--run-dir"])
+            .arg(dir.join("local")),
+    );
+    let reference = metric_rows(&dir.join("local"));
+    assert!(
+        reference
+            .iter()
+            .any(|r| r["episode/turns/mean"].as_f64().is_some_and(|t| t > 1.0)),
+        "games of more than one turn"
+    );
+    // The engine on an agent plays the episodes there — the Python environment's processes
+    // start on the agent's host — and the run is the in-process one.
+    let token = dir.join("cluster.token");
+    let (mut train, url, lines) = train_on_agents(
+        &dir,
+        &token,
+        &[
+            "-o",
+            &program,
+            "-o",
+            "stages.rl.trainer.steps=4",
+            "-o",
+            "pools.rollout.placement=spread",
+        ],
+    );
+    let _a1 = agent(&url, &token, "a1");
+    wait_ok(&mut train, &lines);
+    assert_eq!(metric_rows(&dir.join("run")), reference);
+    std::fs::remove_dir_all(&dir).unwrap();
 }
