@@ -844,11 +844,11 @@ impl Worker {
 
     fn finish(&mut self, s: Seq, reason: FinishReason) {
         // Blocks computed wholly by the served weights are kept for a prompt that continues
-        // this sequence.
+        // this sequence: its prompt was prefilled with the weights of its first token (the same
+        // step), so every token on the served version means every block is theirs.
         if self.cfg.prefix_cache
-            && s.version == self.version
             && Arc::ptr_eq(&s.model, &self.model)
-            && s.spans.len() <= 1
+            && s.spans.iter().all(|sp| sp.version == self.version)
         {
             let mut tokens = Vec::with_capacity(s.prompt.len() + s.tokens.len());
             tokens.extend_from_slice(&s.prompt);
