@@ -222,6 +222,18 @@ impl ChatTemplate {
         messages: &[Message],
         add_generation_prompt: bool,
     ) -> Result<String, ChatError> {
+        self.render_with_tools(messages, add_generation_prompt, None)
+    }
+
+    /// [`ChatTemplate::render`] with the tools the model may call (`tools`: OpenAI-style
+    /// function descriptions, as `apply_chat_template(tools=…)` takes them; templates that
+    /// know tools describe them, Qwen's and Llama 3's in the system turn).
+    pub fn render_with_tools(
+        &self,
+        messages: &[Message],
+        add_generation_prompt: bool,
+        tools: Option<&serde_json::Value>,
+    ) -> Result<String, ChatError> {
         let tmpl = self
             .env
             .get_template("chat")
@@ -231,6 +243,7 @@ impl ChatTemplate {
             add_generation_prompt => add_generation_prompt,
             bos_token => &self.bos,
             eos_token => &self.eos,
+            tools => tools,
         })
         .map_err(|e| ChatError::Render(e.to_string()))
     }
@@ -249,6 +262,35 @@ mod tests {
         assert_eq!(
             t.render_user("What is 2+2?").unwrap(),
             "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
+        );
+    }
+
+    #[test]
+    fn tools_reach_a_template_that_describes_them() {
+        // Qwen2.5-Instruct's system turn when tools are given, as shipped.
+        let qwen_tools = concat!(
+            "{%- if tools %}{{- '<|im_start|>system\\nYou are Qwen.' }}",
+            "{{- '\\n\\n# Tools\\n\\n<tools>' }}{%- for tool in tools %}{{- '\\n' }}",
+            "{{- tool | tojson }}{%- endfor %}{{- '\\n</tools><|im_end|>\\n' }}{%- endif %}",
+            "{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}",
+            "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+        );
+        let t = ChatTemplate::new(qwen_tools, "", "<|im_end|>").unwrap();
+        let user = [Message {
+            role: "user".into(),
+            content: "2+2?".into(),
+        }];
+        let tools = serde_json::json!([{"type": "function", "function": {"name": "calculator"}}]);
+        let with = t.render_with_tools(&user, true, Some(&tools)).unwrap();
+        assert!(
+            with.starts_with(
+                "<|im_start|>system\nYou are Qwen.\n\n# Tools\n\n<tools>\n{\"function\":{\"name\":\"calculator\"},\"type\":\"function\"}\n</tools>"
+            ),
+            "{with}"
+        );
+        assert_eq!(
+            t.render(&user, true).unwrap(),
+            "<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n"
         );
     }
 

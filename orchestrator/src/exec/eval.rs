@@ -72,9 +72,10 @@ pub(super) fn evaluate(
     rollouts: &dyn Rollouts,
 ) -> Result<Evaluation, ExecError> {
     let set = &stage.data.eval_set;
+    let tools = stage.data.env.as_ref().and_then(|e| e.spec.tools());
     let mut reqs = Vec::with_capacity(set.len());
     for (i, p) in set.iter().enumerate() {
-        let (prompt, _) = prompts.encode(p, stage.data.chat_template)?;
+        let (prompt, _) = prompts.encode_with_tools(p, stage.data.chat_template, tools.as_ref())?;
         let params = SamplingParams {
             temperature: stage.eval_temperature,
             max_tokens: stage.eval_tokens,

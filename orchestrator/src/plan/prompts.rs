@@ -36,7 +36,17 @@ impl Prompts<'_> {
     /// Token ids of `p`'s prompt (see [`Prompts::prompt`]), and of its answer followed by
     /// end-of-sequence.
     pub fn encode(&self, p: &Problem, chat: bool) -> Result<(Vec<u32>, Vec<u32>), PromptError> {
-        let prompt = self.prompt(&p.prompt, chat)?;
+        self.encode_with_tools(p, chat, None)
+    }
+
+    /// [`Prompts::encode`], a chat template also given the tools the model may call.
+    pub fn encode_with_tools(
+        &self,
+        p: &Problem,
+        chat: bool,
+        tools: Option<&serde_json::Value>,
+    ) -> Result<(Vec<u32>, Vec<u32>), PromptError> {
+        let prompt = self.prompt_with_tools(&p.prompt, chat, tools)?;
         let mut answer = self.tokenizer.encode_rendered(&p.answer)?;
         answer.push(self.eos);
         Ok((prompt, answer))
@@ -45,14 +55,30 @@ impl Prompts<'_> {
     /// Token ids of a prompt: a conversation through the chat template, text as a user message
     /// through it when `chat`, else as it is.
     pub fn prompt(&self, prompt: &Prompt, chat: bool) -> Result<Vec<u32>, PromptError> {
+        self.prompt_with_tools(prompt, chat, None)
+    }
+
+    /// [`Prompts::prompt`], a chat template also given the tools the model may call.
+    pub fn prompt_with_tools(
+        &self,
+        prompt: &Prompt,
+        chat: bool,
+        tools: Option<&serde_json::Value>,
+    ) -> Result<Vec<u32>, PromptError> {
+        let user = |text: &str| {
+            [learner::chat::Message {
+                role: "user".into(),
+                content: text.into(),
+            }]
+        };
         Ok(match (prompt, self.chat, chat) {
-            (Prompt::Chat(messages), Some(t), _) => {
-                self.tokenizer.encode_rendered(&t.render(messages, true)?)?
-            }
+            (Prompt::Chat(messages), Some(t), _) => self
+                .tokenizer
+                .encode_rendered(&t.render_with_tools(messages, true, tools)?)?,
             (Prompt::Chat(_), None, _) => return Err(PromptError::NoChatTemplate),
-            (Prompt::Text(text), Some(t), true) => {
-                self.tokenizer.encode_rendered(&t.render_user(text)?)?
-            }
+            (Prompt::Text(text), Some(t), true) => self
+                .tokenizer
+                .encode_rendered(&t.render_with_tools(&user(text), true, tools)?)?,
             (Prompt::Text(text), _, _) => self.tokenizer.encode(text)?,
         })
     }

@@ -33,6 +33,28 @@ pub enum EnvSpec {
 }
 
 impl EnvSpec {
+    /// The tools its model may call, described as OpenAI-style functions (what a chat
+    /// template that knows tools is given): the calculator's; none for the others.
+    pub fn tools(&self) -> Option<serde_json::Value> {
+        match self {
+            EnvSpec::Calculator => Some(serde_json::json!([
+                {"type": "function", "function": {
+                    "name": "calculator",
+                    "description": "Evaluates an arithmetic expression of whole numbers: + - * / (exact division only) and parentheses.",
+                    "parameters": {"type": "object",
+                        "properties": {"expression": {"type": "string", "description": "e.g. 123*456"}},
+                        "required": ["expression"]}}},
+                {"type": "function", "function": {
+                    "name": "python",
+                    "description": "Runs Python 3 code without network access and returns what it prints.",
+                    "parameters": {"type": "object",
+                        "properties": {"code": {"type": "string", "description": "e.g. print(123*456)"}},
+                        "required": ["code"]}}}
+            ])),
+            EnvSpec::Guess | EnvSpec::Command(_) => None,
+        }
+    }
+
     /// Its name in metrics (`env/<name>/failed`) and workflows.
     pub fn name(&self) -> &str {
         match self {

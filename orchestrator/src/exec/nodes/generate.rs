@@ -58,9 +58,13 @@ fn draw(
         .source
         .train_batch(cx.seed ^ 0xA11CE, start, b, &data.exclude);
     let s = cx.rl.sampling;
+    // An environment's tools, for a chat template that describes them.
+    let tools = data.env.as_ref().and_then(|e| e.spec.tools());
     let mut reqs = Vec::with_capacity(problems.len());
     for (i, p) in problems.iter().enumerate() {
-        let (prompt, _) = cx.prompts.encode(p, data.chat_template)?;
+        let (prompt, _) = cx
+            .prompts
+            .encode_with_tools(p, data.chat_template, tools.as_ref())?;
         let seed =
             cx.seed.wrapping_mul(1_000_003) ^ (step << 20) ^ ((round as u64) << 40) ^ i as u64;
         let params = SamplingParams {
