@@ -587,11 +587,40 @@ impl Assembler {
     }
 }
 
+/// Whether `file` can be locked exclusively now: `lock_shared` on a live region's file (held
+/// until its process ends, whatever kills it) says no.
+fn lock(file: &std::fs::File, how: libc::c_int) -> bool {
+    use std::os::fd::AsRawFd;
+    // SAFETY: flock on a descriptor we own; the lock goes with the descriptor.
+    unsafe { libc::flock(file.as_raw_fd(), how | libc::LOCK_NB) == 0 }
+}
+
+/// Removes the snapshot files under `dir` no live process holds (their sender was killed
+/// before it could remove them): a sender holds a shared lock on its file for its life, which
+/// the kernel drops with the process, in whatever namespace it ran.
+fn remove_dead_processes_files(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        if !entry.file_name().to_string_lossy().starts_with(SHM_PREFIX) {
+            continue;
+        }
+        if let Ok(f) = std::fs::File::open(entry.path())
+            && lock(&f, libc::LOCK_EX)
+        {
+            let _ = std::fs::remove_file(entry.path());
+        }
+    }
+}
+
 /// A shared-memory file a sender writes snapshots into (pages are allocated once, not per
 /// push); removed when dropped.
 pub struct ShmRegion {
     path: PathBuf,
     map: MmapMut,
+    /// The open file, whose shared lock says the region is in use.
+    _file: std::fs::File,
 }
 
 impl Drop for ShmRegion {
@@ -601,22 +630,35 @@ impl Drop for ShmRegion {
 }
 
 impl ShmRegion {
-    /// Creates a new file of `len` bytes under [`SHM_DIR`], mode 0600.
+    /// Creates a new file of `len` bytes under [`SHM_DIR`], mode 0600. The first one a
+    /// process makes also removes the files of processes that died without removing theirs
+    /// (killed with -9).
     pub fn create(len: u64) -> std::io::Result<ShmRegion> {
         use std::os::unix::fs::OpenOptionsExt;
         static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        static SWEPT: std::sync::Once = std::sync::Once::new();
+        SWEPT.call_once(|| remove_dead_processes_files(Path::new(SHM_DIR)));
         let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let path = Path::new(SHM_DIR).join(format!("{SHM_PREFIX}{}-{n}", std::process::id()));
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(&path)?;
-        let region = |map| ShmRegion {
-            path: path.clone(),
-            map,
+        let open = || {
+            std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(&path)
         };
+        let file = match open() {
+            // Our process id in the name: the file is a dead process's that had it before
+            // (a receiver still mapping it keeps its pages), so it is replaced.
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                std::fs::remove_file(&path)?;
+                open()?
+            }
+            r => r?,
+        };
+        // Held for the file's life: it tells a sweep (above, in another process) it is in use.
+        lock(&file, libc::LOCK_SH);
         if let Err(e) = file.set_len(len.max(1)) {
             let _ = std::fs::remove_file(&path);
             return Err(e);
@@ -624,7 +666,11 @@ impl ShmRegion {
         // SAFETY: we created the file with O_EXCL and mode 0600; the receiver maps it read-only
         // and we write it only while the receiver does not use it (see `ShmPool`).
         match unsafe { MmapMut::map_mut(&file) } {
-            Ok(map) => Ok(region(map)),
+            Ok(map) => Ok(ShmRegion {
+                path: path.clone(),
+                map,
+                _file: file,
+            }),
             Err(e) => {
                 let _ = std::fs::remove_file(&path);
                 Err(e)
@@ -823,6 +869,33 @@ pub fn read_shm(
         params: Arc::new(TensorSet { tensors }),
     };
     Ok((snapshot, ack))
+}
+
+#[cfg(test)]
+mod shm_sweep_tests {
+    use super::*;
+
+    #[test]
+    fn a_sweep_removes_the_files_of_dead_senders_and_keeps_live_ones() {
+        let dir = std::env::temp_dir().join(format!("trellis-shm-sweep-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        // A live sender's file: open with its shared lock held.
+        let live = dir.join(format!("{SHM_PREFIX}1-0"));
+        let held = std::fs::File::create(&live).unwrap();
+        assert!(lock(&held, libc::LOCK_SH));
+        // A killed sender's: nobody holds it.
+        let dead = dir.join(format!("{SHM_PREFIX}2-0"));
+        std::fs::write(&dead, b"x").unwrap();
+        let other = dir.join("someone-else");
+        std::fs::write(&other, b"x").unwrap();
+        remove_dead_processes_files(&dir);
+        assert!(live.exists() && other.exists() && !dead.exists());
+        drop(held);
+        remove_dead_processes_files(&dir);
+        assert!(!live.exists());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }
 
 #[cfg(test)]
