@@ -394,14 +394,13 @@ async fn step(agent: &Agent, e: &mut Episode) {
     let timeout = Duration::from_secs_f64(e.spec.limits.step_timeout_s.max(0.001));
     // The environment is made and reset with the first step, on the blocking pool like every
     // step (a program's start runs beside the others').
-    let (env, problem) = match e.env.take() {
+    let (mut env, problem) = match e.env.take() {
         Some(env) => (env, None),
         None => (
             env::make(&e.spec.env, e.spec.format, timeout),
             Some(Problem::new(e.spec.prompt.clone(), e.spec.answer.clone())),
         ),
     };
-    let mut env = env;
     let name = e.spec.env.name().to_string();
     let run = tokio::task::spawn_blocking(move || {
         let s = match &problem {

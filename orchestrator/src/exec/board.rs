@@ -29,14 +29,22 @@ pub(crate) struct Group {
     pub scores: Vec<f32>,
 }
 
-impl Group {
-    /// The environment's score of each response, when they are episodes.
-    pub fn episode_rewards(&self) -> Option<Vec<f32>> {
-        self.completions
-            .iter()
+/// The scores of `completions`, whose texts and problems `items` holds in the same order: on a
+/// stage with an environment, each episode's own; otherwise the stage's reward's.
+pub(crate) fn score<'c>(
+    stage: &StagePlan,
+    completions: impl IntoIterator<Item = &'c Completion>,
+    items: &[rollout::reward::Item<'_>],
+) -> Result<rollout::reward::Scored, ExecError> {
+    if stage.data.env.is_some()
+        && let Some(scores) = completions
+            .into_iter()
             .map(|c| c.episode.as_ref().map(|e| e.reward))
-            .collect()
+            .collect::<Option<Vec<f32>>>()
+    {
+        return Ok(rollout::reward::Scored { scores, failed: 0 });
     }
+    Ok(stage.reward.score_all(items)?)
 }
 
 /// The behaviour policy's log-probs.

@@ -6,8 +6,8 @@
 use super::{ExecError, Prompts};
 use crate::plan::StagePlan;
 use crate::roles::Rollouts;
+use rollout::SamplingParams;
 use rollout::reward::Item;
-use rollout::{GenerateRequest, SamplingParams};
 use serde::Serialize;
 use std::path::Path;
 
@@ -72,10 +72,8 @@ pub(super) fn evaluate(
     rollouts: &dyn Rollouts,
 ) -> Result<Evaluation, ExecError> {
     let set = &stage.data.eval_set;
-    let tools = stage.data.env.as_ref().and_then(|e| e.spec.tools());
     let mut reqs = Vec::with_capacity(set.len());
     for (i, p) in set.iter().enumerate() {
-        let (prompt, _) = prompts.encode_with_tools(p, stage.data.chat_template, tools.as_ref())?;
         let params = SamplingParams {
             temperature: stage.eval_temperature,
             max_tokens: stage.eval_tokens,
@@ -83,16 +81,7 @@ pub(super) fn evaluate(
             seed: Some(0xE7A1_5EED ^ i as u64),
             ..Default::default()
         };
-        let episode = stage
-            .data
-            .env
-            .as_ref()
-            .map(|env| env.episode(p, stage.data.chat_template));
-        reqs.push(GenerateRequest {
-            prompt,
-            params,
-            episode,
-        });
+        reqs.push(stage.data.request(prompts, p, params)?);
     }
     let out = rollouts.generate(reqs)?;
     let texts = out
@@ -104,16 +93,7 @@ pub(super) fn evaluate(
         .zip(&texts)
         .map(|(c, t)| Item::new(t, &set[c.request]))
         .collect();
-    // Episodes are scored by their environment.
-    let scored = match out
-        .iter()
-        .map(|c| c.episode.as_ref().map(|e| e.reward))
-        .collect::<Option<Vec<f32>>>()
-        .filter(|_| stage.data.env.is_some())
-    {
-        Some(scores) => rollout::reward::Scored { scores, failed: 0 },
-        None => stage.reward.score_all(&items)?,
-    };
+    let scored = super::board::score(stage, &out, &items)?;
     let mut correct = 0.0;
     let mut total = 0.0;
     let mut samples = Vec::new();

@@ -249,6 +249,27 @@ pub struct DataPlan {
     pub env: Option<EnvPlan>,
 }
 
+impl DataPlan {
+    /// The request for problem `p` sampled with `params`: its prompt (through the chat template
+    /// when the data asks for it, given the environment's tools), and its episode when the
+    /// data has an environment.
+    pub fn request(
+        &self,
+        prompts: &Prompts<'_>,
+        p: &Problem,
+        params: rollout::SamplingParams,
+    ) -> Result<rollout::GenerateRequest, PromptError> {
+        let env = self.env.as_ref();
+        let tools = env.and_then(|e| e.spec.tools());
+        let (prompt, _) = prompts.encode_with_tools(p, self.chat_template, tools.as_ref())?;
+        Ok(rollout::GenerateRequest {
+            prompt,
+            params,
+            episode: env.map(|e| e.episode(p, self.chat_template)),
+        })
+    }
+}
+
 /// A stage's environment.
 #[derive(Clone, Debug, PartialEq)]
 pub struct EnvPlan {

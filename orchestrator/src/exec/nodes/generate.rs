@@ -4,7 +4,7 @@
 //! step takes its own, dropping or regenerating groups whose tokens lag too many versions.
 
 use super::{Act, Board, ExecError, StepCx, Update};
-use crate::exec::board::{Group, OldLogp, Pending, Write};
+use crate::exec::board::{Group, OldLogp, Pending, Write, score};
 use crate::plan::Mode;
 use crate::plan::schema::Stale;
 use learner::rl::Metrics;
@@ -58,13 +58,8 @@ fn draw(
         .source
         .train_batch(cx.seed ^ 0xA11CE, start, b, &data.exclude);
     let s = cx.rl.sampling;
-    // An environment's tools, for a chat template that describes them.
-    let tools = data.env.as_ref().and_then(|e| e.spec.tools());
     let mut reqs = Vec::with_capacity(problems.len());
     for (i, p) in problems.iter().enumerate() {
-        let (prompt, _) = cx
-            .prompts
-            .encode_with_tools(p, data.chat_template, tools.as_ref())?;
         let seed =
             cx.seed.wrapping_mul(1_000_003) ^ (step << 20) ^ ((round as u64) << 40) ^ i as u64;
         let params = SamplingParams {
@@ -75,15 +70,7 @@ fn draw(
             seed: Some(seed),
             ..Default::default()
         };
-        let episode = data
-            .env
-            .as_ref()
-            .map(|env| env.episode(p, data.chat_template));
-        reqs.push(GenerateRequest {
-            prompt,
-            params,
-            episode,
-        });
+        reqs.push(data.request(cx.prompts, p, params)?);
     }
     let indexed = (start..).zip(problems).collect();
     Ok((indexed, reqs))
@@ -137,14 +124,9 @@ fn now(cx: &StepCx<'_, '_>, m: &mut Metrics) -> Result<Vec<Group>, ExecError> {
         for g in groups_of(cx, problems, &reqs, out)? {
             generated += 1;
             let keep = !filter || {
-                let s = match g.episode_rewards() {
-                    Some(s) => s,
-                    None => {
-                        let items: Vec<Item<'_>> =
-                            g.texts.iter().map(|t| Item::new(t, &g.problem)).collect();
-                        cx.stage.reward.score_all(&items)?.scores
-                    }
-                };
+                let items: Vec<Item<'_>> =
+                    g.texts.iter().map(|t| Item::new(t, &g.problem)).collect();
+                let s = score(cx.stage, &g.completions, &items)?.scores;
                 keep_informative_groups(&vec![0; s.len()], &s)[0]
             };
             if keep {

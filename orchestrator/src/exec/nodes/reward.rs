@@ -2,7 +2,7 @@
 //! DAPO's overlong shaping; a Python reward's failed calls are counted in `reward/failed`.
 
 use super::{Board, Compute, ExecError, StepCx, Update};
-use crate::exec::board::Write;
+use crate::exec::board::{Write, score};
 use learner::rl::dapo::overlong_penalty;
 use rollout::reward::Item;
 
@@ -16,18 +16,8 @@ impl Compute for Reward {
             .iter()
             .flat_map(|g| g.texts.iter().map(|t| Item::new(t, &g.problem)))
             .collect();
-        // Episodes are scored by their environment; other responses by the stage's reward.
-        let env_scores: Option<Vec<f32>> = board
-            .groups
-            .iter()
-            .map(|g| g.episode_rewards())
-            .collect::<Option<Vec<_>>>()
-            .map(|v| v.concat())
-            .filter(|_| cx.stage.data.env.is_some());
-        let scored = match env_scores {
-            Some(scores) => rollout::reward::Scored { scores, failed: 0 },
-            None => cx.stage.reward.score_all(&items)?,
-        };
+        let completions = board.groups.iter().flat_map(|g| &g.completions);
+        let scored = score(cx.stage, completions, &items)?;
         let mut flat = scored.scores.into_iter();
         let scores = board
             .groups
