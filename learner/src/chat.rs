@@ -155,14 +155,19 @@ impl ChatTemplate {
         (&self.source, &self.bos, &self.eos)
     }
 
-    /// The text that follows an assistant's turn when `message` (a `tool` result or a `user`
-    /// reply) comes next, through the next assistant turn's opening: what a multi-turn
+    /// The text that follows an assistant's turn when `messages` (`tool` results, a `user`
+    /// reply) come next, through the next assistant turn's opening: what a multi-turn
     /// conversation appends after the model's own tokens, so that those are never rendered
     /// again. It starts after the template's end-of-sequence text (the token a model ends its
-    /// turn with); `.0` is that text, for a turn cut short before writing it. Refused when the
-    /// template does not render `message` there (a template without `tool` messages, or one
-    /// whose earlier text changes with what follows).
-    pub fn continuation(&self, message: &Message) -> Result<(String, String), ChatError> {
+    /// turn with); `.0` is that text, for a turn cut short before writing it. `tools` are the
+    /// conversation's (templates that describe them in the system turn render the same text
+    /// after it). Refused when the template does not render the messages there (a template
+    /// without `tool` messages, or one whose earlier text changes with what follows).
+    pub fn continuation(
+        &self,
+        messages: &[Message],
+        tools: Option<&serde_json::Value>,
+    ) -> Result<(String, String), ChatError> {
         const TURN: &str = "@@trellis-turn@@";
         let base = [
             Message {
@@ -174,23 +179,28 @@ impl ChatTemplate {
                 content: TURN.into(),
             },
         ];
-        let before = self.render(&base, false)?;
+        let before = self.render_with_tools(&base[..], false, tools)?;
         let mut all = base.to_vec();
-        all.push(message.clone());
-        let after = self.render(&all, true)?;
+        all.extend_from_slice(messages);
+        let after = self.render_with_tools(&all[..], true, tools)?;
+        let roles = || {
+            let mut r: Vec<&str> = messages.iter().map(|m| m.role.as_str()).collect();
+            r.dedup();
+            r.join("`/`")
+        };
         let rest = match after.strip_prefix(&before) {
-            Some(rest) if rest.contains(&message.content) => rest,
+            Some(rest) if messages.iter().all(|m| rest.contains(&m.content)) => rest,
             Some(_) => {
                 return Err(ChatError::Render(format!(
                     "the chat template does not render a `{}` message after the assistant's turn",
-                    message.role
+                    roles()
                 )));
             }
             None => {
                 return Err(ChatError::Render(format!(
                     "the chat template renders the conversation before a `{}` message differently \
                      once it follows",
-                    message.role
+                    roles()
                 )));
             }
         };
@@ -228,9 +238,11 @@ impl ChatTemplate {
     /// [`ChatTemplate::render`] with the tools the model may call (`tools`: OpenAI-style
     /// function descriptions, as `apply_chat_template(tools=…)` takes them; templates that
     /// know tools describe them, Qwen's and Llama 3's in the system turn).
-    pub fn render_with_tools(
+    /// `messages` may be any serializable list (an OpenAI request's messages, with their
+    /// `tool_calls`, as JSON).
+    pub fn render_with_tools<M: serde::Serialize + ?Sized>(
         &self,
-        messages: &[Message],
+        messages: &M,
         add_generation_prompt: bool,
         tools: Option<&serde_json::Value>,
     ) -> Result<String, ChatError> {
@@ -303,7 +315,7 @@ mod tests {
         };
         // The model ended its turn with `<|im_end|>`; the newline after it is the template's.
         assert_eq!(
-            t.continuation(&user).unwrap(),
+            t.continuation(std::slice::from_ref(&user), None).unwrap(),
             (
                 "<|im_end|>".to_string(),
                 "\n<|im_start|>user\nhigher<|im_end|>\n<|im_start|>assistant\n".to_string()
@@ -314,7 +326,7 @@ mod tests {
             role: "tool".into(),
             content: "42".into(),
         };
-        assert!(t.continuation(&tool).is_err());
+        assert!(t.continuation(&[tool], None).is_err());
     }
 
     #[test]

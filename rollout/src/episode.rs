@@ -74,6 +74,10 @@ pub struct EpisodeStats {
     /// Why the environment failed, when it did (the episode ended there).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub failed: Option<String>,
+    /// Which of the episode's trajectories this completion is: 0, the first; an agent program
+    /// that rewrote its history made more (see [`crate::gateway`]), which share these stats.
+    #[serde(default, skip_serializing_if = "crate::is_zero")]
+    pub fork: usize,
 }
 
 /// How an engine's side renders observations: made once per actor from an [`AgentSetup`].
@@ -89,9 +93,9 @@ pub struct AgentSetup {
 
 /// An [`AgentSetup`] made ready: the tokenizer and template loaded.
 pub struct Agent {
-    tokenizer: Tokenizer,
-    chat: Option<ChatTemplate>,
-    max_context: usize,
+    pub(crate) tokenizer: Tokenizer,
+    pub(crate) chat: Option<ChatTemplate>,
+    pub(crate) max_context: usize,
 }
 
 impl std::fmt::Debug for Agent {
@@ -148,11 +152,12 @@ impl Agent {
                 } else {
                     "user"
                 };
+                let message = Message {
+                    role: role.into(),
+                    content: c.clone(),
+                };
                 let (eos, rest) = t
-                    .continuation(&Message {
-                        role: role.into(),
-                        content: c.clone(),
-                    })
+                    .continuation(&[message], spec.env.tools().as_ref())
                     .map_err(|e| e.to_string())?;
                 // A turn cut short never wrote its end of turn: the template's closes it.
                 if ended { rest } else { format!("{eos}{rest}") }
@@ -256,6 +261,7 @@ impl Episode {
             finish_reason: self.finish,
             weight_versions: self.spans,
             observations: self.observations,
+            prompt: None,
             cached_tokens: 0,
             episode: Some(self.stats),
         }
@@ -271,7 +277,7 @@ fn turn_request(prompt: Vec<u32>, base: &crate::SamplingParams, room: usize) -> 
 
 /// A later turn's seed: the request's, the sample and the turn mixed (a pure function, so an
 /// episode replays exactly).
-fn turn_seed(seed: Option<u64>, index: usize, turn: usize) -> Option<u64> {
+pub(crate) fn turn_seed(seed: Option<u64>, index: usize, turn: usize) -> Option<u64> {
     seed.map(|s| {
         let mut z = s ^ ((index as u64) << 32) ^ (turn as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
@@ -281,8 +287,45 @@ fn turn_seed(seed: Option<u64>, index: usize, turn: usize) -> Option<u64> {
 
 /// Completions of `reqs` from `engine`, ordered by request, then sample: requests without an
 /// episode are generated as they are; each sample of a request with one is an episode, played
-/// turn by turn against its environment (every live episode's turn in one engine call).
+/// turn by turn against its environment (every live episode's turn in one engine call), or by
+/// its agent program through the gateway ([`crate::gateway`]; an episode may then have several
+/// trajectories, each a completion).
 pub async fn generate(
+    engine: &dyn InferenceEngine,
+    agent: Option<&Agent>,
+    reqs: Vec<GenerateRequest>,
+) -> Result<Vec<Completion>, EngineError> {
+    let program =
+        |r: &GenerateRequest| matches!(r.episode.as_ref().map(|e| &e.env), Some(EnvSpec::Agent(_)));
+    let Some(first) = reqs.iter().position(program) else {
+        return play_turns(engine, agent, reqs).await;
+    };
+    let agent = agent.ok_or_else(|| EngineError::InvalidRequest {
+        request: first,
+        msg:
+            "an agent program's episode, and this engine's actor was started without an agent setup"
+                .into(),
+    })?;
+    let (programs, rest): (Vec<usize>, Vec<usize>) =
+        (0..reqs.len()).partition(|&i| program(&reqs[i]));
+    let pick = |idx: &[usize]| idx.iter().map(|&i| reqs[i].clone()).collect::<Vec<_>>();
+    let mut out = Vec::with_capacity(reqs.len());
+    if !rest.is_empty() {
+        for mut c in play_turns(engine, Some(agent), pick(&rest)).await? {
+            c.request = rest[c.request];
+            out.push(c);
+        }
+    }
+    for mut c in crate::gateway::play(engine, agent, pick(&programs)).await? {
+        c.request = programs[c.request];
+        out.push(c);
+    }
+    out.sort_by_key(|c| (c.request, c.index));
+    Ok(out)
+}
+
+/// [`generate`] of requests none of whose episodes is an agent program's.
+async fn play_turns(
     engine: &dyn InferenceEngine,
     agent: Option<&Agent>,
     reqs: Vec<GenerateRequest>,
@@ -396,10 +439,16 @@ async fn step(agent: &Agent, e: &mut Episode) {
     // step (a program's start runs beside the others').
     let (mut env, problem) = match e.env.take() {
         Some(env) => (env, None),
-        None => (
-            env::make(&e.spec.env, e.spec.format, timeout),
-            Some(Problem::new(e.spec.prompt.clone(), e.spec.answer.clone())),
-        ),
+        None => match env::make(&e.spec.env, e.spec.format, timeout) {
+            Ok(env) => (
+                env,
+                Some(Problem::new(e.spec.prompt.clone(), e.spec.answer.clone())),
+            ),
+            Err(err) => {
+                e.fail(&err);
+                return;
+            }
+        },
     };
     let name = e.spec.env.name().to_string();
     let run = tokio::task::spawn_blocking(move || {

@@ -14,6 +14,7 @@ pub mod bench;
 pub mod env;
 pub mod episode;
 pub mod external;
+pub mod gateway;
 pub mod kv;
 pub mod native;
 pub mod parquet;
@@ -101,6 +102,10 @@ pub struct Completion {
     /// An episode's outcome (a request with an episode only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub episode: Option<episode::EpisodeStats>,
+    /// The prompt `token_ids` follow when it is not the request's: an agent program's own
+    /// conversation (see [`gateway`]), rendered from the messages of its first call.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt: Option<Vec<u32>>,
 }
 
 fn is_zero(n: &usize) -> bool {
@@ -132,6 +137,9 @@ pub enum EngineError {
     /// routes, another model): a configuration error, not retried. The message names its URL.
     #[error("{0}")]
     Protocol(String),
+    /// The agent gateway cannot serve (no loopback port to listen on).
+    #[error("the agent gateway: {0}")]
+    Gateway(String),
 }
 
 /// A boxed future, as the engine interface returns them (so `dyn InferenceEngine` works).

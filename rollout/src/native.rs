@@ -869,6 +869,7 @@ impl Worker {
             observations: Vec::new(),
             cached_tokens: s.cached,
             episode: None,
+            prompt: None,
         });
         job.remaining -= 1;
         if job.remaining == 0 {

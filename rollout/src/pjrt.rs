@@ -154,6 +154,7 @@ impl Inner {
                 logprobs: r.logprobs,
                 finish_reason: r.done.unwrap_or(FinishReason::Length),
                 observations: Vec::new(),
+                prompt: None,
                 cached_tokens: 0,
                 episode: None,
             })

@@ -252,10 +252,13 @@ fn a_chat_episodes_tool_results_are_the_templates_text_after_the_models_turn() {
         .block_on(generate(&engine, Some(&agent), vec![request]))
         .unwrap();
     let (eos, rest) = template
-        .continuation(&learner::chat::Message {
-            role: "tool".into(),
-            content: "42".into(),
-        })
+        .continuation(
+            &[learner::chat::Message {
+                role: "tool".into(),
+                content: "42".into(),
+            }],
+            None,
+        )
         .unwrap();
     assert!(
         rest.contains("<tool_response>\n42\n</tool_response>"),

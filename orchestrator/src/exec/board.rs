@@ -125,7 +125,7 @@ impl Board {
     pub fn rows(&self) -> TokenRows {
         TokenRows::new(self.groups.iter().enumerate().flat_map(|(g, grp)| {
             grp.completions.iter().map(move |c| Row {
-                prompt: &grp.prompt,
+                prompt: c.prompt.as_deref().unwrap_or(&grp.prompt),
                 response: &c.token_ids,
                 group: g as u64,
                 observed: &c.observations,

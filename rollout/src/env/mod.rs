@@ -30,6 +30,9 @@ pub enum EnvSpec {
     Guess,
     /// A program of one's own, started for every episode (see [`command`]).
     Command(CommandEnv),
+    /// An agent program of one's own: it runs its own loop against the model through the
+    /// agent gateway (see [`crate::gateway`]) and is no environment the loop steps.
+    Agent(crate::gateway::AgentProgram),
 }
 
 impl EnvSpec {
@@ -51,7 +54,7 @@ impl EnvSpec {
                         "properties": {"code": {"type": "string", "description": "e.g. print(123*456)"}},
                         "required": ["code"]}}}
             ])),
-            EnvSpec::Guess | EnvSpec::Command(_) => None,
+            EnvSpec::Guess | EnvSpec::Command(_) | EnvSpec::Agent(_) => None,
         }
     }
 
@@ -61,6 +64,7 @@ impl EnvSpec {
             EnvSpec::Calculator => "calculator",
             EnvSpec::Guess => "guess",
             EnvSpec::Command(c) => &c.name,
+            EnvSpec::Agent(a) => &a.program.name,
         }
     }
 }
@@ -120,9 +124,14 @@ pub trait Environment: Send {
 }
 
 /// The environment `spec` names, reading tool calls in `format`, with `step_timeout` for a
-/// program's answers: the one place one is made.
-pub fn make(spec: &EnvSpec, format: ToolFormat, step_timeout: Duration) -> Box<dyn Environment> {
-    match spec {
+/// program's answers: the one place one is made. An agent program is none (the gateway plays
+/// its episodes).
+pub fn make(
+    spec: &EnvSpec,
+    format: ToolFormat,
+    step_timeout: Duration,
+) -> Result<Box<dyn Environment>, EnvError> {
+    Ok(match spec {
         EnvSpec::Calculator => Box::new(Calculator {
             format,
             answer: String::new(),
@@ -133,7 +142,15 @@ pub fn make(spec: &EnvSpec, format: ToolFormat, step_timeout: Duration) -> Box<d
         }),
         EnvSpec::Guess => Box::new(Guess { secret: 0 }),
         EnvSpec::Command(c) => Box::new(command::Command::new(c.clone(), step_timeout)),
-    }
+        EnvSpec::Agent(a) => {
+            return Err(EnvError {
+                env: a.program.name.clone(),
+                msg:
+                    "an agent program runs its own loop through the gateway, not as an environment"
+                        .into(),
+            });
+        }
+    })
 }
 
 /// The last whole number in `text` (an optional `-` and digits), if any.
@@ -241,7 +258,7 @@ mod tests {
     use super::*;
 
     fn run(spec: EnvSpec, format: ToolFormat, answer: &str, turns: &[&str]) -> Vec<Step> {
-        let mut env = make(&spec, format, Duration::from_secs(1));
+        let mut env = make(&spec, format, Duration::from_secs(1)).unwrap();
         env.reset(&Problem::new("q", answer)).unwrap();
         turns.iter().map(|t| env.step(t).unwrap()).collect()
     }
@@ -302,7 +319,7 @@ mod tests {
         assert_eq!((s[2].reward, s[2].done), (1.0, true));
         let lost = run(EnvSpec::Guess, ToolFormat::Compact, "3", &["none"]);
         assert_eq!((lost[0].reward, lost[0].done), (0.0, true));
-        let mut env = make(&EnvSpec::Guess, ToolFormat::Compact, Duration::from_secs(1));
+        let mut env = make(&EnvSpec::Guess, ToolFormat::Compact, Duration::from_secs(1)).unwrap();
         assert!(env.reset(&Problem::new("q", "x")).is_err());
     }
 

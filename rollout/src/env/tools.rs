@@ -74,6 +74,31 @@ pub fn parse(text: &str, format: ToolFormat) -> Option<Result<Call, String>> {
     }
 }
 
+/// A Hermes-format turn split as vLLM's `hermes` tool parser splits it: the text before the
+/// first `<tool_call>` (trimmed), and every well-formed `<tool_call>{json}</tool_call>` in it.
+/// A turn with a malformed call is all text (no calls), so nothing the model wrote is lost.
+pub fn split_hermes(text: &str) -> (String, Vec<Call>) {
+    const OPEN: &str = "<tool_call>";
+    const CLOSE: &str = "</tool_call>";
+    let Some(first) = text.find(OPEN) else {
+        return (text.to_string(), Vec::new());
+    };
+    let mut calls = Vec::new();
+    let mut rest = &text[first..];
+    while let Some(i) = rest.find(OPEN) {
+        let body = &rest[i + OPEN.len()..];
+        let Some(j) = body.find(CLOSE) else {
+            return (text.to_string(), Vec::new());
+        };
+        match call_of_json(body[..j].trim()) {
+            Ok(c) => calls.push(c),
+            Err(_) => return (text.to_string(), Vec::new()),
+        }
+        rest = &body[j + CLOSE.len()..];
+    }
+    (text[..first].trim().to_string(), calls)
+}
+
 fn call_of_json(json: &str) -> Result<Call, String> {
     let v: serde_json::Value =
         serde_json::from_str(json).map_err(|e| format!("the call is not JSON: {e}"))?;
@@ -343,6 +368,33 @@ mod tests {
         }
         assert!(calculate(&json!({})).is_err());
         assert!(calculate(&json!({"expression": "9999999999*9999999999"})).is_err());
+    }
+
+    #[test]
+    fn hermes_turns_split_into_text_and_calls_as_vllm_splits_them() {
+        let calc = |e: &str| Call {
+            name: "calculator".into(),
+            arguments: json!({"expression": e}),
+        };
+        let two = "Let me see.\n<tool_call>\n{\"name\": \"calculator\", \"arguments\": {\"expression\": \"1+1\"}}\n</tool_call>\n<tool_call>{\"name\": \"calculator\", \"arguments\": \"{\\\"expression\\\": \\\"2*3\\\"}\"}</tool_call>";
+        for (text, want) in [
+            ("42", ("42".to_string(), vec![])),
+            (
+                two,
+                ("Let me see.".to_string(), vec![calc("1+1"), calc("2*3")]),
+            ),
+            // Malformed: all of it stays text.
+            (
+                "a <tool_call>{\"name\": 1}</tool_call>",
+                ("a <tool_call>{\"name\": 1}</tool_call>".to_string(), vec![]),
+            ),
+            (
+                "<tool_call>{\"name\": \"x\"}",
+                ("<tool_call>{\"name\": \"x\"}".to_string(), vec![]),
+            ),
+        ] {
+            assert_eq!(split_hermes(text), want, "{text}");
+        }
     }
 
     #[test]

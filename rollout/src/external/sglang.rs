@@ -220,6 +220,7 @@ async fn generate(
             finish_reason,
             weight_versions,
             observations: Vec::new(),
+            prompt: None,
             cached_tokens: 0,
             episode: None,
         });

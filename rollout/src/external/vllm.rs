@@ -337,6 +337,7 @@ impl Call {
                 finish_reason,
                 weight_versions,
                 observations: Vec::new(),
+                prompt: None,
                 cached_tokens: 0,
                 episode: None,
             });

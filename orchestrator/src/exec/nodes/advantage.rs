@@ -72,6 +72,7 @@ mod tests {
             finish_reason: FinishReason::Stop,
             weight_versions: Vec::new(),
             observations: Vec::new(),
+            prompt: None,
             cached_tokens: 0,
             episode: turn_rewards.map(|turn_rewards| EpisodeStats {
                 turn_rewards,
