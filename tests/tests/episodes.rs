@@ -258,3 +258,345 @@ fn grpo_lifts_the_success_of_a_multi_turn_guessing_game() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// examples/python/openai_agent.py: an agent program that plays through the gateway with the
+/// `openai` package.
+fn openai_agent() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../examples/python/openai_agent.py")
+}
+
+#[test]
+fn the_openai_client_plays_episodes_through_the_gateway_and_every_token_is_recorded_exactly() {
+    use learner::chat::{ChatTemplate, Message};
+    use rollout::env::EnvSpec;
+    use rollout::env::command::CommandEnv;
+    use rollout::env::tools::ToolFormat;
+    use rollout::episode::{Agent, AgentSetup, EpisodeSpec, Limits};
+    use rollout::gateway::AgentProgram;
+    use rollout::native::{NativeConfig, NativeEngine};
+    use rollout::{GenerateRequest, SamplingParams};
+
+    let Some(python) = trellis_tests::python() else {
+        return;
+    };
+    let root = scratch("gateway");
+    let data = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data");
+    // A tiny random Qwen2 with the fixture's tokenizer, Qwen2.5's chat template as shipped, and
+    // room for its tools' system prompt.
+    let config = learner::ModelConfig::from_json(
+        serde_json::json!({"model_type": "qwen2", "vocab_size": 384, "hidden_size": 32,
+            "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "max_position_embeddings": 1024, "eos_token_id": 2,
+            "tie_word_embeddings": true}),
+        Path::new("tiny"),
+    )
+    .unwrap();
+    let model = learner::Model::init(config, 5);
+    let tokenizer_json =
+        std::fs::read_to_string(data.join("tiny-qwen2/checkpoint/tokenizer.json")).unwrap();
+    let source = std::fs::read_to_string(data.join("chat/qwen2.5-tools.jinja")).unwrap();
+    let template = ChatTemplate::new(&source, "", "<|im_end|>").unwrap();
+    let tok = learner::tokenizer::Tokenizer::from_json(&tokenizer_json, Path::new("t")).unwrap();
+    let agent = Agent::new(&AgentSetup {
+        tokenizer_json,
+        chat: Some((source, String::new(), "<|im_end|>".into())),
+        max_context: 1024,
+    })
+    .unwrap();
+    let engine = NativeEngine::new(model.clone(), NativeConfig::default());
+
+    let program = |name: &str, argv: Vec<String>| AgentProgram {
+        program: CommandEnv {
+            name: name.into(),
+            argv,
+            dir: None,
+            memory_bytes: 2048 << 20,
+        },
+        printed_reward: true,
+    };
+    let py = |more: &[&str]| {
+        let mut v = vec![
+            python.display().to_string(),
+            openai_agent().display().to_string(),
+            "--transcript".into(),
+            root.display().to_string(),
+        ];
+        v.extend(more.iter().map(|s| s.to_string()));
+        v
+    };
+    let request = |n: usize, seed: u64, program: AgentProgram, timeout: f64| GenerateRequest {
+        prompt: vec![1, 2],
+        params: SamplingParams {
+            n,
+            temperature: 1.0,
+            max_tokens: 8,
+            seed: Some(seed),
+            ..Default::default()
+        },
+        episode: Some(EpisodeSpec {
+            env: EnvSpec::Agent(program),
+            format: ToolFormat::Hermes,
+            chat: true,
+            prompt: "What is 12*34?".into(),
+            answer: "408".into(),
+            limits: Limits {
+                max_turns: 4,
+                max_tokens: 200,
+                step_timeout_s: timeout,
+            },
+        }),
+    };
+    let reqs = vec![
+        request(2, 1, program("agent", py(&[])), 30.0),
+        request(1, 2, program("agent", py(&["--stream"])), 30.0),
+        request(
+            1,
+            3,
+            program("crash", vec!["sh".into(), "-c".into(), "exit 3".into()]),
+            30.0,
+        ),
+        request(
+            1,
+            4,
+            program("hang", vec!["sleep".into(), "30".into()]),
+            1.0,
+        ),
+    ];
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let out = rt
+        .block_on(rollout::episode::generate(&engine, Some(&agent), reqs))
+        .unwrap();
+
+    // A program that crashes and one that hangs fail their episodes only.
+    let failed = |r: usize| {
+        let c: Vec<_> = out.iter().filter(|c| c.request == r).collect();
+        assert_eq!(c.len(), 1);
+        assert!(c[0].token_ids.is_empty());
+        c[0].episode.as_ref().unwrap().failed.clone().unwrap()
+    };
+    let crash = failed(2);
+    assert!(
+        crash.contains("`crash`: the agent program ended with exit status: 3"),
+        "{crash}"
+    );
+    let hang = failed(3);
+    assert!(
+        hang.contains("neither called nor ended within 1.0 s"),
+        "{hang}"
+    );
+
+    let (mut forks, mut observations) = (0, 0);
+    for (r, i) in [(0, 0), (0, 1), (1, 0)] {
+        let trajectories: Vec<_> = out
+            .iter()
+            .filter(|c| (c.request, c.index) == (r, i))
+            .collect();
+        forks += trajectories.len() - 1;
+        for (k, c) in trajectories.iter().enumerate() {
+            let stats = c.episode.as_ref().unwrap();
+            assert_eq!(stats.fork, k);
+            assert!(stats.failed.is_none(), "{stats:?}");
+            assert!(stats.reward == 0.0 || stats.reward == 1.0);
+            assert!(stats.turns >= 2 && stats.turns <= 4, "{stats:?}");
+            // The learner scores the trajectory's model tokens as the engine sampled them.
+            let prompt = c.prompt.as_ref().unwrap();
+            let full: Vec<u32> = prompt.iter().chain(&c.token_ids).copied().collect();
+            let scores = model.score(&learner::Batch::padded(&[&full]), 1.0).unwrap();
+            let mut made = 0;
+            for (j, lp) in c.logprobs.iter().enumerate() {
+                if c.observations.iter().all(|o| !o.contains(&j)) {
+                    made += 1;
+                    let learner = scores.logp[prompt.len() - 1 + j];
+                    assert!((lp - learner).abs() < 1e-4, "token {j}: {lp} vs {learner}");
+                } else {
+                    assert_eq!(*lp, 0.0);
+                }
+            }
+            let versions: usize = c.weight_versions.iter().map(|s| s.end - s.start).sum();
+            assert_eq!(versions, made);
+        }
+        // The last trajectory is the conversation the program ended with, token for token: its
+        // prompt is the messages it began with, rendered; each model turn is what the client
+        // was told; between them, exactly the template's text for the program's new messages.
+        let c = trajectories.last().unwrap();
+        let file = std::fs::read_dir(&root)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .find(|p| p.to_string_lossy().ends_with(&format!("-{r}-{i}.json")))
+            .expect("the program's transcript");
+        let t: Value = serde_json::from_str(&std::fs::read_to_string(file).unwrap()).unwrap();
+        let (tools, messages) = (&t["tools"], t["messages"].as_array().unwrap());
+        let first = messages
+            .iter()
+            .position(|m| m["role"] == "assistant")
+            .unwrap();
+        let prompt = tok
+            .encode_rendered(
+                &template
+                    .render_with_tools(&messages[..first], true, Some(tools))
+                    .unwrap(),
+            )
+            .unwrap();
+        assert_eq!(c.prompt.as_ref().unwrap(), &prompt);
+        let mut at = 0;
+        let mut obs = c.observations.iter();
+        let mut m = first;
+        loop {
+            let end = obs.clone().next().map_or(c.token_ids.len(), |o| o.start);
+            let turn = &c.token_ids[at..end];
+            assert_eq!(messages[m]["role"], "assistant");
+            assert_eq!(
+                tok.decode(turn).unwrap(),
+                messages[m]["content"].as_str().unwrap_or(""),
+                "turn at {at} of {r}/{i}"
+            );
+            let Some(o) = obs.next() else { break };
+            observations += 1;
+            let next = (m + 1..messages.len())
+                .find(|&k| messages[k]["role"] == "assistant")
+                .unwrap();
+            let new: Vec<Message> = messages[m + 1..next]
+                .iter()
+                .map(|v| Message {
+                    role: v["role"].as_str().unwrap().into(),
+                    content: v["content"].as_str().unwrap_or("").into(),
+                })
+                .collect();
+            let (eos, rest) = template.continuation(&new, Some(tools)).unwrap();
+            let text = if turn.last() == Some(&2) {
+                rest
+            } else {
+                format!("{eos}{rest}")
+            };
+            assert_eq!(
+                c.token_ids[o.clone()],
+                tok.encode_rendered(&text).unwrap()[..]
+            );
+            at = o.end;
+            m = next;
+        }
+        assert_eq!(at + (c.token_ids.len() - at), c.token_ids.len());
+    }
+    // The program started over once with a hint (a fork) in every episode, and asked again
+    // within a trajectory (observations) in some.
+    assert_eq!(forks, 3);
+    assert!(observations > 0);
+    std::fs::remove_dir_all(&root).unwrap();
+}
+
+/// The fixture checkpoint made a chat model: Qwen2.5's chat template (with tools), `<|im_end|>`
+/// its end of turn, and room for the tools' system prompt.
+fn chat_checkpoint(dir: &Path) -> PathBuf {
+    let data = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data");
+    let from = data.join("tiny-qwen2/checkpoint");
+    let to = dir.join("chat-checkpoint");
+    std::fs::create_dir_all(&to).unwrap();
+    for f in [
+        "model.safetensors",
+        "tokenizer.json",
+        "generation_config.json",
+    ] {
+        std::fs::copy(from.join(f), to.join(f)).unwrap();
+    }
+    let mut config: Value =
+        serde_json::from_str(&std::fs::read_to_string(from.join("config.json")).unwrap()).unwrap();
+    config["max_position_embeddings"] = 1024.into();
+    config["eos_token_id"] = 2.into();
+    std::fs::write(to.join("config.json"), config.to_string()).unwrap();
+    std::fs::write(
+        to.join("tokenizer_config.json"),
+        r#"{"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>"}"#,
+    )
+    .unwrap();
+    std::fs::copy(
+        data.join("chat/qwen2.5-tools.jinja"),
+        to.join("chat_template.jinja"),
+    )
+    .unwrap();
+    to
+}
+
+#[test]
+fn grpo_trains_through_an_agent_program_and_a_stage_reward_can_score_its_transcripts() {
+    let Some(python) = trellis_tests::python() else {
+        return;
+    };
+    let root = scratch("episodes-agent");
+    let checkpoint = chat_checkpoint(&root);
+    let run = |name: &str, env: &str, reward: &str| {
+        let file = root.join(format!("{name}.yaml"));
+        std::fs::write(
+            &file,
+            format!(
+                "name: {name}\nseed: 3\nmodel: {{path: {}}}\nstages:\n  - id: rl\n    kind: rl\n    \
+                 data: {{task: arith, digits: 2, ops: \"*\", eval_size: 2, chat_template: true, \
+                 env: {env}}}\n{reward}    algorithm: {{rollout_n: 2, train_batch_size: 2, \
+                 ppo_mini_batch_size: 2, max_response_length: 8}}\n    trainer: {{steps: 2, \
+                 eval_freq: 2}}\n",
+                checkpoint.display()
+            ),
+        )
+        .unwrap();
+        let dir = root.join(name);
+        run_ok(
+            trellis()
+                .arg("train")
+                .arg(&file)
+                .arg("--run-dir")
+                .arg(&dir)
+                .arg("--quiet"),
+        );
+        metric_rows(&dir)
+    };
+    // examples/python/openai_agent.py, unchanged, as the stage's agent.
+    let rows = run(
+        "agent",
+        &format!(
+            "{{type: agent, command: [{}, {}], max_turns: 4}}",
+            python.display(),
+            openai_agent().display()
+        ),
+        "",
+    );
+    let steps: Vec<&Value> = rows.iter().filter(|r| r["stage"] == "rl").collect();
+    assert!(steps.iter().any(|r| r["step"] == 2), "{rows:?}");
+    let sum = |k: &str| -> f64 { steps.iter().filter_map(|r| r[k].as_f64()).sum() };
+    assert_eq!(sum("env/agent/failed"), 0.0, "{rows:?}");
+    assert!(sum("episode/forks") > 0.0, "{rows:?}");
+    assert!(sum("episode/turns/mean") >= 2.0 * 2.0, "{rows:?}");
+    assert!(
+        steps.iter().any(|r| r["eval/accuracy"].is_number()),
+        "{rows:?}"
+    );
+
+    // An agent that prints no reward, scored by the stage's reward on its transcript.
+    let quiet = root.join("quiet_agent.py");
+    std::fs::write(
+        &quiet,
+        "import json, sys\nfrom openai import OpenAI\nproblem = json.loads(sys.stdin.readline())\n\
+         r = OpenAI().chat.completions.create(model='m', messages=[{'role': 'user', 'content': problem['prompt']}])\n\
+         assert r.choices[0].message.role == 'assistant'\n",
+    )
+    .unwrap();
+    let rows = run(
+        "scored",
+        &format!(
+            "{{type: agent, name: quiet, command: [{}, {}]}}",
+            python.display(),
+            quiet.display()
+        ),
+        "    reward: {type: exact_match}\n",
+    );
+    let steps: Vec<&Value> = rows.iter().filter(|r| r["stage"] == "rl").collect();
+    assert!(steps.iter().any(|r| r["step"] == 2), "{rows:?}");
+    let failed: f64 = steps
+        .iter()
+        .filter_map(|r| r["env/quiet/failed"].as_f64())
+        .sum();
+    assert_eq!(failed, 0.0, "{rows:?}");
+    std::fs::remove_dir_all(&root).unwrap();
+}

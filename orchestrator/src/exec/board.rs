@@ -30,21 +30,47 @@ pub(crate) struct Group {
 }
 
 /// The scores of `completions`, whose texts and problems `items` holds in the same order: on a
-/// stage with an environment, each episode's own; otherwise the stage's reward's.
+/// stage whose episodes score themselves, each episode's own; otherwise the stage's reward's
+/// (an agent program's transcripts, where its stage names a reward).
 pub(crate) fn score<'c>(
     stage: &StagePlan,
     completions: impl IntoIterator<Item = &'c Completion>,
     items: &[rollout::reward::Item<'_>],
 ) -> Result<rollout::reward::Scored, ExecError> {
-    if stage.data.env.is_some()
-        && let Some(scores) = completions
-            .into_iter()
-            .map(|c| c.episode.as_ref().map(|e| e.reward))
+    let episodes: Vec<Option<&rollout::episode::EpisodeStats>> = completions
+        .into_iter()
+        .map(|c| c.episode.as_ref())
+        .collect();
+    if stage.scores_episodes
+        && let Some(scores) = episodes
+            .iter()
+            .map(|e| e.map(|e| e.reward))
             .collect::<Option<Vec<f32>>>()
     {
         return Ok(rollout::reward::Scored { scores, failed: 0 });
     }
-    Ok(stage.reward.score_all(items)?)
+    let mut scored = stage.reward.score_all(items)?;
+    // A failed episode's transcript scores nothing.
+    for (s, e) in scored.scores.iter_mut().zip(&episodes) {
+        if e.is_some_and(|e| e.failed.is_some()) {
+            *s = 0.0;
+        }
+    }
+    Ok(scored)
+}
+
+/// `out` with only the last trajectory of every episode (an agent program that rewrote its
+/// history made several; its final transcript is the last).
+pub(crate) fn finals(mut out: Vec<Completion>) -> Vec<Completion> {
+    let mut keep = vec![true; out.len()];
+    for i in 1..out.len() {
+        if (out[i].request, out[i].index) == (out[i - 1].request, out[i - 1].index) {
+            keep[i - 1] = false;
+        }
+    }
+    let mut k = keep.into_iter();
+    out.retain(|_| k.next().unwrap_or(true));
+    out
 }
 
 /// The behaviour policy's log-probs.

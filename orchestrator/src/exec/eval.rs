@@ -81,9 +81,13 @@ pub(super) fn evaluate(
             seed: Some(0xE7A1_5EED ^ i as u64),
             ..Default::default()
         };
-        reqs.push(stage.data.request(prompts, p, params)?);
+        reqs.push(
+            stage
+                .data
+                .request(prompts, p, params, stage.scores_episodes)?,
+        );
     }
-    let out = rollouts.generate(reqs)?;
+    let out = super::board::finals(rollouts.generate(reqs)?);
     let texts = out
         .iter()
         .map(|c| prompts.decode(&c.token_ids))

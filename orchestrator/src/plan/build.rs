@@ -744,7 +744,7 @@ fn env_plan(
     let spec = match (x.kind, &x.command) {
         (schema::EnvKind::Calculator, None) => rollout::env::EnvSpec::Calculator,
         (schema::EnvKind::Guess, None) => rollout::env::EnvSpec::Guess,
-        (schema::EnvKind::Command, Some(argv)) => {
+        (kind @ (schema::EnvKind::Command | schema::EnvKind::Agent), Some(argv)) => {
             let Some(cmd) = argv.first() else {
                 return Err(e.at(format!("{at}.command"), "is empty: name a program"));
             };
@@ -760,28 +760,60 @@ fn env_plan(
             })?;
             let mut argv = argv.clone();
             argv[0] = program.display().to_string();
-            rollout::env::EnvSpec::Command(rollout::env::command::CommandEnv {
-                name: x.name.clone().unwrap_or_else(|| "command".into()),
+            let agent = kind == schema::EnvKind::Agent;
+            let program = rollout::env::command::CommandEnv {
+                name: x
+                    .name
+                    .clone()
+                    .unwrap_or_else(|| if agent { "agent" } else { "command" }.into()),
                 argv,
                 dir,
                 memory_bytes: x.memory_mb.saturating_mul(1 << 20),
-            })
+            };
+            if !agent {
+                rollout::env::EnvSpec::Command(program)
+            } else if prompts.chat.is_none() {
+                return Err(e.at(
+                    format!("{at}.type"),
+                    "agent needs `data.chat_template: true` and a checkpoint with a chat template \
+                     (an agent program's calls are chat messages, which the template renders)",
+                ));
+            } else {
+                // Whether its printed reward counts is the stage's to say (`reward`).
+                rollout::env::EnvSpec::Agent(rollout::gateway::AgentProgram {
+                    program,
+                    printed_reward: true,
+                })
+            }
         }
-        (schema::EnvKind::Command, None) => {
+        (kind @ (schema::EnvKind::Command | schema::EnvKind::Agent), None) => {
+            let kind = if kind == schema::EnvKind::Agent {
+                "agent"
+            } else {
+                "command"
+            };
             return Err(e.at(
                 format!("{at}.command"),
-                "is required with type: command (the program and its arguments)",
+                format!("is required with type: {kind} (the program and its arguments)"),
             ));
         }
         (_, Some(_)) => {
             return Err(e.at(
                 format!("{at}.command"),
-                "is for type: command (the built-in environments run in Trellis)",
+                "is for type: command and agent (the built-in environments run in Trellis)",
             ));
         }
     };
+    if matches!(spec, rollout::env::EnvSpec::Agent(_)) && x.tool_format == Some(ToolFormat::Compact)
+    {
+        return Err(e.at(
+            format!("{at}.tool_format"),
+            "an agent program's tool calls are read as hermes' (the gateway answers them as OpenAI's tool_calls)",
+        ));
+    }
     let compact_ok = rollout::episode::compact_token(prompts.tokenizer, CALL).is_ok();
     let format = match x.tool_format {
+        _ if matches!(spec, rollout::env::EnvSpec::Agent(_)) => ToolFormat::Hermes,
         Some(ToolFormat::Compact) if !compact_ok => {
             return Err(e.at(
                 format!("{at}.tool_format"),
@@ -941,12 +973,18 @@ fn stage(
             "is for rl and eval stages (an sft stage trains on the task's answers)",
         ));
     }
-    if data.env.is_some() && s.reward.is_some() {
+    let program = matches!(
+        data.env.as_ref().map(|e| &e.spec),
+        Some(rollout::env::EnvSpec::Agent(_))
+    );
+    if data.env.is_some() && s.reward.is_some() && !program {
         return Err(e.at(
             at("reward"),
             "an episode's score is its environment's (data.env): remove `reward`",
         ));
     }
+    // An agent program's stage may score the transcripts with its reward instead.
+    let scores_episodes = data.env.is_some() && !(program && s.reward.is_some());
     let reward = s
         .reward
         .clone()
@@ -1022,6 +1060,7 @@ fn stage(
         work,
         data,
         reward,
+        scores_episodes,
         eval_freq: s.trainer.eval_freq,
         save_freq: s.trainer.save_freq,
         save_dtype: s.trainer.save_dtype,

@@ -205,6 +205,9 @@ pub struct StagePlan {
     pub data: Arc<DataPlan>,
     /// The reward (RL) and the eval's scorer (a Python reward's workers start on first use).
     pub reward: Scorer,
+    /// Episodes score themselves (a stage with `data.env`), not `reward` — but for an agent
+    /// program's stage that names a `reward`, which scores the transcripts.
+    pub scores_episodes: bool,
     /// Steps (0 for an eval stage).
     pub steps: u64,
     /// Evaluate every this many steps (0: only at the end).
@@ -253,19 +256,30 @@ impl DataPlan {
     /// The request for problem `p` sampled with `params`: its prompt (through the chat template
     /// when the data asks for it, given the environment's tools), and its episode when the
     /// data has an environment.
+    ///
+    /// `scores_episodes`: the stage's ([`StagePlan::scores_episodes`]); when false, an agent
+    /// program owes no reward.
     pub fn request(
         &self,
         prompts: &Prompts<'_>,
         p: &Problem,
         params: rollout::SamplingParams,
+        scores_episodes: bool,
     ) -> Result<rollout::GenerateRequest, PromptError> {
         let env = self.env.as_ref();
         let tools = env.and_then(|e| e.spec.tools());
         let (prompt, _) = prompts.encode_with_tools(p, self.chat_template, tools.as_ref())?;
+        let episode = env.map(|e| {
+            let mut episode = e.episode(p, self.chat_template);
+            if let rollout::env::EnvSpec::Agent(a) = &mut episode.env {
+                a.printed_reward = scores_episodes;
+            }
+            episode
+        });
         Ok(rollout::GenerateRequest {
             prompt,
             params,
-            episode: env.map(|e| e.episode(p, self.chat_template)),
+            episode,
         })
     }
 }

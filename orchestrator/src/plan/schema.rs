@@ -333,18 +333,20 @@ pub struct Data {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct EnvConfig {
-    /// `calculator` (tool use), `guess` (higher/lower replies), or `command`: a program of
-    /// one's own, started for every episode, speaking JSON lines (docs/agents.md).
+    /// `calculator` (tool use), `guess` (higher/lower replies), `command`: a program of one's
+    /// own, started for every episode, speaking JSON lines, or `agent`: an agent program of
+    /// one's own, started for every episode, that runs its own loop against an OpenAI
+    /// endpoint — the agent gateway — and prints its reward (docs/agents.md).
     #[serde(rename = "type")]
     pub kind: EnvKind,
-    /// `command`: the program and its arguments (relative paths start at the workflow's folder,
-    /// where it runs).
+    /// `command`, `agent`: the program and its arguments (relative paths start at the workflow's
+    /// folder, where it runs).
     #[serde(default)]
     pub command: Option<Vec<String>>,
-    /// `command`: its name in metrics (`env/<name>/failed`).
+    /// `command`, `agent`: its name in metrics (`env/<name>/failed`).
     #[serde(default)]
     pub name: Option<String>,
-    /// `command`: the program's address-space limit, in MiB.
+    /// `command`, `agent`: the program's address-space limit, in MiB.
     #[serde(default = "default_env_memory_mb")]
     pub memory_mb: u64,
     /// Model turns at most.
@@ -354,7 +356,8 @@ pub struct EnvConfig {
     /// context holds); each turn samples `max_response_length` at most.
     #[serde(default)]
     pub max_episode_tokens: Option<usize>,
-    /// Seconds one environment step may take; a slower one fails that episode only.
+    /// Seconds one environment step may take (an agent program: its own time between two
+    /// calls); a slower one fails that episode only.
     #[serde(default = "default_step_timeout_s")]
     pub step_timeout_s: f64,
     /// How the model writes tool calls: `compact` (`<call>…</call>`, the `builtin:tools`
@@ -373,6 +376,8 @@ pub enum EnvKind {
     Guess,
     /// A program of one's own.
     Command,
+    /// An agent program of one's own, through the agent gateway.
+    Agent,
 }
 
 fn default_env_memory_mb() -> u64 {

@@ -253,7 +253,7 @@ fn bad_workflows_get_messages_that_say_where_and_why() {
         (
             "eval_size: 4}\n    algorithm",
             "eval_size: 4, env: {type: calculater}}\n    algorithm",
-            "t.yaml:15:62: stages[1].data.env.type: unknown variant `calculater` (did you mean `calculator`?); expected one of calculator, guess, command",
+            "t.yaml:15:62: stages[1].data.env.type: unknown variant `calculater` (did you mean `calculator`?); expected one of calculator, guess, command, agent",
         ),
         (
             "eval_size: 4}\n    algorithm",
@@ -263,7 +263,17 @@ fn bad_workflows_get_messages_that_say_where_and_why() {
         (
             "eval_size: 4}\n    algorithm",
             "eval_size: 4, env: {type: guess, command: [python3, env.py]}}\n    algorithm",
-            "t.yaml: stages[1].data.env.command: is for type: command (the built-in environments run in Trellis)",
+            "t.yaml: stages[1].data.env.command: is for type: command and agent (the built-in environments run in Trellis)",
+        ),
+        (
+            "eval_size: 4}\n    algorithm",
+            "eval_size: 4, env: {type: agent}}\n    algorithm",
+            "t.yaml: stages[1].data.env.command: is required with type: agent (the program and its arguments)",
+        ),
+        (
+            "eval_size: 4}\n    algorithm",
+            "eval_size: 4, env: {type: agent, command: [sh, agent.sh]}}\n    algorithm",
+            "t.yaml: stages[1].data.env.type: agent needs `data.chat_template: true` and a checkpoint with a chat template (an agent program's calls are chat messages, which the template renders)",
         ),
         (
             "eval_size: 4}\n    algorithm",

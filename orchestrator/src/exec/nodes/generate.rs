@@ -70,7 +70,7 @@ fn draw(
             seed: Some(seed),
             ..Default::default()
         };
-        reqs.push(data.request(cx.prompts, p, params)?);
+        reqs.push(data.request(cx.prompts, p, params, cx.stage.scores_episodes)?);
     }
     let indexed = (start..).zip(problems).collect();
     Ok((indexed, reqs))
@@ -252,11 +252,30 @@ fn episode_metrics(cx: &StepCx<'_, '_>, groups: &[Group], m: &mut Metrics) {
     let Some(env) = &cx.stage.data.env else {
         return;
     };
-    let stats: Vec<(&Completion, &rollout::episode::EpisodeStats)> = groups
+    let all: Vec<(&Completion, &rollout::episode::EpisodeStats)> = groups
         .iter()
         .flat_map(|g| g.completions.iter())
         .filter_map(|c| c.episode.as_ref().map(|e| (c, e)))
         .collect();
+    // Tokens are per trajectory (a trained row each); the rest per episode, counted once (its
+    // first trajectory: an agent program's forks share its stats).
+    let forks = all.iter().filter(|(_, e)| e.fork > 0).count();
+    let rows = all.len().max(1) as f64;
+    let per_row = |f: &dyn Fn(&Completion) -> usize| {
+        all.iter().map(|(c, _)| f(c)).sum::<usize>() as f64 / rows
+    };
+    m.insert(
+        "episode/tokens/mean".into(),
+        per_row(&|c| c.token_ids.len()),
+    );
+    m.insert(
+        "episode/observation_tokens/mean".into(),
+        per_row(&|c| c.observations.iter().map(|r| r.len()).sum()),
+    );
+    let stats: Vec<_> = all.iter().filter(|(_, e)| e.fork == 0).copied().collect();
+    if matches!(env.spec, rollout::env::EnvSpec::Agent(_)) {
+        m.insert("episode/forks".into(), forks as f64);
+    }
     let n = stats.len().max(1) as f64;
     let mean = |f: &dyn Fn(&(&Completion, &rollout::episode::EpisodeStats)) -> usize| {
         stats.iter().map(f).sum::<usize>() as f64 / n
@@ -269,14 +288,6 @@ fn episode_metrics(cx: &StepCx<'_, '_>, groups: &[Group], m: &mut Metrics) {
     m.insert(
         "episode/tool_errors".into(),
         stats.iter().map(|(_, e)| e.tool_errors).sum::<usize>() as f64,
-    );
-    m.insert(
-        "episode/tokens/mean".into(),
-        mean(&|(c, _)| c.token_ids.len()),
-    );
-    m.insert(
-        "episode/observation_tokens/mean".into(),
-        mean(&|(c, _)| c.observations.iter().map(|r| r.len()).sum()),
     );
     m.insert(
         "episode/prefill_tokens".into(),

@@ -41,7 +41,7 @@ impl Compute for Reward {
             })
             .collect();
         let mut update = Update::write(Write::Scores(scores));
-        if cx.stage.data.env.is_none()
+        if !cx.stage.scores_episodes
             && matches!(
                 cx.stage.reward.reward(),
                 rollout::reward::Reward::Python { .. }
