@@ -51,15 +51,15 @@ def calculator(expression):
 
 
 def ask(client, messages, stream):
-    """One call: the assistant's message as a dict (content, tool_calls) and its finish."""
+    """One call: the assistant's message as a dict (content, tool_calls)."""
     if not stream:
         r = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
         m = r.choices[0].message
         calls = [{"id": c.id, "type": "function",
                   "function": {"name": c.function.name, "arguments": c.function.arguments}}
                  for c in (m.tool_calls or [])]
-        return {"role": "assistant", "content": m.content, "tool_calls": calls}, r.choices[0].finish_reason
-    content, calls, finish = "", {}, None
+        return {"role": "assistant", "content": m.content, "tool_calls": calls}
+    content, calls = "", {}
     for chunk in client.chat.completions.create(model="policy", messages=messages, tools=TOOLS,
                                                 stream=True):
         if not chunk.choices:
@@ -71,9 +71,8 @@ def ask(client, messages, stream):
                                               "function": {"name": "", "arguments": ""}})
             call["function"]["name"] += c.function.name or ""
             call["function"]["arguments"] += c.function.arguments or ""
-        finish = chunk.choices[0].finish_reason or finish
     return {"role": "assistant", "content": content or None,
-            "tool_calls": [calls[k] for k in sorted(calls)]}, finish
+            "tool_calls": [calls[k] for k in sorted(calls)]}
 
 
 def main():
@@ -86,14 +85,15 @@ def main():
     client = OpenAI()  # OPENAI_BASE_URL and OPENAI_API_KEY come from Trellis
     system = {"role": "system", "content": "Answer with a number."}
     messages = [system, {"role": "user", "content": problem["prompt"]}]
-    hinted = False
+    first = True
     said = ""
     for _ in range(args.turns):
-        reply, finish = ask(client, messages, args.stream)
+        reply = ask(client, messages, args.stream)
         if not reply["tool_calls"]:
             del reply["tool_calls"]
         messages.append(reply)
         said = reply.get("content") or ""
+        was_first, first = first, False
         if reply.get("tool_calls"):
             for c in reply["tool_calls"]:
                 try:
@@ -102,9 +102,9 @@ def main():
                     expression = None
                 messages.append({"role": "tool", "tool_call_id": c["id"],
                                  "content": calculator(expression)})
-        elif not hinted:
-            # Start over with a hint: the history is rewritten.
-            hinted = True
+        elif was_first:
+            # Answered at once, without the tool: start over with a hint (the history is
+            # rewritten).
             messages = [system, {"role": "user", "content": problem["prompt"] + HINT}]
         elif not re.search(r"\d", said):
             messages.append({"role": "user", "content": "Answer with just the number."})

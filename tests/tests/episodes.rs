@@ -600,3 +600,183 @@ fn grpo_trains_through_an_agent_program_and_a_stage_reward_can_score_its_transcr
     assert_eq!(failed, 0.0, "{rows:?}");
     std::fs::remove_dir_all(&root).unwrap();
 }
+
+/// A policy that calls the calculator, then answers with what it was told: the tool loop of a
+/// trained model, which a tiny random one cannot play (the gateway and the client are real).
+struct ToolCaller {
+    tok: learner::tokenizer::Tokenizer,
+}
+
+impl rollout::InferenceEngine for ToolCaller {
+    fn generate(
+        &self,
+        reqs: Vec<rollout::GenerateRequest>,
+    ) -> rollout::BoxFuture<'_, Result<Vec<rollout::Completion>, rollout::EngineError>> {
+        let out = reqs
+            .iter()
+            .enumerate()
+            .map(|(request, r)| {
+                let context = self.tok.decode(&r.prompt).unwrap();
+                let text = match context.rsplit_once("<tool_response>\n") {
+                    Some((_, result)) => {
+                        format!("{}<|im_end|>", result.split('\n').next().unwrap())
+                    }
+                    None => "<tool_call>\n{\"name\": \"calculator\", \"arguments\": {\"expression\": \"12*34\"}}\n</tool_call><|im_end|>".into(),
+                };
+                let token_ids = self.tok.encode_rendered(&text).unwrap();
+                rollout::Completion {
+                    request,
+                    index: 0,
+                    logprobs: vec![-1.0; token_ids.len()],
+                    weight_versions: vec![rollout::VersionSpan {
+                        version: 0,
+                        start: 0,
+                        end: token_ids.len(),
+                    }],
+                    token_ids,
+                    finish_reason: rollout::FinishReason::Stop,
+                    observations: Vec::new(),
+                    cached_tokens: 0,
+                    episode: None,
+                    prompt: None,
+                }
+            })
+            .collect();
+        Box::pin(async move { Ok(out) })
+    }
+
+    fn update_weights(
+        &self,
+        _: kernels::tensor::WeightSnapshot,
+    ) -> rollout::BoxFuture<'_, Result<(), rollout::EngineError>> {
+        Box::pin(async { Ok(()) })
+    }
+
+    fn weight_version(&self) -> u64 {
+        0
+    }
+}
+
+#[test]
+fn a_tool_call_reaches_the_openai_client_and_its_result_continues_the_same_trajectory() {
+    use learner::chat::{ChatTemplate, Message};
+    use rollout::env::EnvSpec;
+    use rollout::env::command::CommandEnv;
+    use rollout::env::tools::ToolFormat;
+    use rollout::episode::{Agent, AgentSetup, EpisodeSpec, Limits};
+    use rollout::gateway::AgentProgram;
+    use rollout::{GenerateRequest, SamplingParams};
+
+    let Some(python) = trellis_tests::python() else {
+        return;
+    };
+    let root = scratch("gateway-tools");
+    let data = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data");
+    let tokenizer_json =
+        std::fs::read_to_string(data.join("tiny-qwen2/checkpoint/tokenizer.json")).unwrap();
+    let source = std::fs::read_to_string(data.join("chat/qwen2.5-tools.jinja")).unwrap();
+    let template = ChatTemplate::new(&source, "", "<|im_end|>").unwrap();
+    let tok = learner::tokenizer::Tokenizer::from_json(&tokenizer_json, Path::new("t")).unwrap();
+    let agent = Agent::new(&AgentSetup {
+        tokenizer_json,
+        chat: Some((source, String::new(), "<|im_end|>".into())),
+        max_context: 1024,
+    })
+    .unwrap();
+    let engine = ToolCaller { tok: tok.clone() };
+    let request = |stream: bool| {
+        let mut argv = vec![
+            python.display().to_string(),
+            openai_agent().display().to_string(),
+            "--transcript".into(),
+            root.display().to_string(),
+        ];
+        if stream {
+            argv.push("--stream".into());
+        }
+        GenerateRequest {
+            prompt: vec![1],
+            params: SamplingParams {
+                max_tokens: 64,
+                seed: Some(1),
+                ..Default::default()
+            },
+            episode: Some(EpisodeSpec {
+                env: EnvSpec::Agent(AgentProgram {
+                    program: CommandEnv {
+                        name: "agent".into(),
+                        argv,
+                        dir: None,
+                        memory_bytes: 2048 << 20,
+                    },
+                    printed_reward: true,
+                }),
+                format: ToolFormat::Hermes,
+                chat: true,
+                prompt: "What is 12*34?".into(),
+                answer: "408".into(),
+                limits: Limits {
+                    max_turns: 4,
+                    max_tokens: 400,
+                    step_timeout_s: 30.0,
+                },
+            }),
+        }
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let out = rt
+        .block_on(rollout::episode::generate(
+            &engine,
+            Some(&agent),
+            vec![request(false), request(true)],
+        ))
+        .unwrap();
+    let enc = |t: &str| tok.encode_rendered(t).unwrap();
+    let call = enc(
+        "<tool_call>\n{\"name\": \"calculator\", \"arguments\": {\"expression\": \"12*34\"}}\n</tool_call><|im_end|>",
+    );
+    let answer = enc("408<|im_end|>");
+    assert_eq!(out.len(), 2, "one trajectory an episode: {out:?}");
+    for (r, c) in out.iter().enumerate() {
+        assert_eq!(c.request, r);
+        let stats = c.episode.as_ref().unwrap();
+        assert!(stats.failed.is_none(), "{stats:?}");
+        // The client ran the call it was given and sent back the result, which the model
+        // read: it said 408, and the program scored that 1.
+        assert_eq!((stats.turns, stats.tool_calls, stats.reward), (2, 1, 1.0));
+        let file = std::fs::read_dir(&root)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .find(|p| p.to_string_lossy().ends_with(&format!("-{r}-0.json")))
+            .unwrap();
+        let t: Value = serde_json::from_str(&std::fs::read_to_string(file).unwrap()).unwrap();
+        let tools = &t["tools"];
+        let messages = t["messages"].as_array().unwrap();
+        assert_eq!(
+            messages[2]["tool_calls"][0]["function"]["arguments"],
+            "{\"expression\":\"12*34\"}"
+        );
+        assert_eq!(messages[3]["content"], "408");
+        let prompt = enc(&template
+            .render_with_tools(&messages[..2], true, Some(tools))
+            .unwrap());
+        let (_, rest) = template
+            .continuation(
+                &[Message {
+                    role: "tool".into(),
+                    content: "408".into(),
+                }],
+                Some(tools),
+            )
+            .unwrap();
+        let obs = enc(&rest);
+        assert_eq!(c.prompt.as_ref().unwrap(), &prompt);
+        assert_eq!(c.token_ids, [&call[..], &obs, &answer].concat());
+        assert_eq!(c.observations, vec![call.len()..call.len() + obs.len()]);
+    }
+    std::fs::remove_dir_all(&root).unwrap();
+}

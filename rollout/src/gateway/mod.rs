@@ -132,7 +132,15 @@ pub async fn play(
                 while let Ok(c) = calls.try_recv() {
                     batch.push(c);
                 }
-                serve(engine, agent, &ids, &mut live, batch).await?;
+                // A session's calls are served one after another (concurrent ones from the
+                // same history each fork after the first).
+                while !batch.is_empty() {
+                    let mut seen = std::collections::HashSet::new();
+                    let (now, later): (Vec<Call>, Vec<Call>) =
+                        batch.into_iter().partition(|c| seen.insert(c.session.clone()));
+                    serve(engine, agent, &ids, &mut live, now).await?;
+                    batch = later;
+                }
             }
             Some(exit) = exits.recv() => {
                 let l = &mut live[exit.session];
