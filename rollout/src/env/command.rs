@@ -7,7 +7,13 @@
 //! "tool": "ok" | "error" | null}` to a step (`role` default `user`, `reward` 0, `done` false), or
 //! `{"error": …}`. Its standard error is discarded (the protocol owns stdout). It runs under an
 //! address-space limit; a program that does not answer within the step timeout, dies or answers
-//! something else fails its episode only, and is killed when the episode ends either way.
+//! something else fails its episode only, and is killed.
+//!
+//! Programs are workers in a pool: one that played an episode without failing waits, idle, for
+//! the next reset of the same program (a process start — Python's, tens of milliseconds and more
+//! with heavy imports — per episode is what this saves). A reset may come at any time: an episode
+//! can end without `done` when its turns or tokens run out. An idle worker that has died is
+//! replaced; idle workers end with the process that started them (their standard input closes).
 
 use super::{EnvError, Environment, Observation, Step, ToolUse};
 use crate::task::Problem;
@@ -20,7 +26,7 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::time::Duration;
 
 /// Which program, and how it runs.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct CommandEnv {
     /// Its name (metrics: `env/<name>/failed`).
     pub name: String,
@@ -49,6 +55,47 @@ impl Drop for Proc {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+}
+
+impl Proc {
+    /// Alive, and with nothing unread from it (an idle worker worth a reset).
+    fn ready(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+            && matches!(
+                self.lines.try_recv(),
+                Err(std::sync::mpsc::TryRecvError::Empty)
+            )
+    }
+}
+
+/// Idle workers at most, all programs together (more are ended).
+const MAX_IDLE: usize = 256;
+
+/// The idle workers, by program.
+static IDLE: std::sync::Mutex<Vec<(CommandEnv, Proc)>> = std::sync::Mutex::new(Vec::new());
+
+/// An idle worker of `spec` ready for a reset, if there is one (dead ones are ended).
+fn take_idle(spec: &CommandEnv) -> Option<Proc> {
+    let mut idle = IDLE
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    while let Some(i) = idle.iter().rposition(|(s, _)| s == spec) {
+        let (_, mut p) = idle.swap_remove(i);
+        if p.ready() {
+            return Some(p);
+        }
+    }
+    None
+}
+
+/// `proc`, healthy after an episode of `spec`, waits for the next one.
+fn give_back(spec: CommandEnv, proc: Proc) {
+    let mut idle = IDLE
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    if idle.len() < MAX_IDLE {
+        idle.push((spec, proc));
     }
 }
 
@@ -149,15 +196,33 @@ impl Command {
     }
 }
 
+impl Drop for Command {
+    fn drop(&mut self) {
+        // A worker that did not fail (a failure ended it) plays the next episode.
+        if let Some(p) = self.proc.take() {
+            give_back(self.spec.clone(), p);
+        }
+    }
+}
+
 impl Environment for Command {
     fn reset(&mut self, problem: &Problem) -> Result<(), EnvError> {
-        self.proc = Some(self.start()?);
-        self.call(&json!({
+        let reset = json!({
             "op": "reset",
             "prompt": problem.prompt.display(),
             "answer": problem.answer,
-        }))
-        .map(drop)
+        });
+        let pooled = self.proc.take().or_else(|| take_idle(&self.spec));
+        if let Some(p) = pooled {
+            self.proc = Some(p);
+            if self.call(&reset).is_ok() {
+                return Ok(());
+            }
+            // A worker that cannot take the reset is ended; a fresh one gets it.
+            self.proc = None;
+        }
+        self.proc = Some(self.start()?);
+        self.call(&reset).map(drop)
     }
 
     fn step(&mut self, text: &str) -> Result<Step, EnvError> {
@@ -194,8 +259,8 @@ impl Environment for Command {
             Some("error") => ToolUse::Error,
             _ => ToolUse::None,
         };
-        if done {
-            self.proc = None;
+        if done && let Some(p) = self.proc.take() {
+            give_back(self.spec.clone(), p);
         }
         Ok(Step {
             observation,
@@ -235,6 +300,29 @@ mod tests {
         assert_eq!((s.tool, s.done), (ToolUse::Ok, false));
         let s = env.step("4").unwrap();
         assert_eq!((s.reward, s.done, s.observation), (1.0, true, None));
+    }
+
+    #[test]
+    fn a_worker_plays_episode_after_episode_and_a_failed_one_is_replaced() {
+        // Each step is done, its reward the worker's process id.
+        let script = r#"while read l; do case "$l" in *reset*) echo '{"ok": true}';; *die*) exit 1;; *) echo "{\"reward\": $$, \"done\": true}";; esac; done"#;
+        let play = |text: &str| {
+            let mut env = sh("pool", script);
+            env.reset(&Problem::new("q", "a"))?;
+            env.step(text).map(|s| s.reward)
+        };
+        let first = play("x").unwrap();
+        assert_eq!(play("x").unwrap(), first, "the same worker");
+        // An episode that ends without `done` gives its worker back too.
+        let mut env = sh("pool", script);
+        env.reset(&Problem::new("q", "a")).unwrap();
+        drop(env);
+        assert_eq!(play("x").unwrap(), first);
+        // A worker that dies fails its episode and is not reused.
+        assert!(play("die").is_err());
+        let next = play("x").unwrap();
+        assert_ne!(next, first);
+        assert_eq!(play("x").unwrap(), next);
     }
 
     #[test]
