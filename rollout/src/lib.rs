@@ -14,7 +14,6 @@ pub mod bench;
 pub mod env;
 pub mod episode;
 pub mod external;
-pub mod gateway;
 pub mod kv;
 pub mod native;
 pub mod parquet;
@@ -103,7 +102,7 @@ pub struct Completion {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub episode: Option<episode::EpisodeStats>,
     /// The prompt `token_ids` follow when it is not the request's: an agent program's own
-    /// conversation (see [`gateway`]), rendered from the messages of its first call.
+    /// conversation (see [`episode::gateway`]), rendered from the messages of its first call.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prompt: Option<Vec<u32>>,
 }

@@ -269,10 +269,10 @@ fn openai_agent() -> PathBuf {
 fn the_openai_client_plays_episodes_through_the_gateway_and_every_token_is_recorded_exactly() {
     use learner::chat::{ChatTemplate, Message};
     use rollout::env::EnvSpec;
+    use rollout::env::command::AgentProgram;
     use rollout::env::command::CommandEnv;
     use rollout::env::tools::ToolFormat;
     use rollout::episode::{Agent, AgentSetup, EpisodeSpec, Limits};
-    use rollout::gateway::AgentProgram;
     use rollout::native::{NativeConfig, NativeEngine};
     use rollout::{GenerateRequest, SamplingParams};
 
@@ -661,10 +661,10 @@ impl rollout::InferenceEngine for ToolCaller {
 fn a_tool_call_reaches_the_openai_client_and_its_result_continues_the_same_trajectory() {
     use learner::chat::{ChatTemplate, Message};
     use rollout::env::EnvSpec;
+    use rollout::env::command::AgentProgram;
     use rollout::env::command::CommandEnv;
     use rollout::env::tools::ToolFormat;
     use rollout::episode::{Agent, AgentSetup, EpisodeSpec, Limits};
-    use rollout::gateway::AgentProgram;
     use rollout::{GenerateRequest, SamplingParams};
 
     let Some(python) = trellis_tests::python() else {

@@ -780,7 +780,7 @@ fn env_plan(
                 ));
             } else {
                 // Whether its printed reward counts is the stage's to say (`reward`).
-                rollout::env::EnvSpec::Agent(rollout::gateway::AgentProgram {
+                rollout::env::EnvSpec::Agent(rollout::env::command::AgentProgram {
                     program,
                     printed_reward: true,
                 })

@@ -38,6 +38,17 @@ pub struct CommandEnv {
     pub memory_bytes: u64,
 }
 
+/// An agent program: started once per episode, it plays it through the agent gateway
+/// ([`crate::episode::gateway`]).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AgentProgram {
+    /// The program, where it runs, its name (`env/<name>/failed`) and its memory limit.
+    pub program: CommandEnv,
+    /// Its last line of output is the episode's reward (a number, or `{"reward": R}`); when
+    /// false, the stage's reward scores the transcript and the program's output is not read.
+    pub printed_reward: bool,
+}
+
 /// One episode's program.
 pub(super) struct Command {
     spec: CommandEnv,

@@ -31,8 +31,8 @@ pub enum EnvSpec {
     /// A program of one's own, started for every episode (see [`command`]).
     Command(CommandEnv),
     /// An agent program of one's own: it runs its own loop against the model through the
-    /// agent gateway (see [`crate::gateway`]) and is no environment the loop steps.
-    Agent(crate::gateway::AgentProgram),
+    /// agent gateway and is no environment the loop steps.
+    Agent(command::AgentProgram),
 }
 
 impl EnvSpec {

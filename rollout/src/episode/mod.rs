@@ -11,6 +11,8 @@
 //! Owns: the turn loop, its limits (turns, tokens, a step's time), and what an episode's
 //! completion records. Never: scores beyond what the environment says, or trains.
 
+pub mod gateway;
+
 use crate::env::tools::{CALL_END, RESULT, ToolFormat};
 use crate::env::{self, EnvError, EnvSpec, Environment, Observation, ToolUse};
 use crate::task::Problem;
@@ -75,7 +77,7 @@ pub struct EpisodeStats {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub failed: Option<String>,
     /// Which of the episode's trajectories this completion is: 0, the first; an agent program
-    /// that rewrote its history made more (see [`crate::gateway`]), which share these stats.
+    /// that rewrote its history made more (see [`gateway`]), which share these stats.
     #[serde(default, skip_serializing_if = "crate::is_zero")]
     pub fork: usize,
 }
@@ -288,7 +290,7 @@ pub(crate) fn turn_seed(seed: Option<u64>, index: usize, turn: usize) -> Option<
 /// Completions of `reqs` from `engine`, ordered by request, then sample: requests without an
 /// episode are generated as they are; each sample of a request with one is an episode, played
 /// turn by turn against its environment (every live episode's turn in one engine call), or by
-/// its agent program through the gateway ([`crate::gateway`]; an episode may then have several
+/// its agent program through the gateway ([`gateway`]; an episode may then have several
 /// trajectories, each a completion).
 pub async fn generate(
     engine: &dyn InferenceEngine,
@@ -316,7 +318,7 @@ pub async fn generate(
             out.push(c);
         }
     }
-    for mut c in crate::gateway::play(engine, agent, pick(&programs)).await? {
+    for mut c in gateway::play(engine, agent, pick(&programs)).await? {
         c.request = programs[c.request];
         out.push(c);
     }

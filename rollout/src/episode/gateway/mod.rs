@@ -27,11 +27,10 @@
 mod http;
 mod session;
 
-use crate::env::command::CommandEnv;
+use crate::env::command::AgentProgram;
 use crate::episode::{Agent, EpisodeSpec};
 use crate::{Completion, EngineError, GenerateRequest, InferenceEngine};
 use http::{Call, HttpError, Server};
-use serde::{Deserialize, Serialize};
 use session::{Prepared, Reply, Session};
 use std::collections::HashMap;
 use std::process::Stdio;
@@ -39,16 +38,6 @@ use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
-
-/// An agent program: started once per episode, it plays it through the gateway.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct AgentProgram {
-    /// The program, where it runs, its name (`env/<name>/failed`) and its memory limit.
-    pub program: CommandEnv,
-    /// Its last line of output is the episode's reward (a number, or `{"reward": R}`); when
-    /// false, the stage's reward scores the transcript and the program's output is not read.
-    pub printed_reward: bool,
-}
 
 /// What a program's output keeps at most, in bytes (the end of it).
 const OUTPUT_CAP: usize = 64 << 10;
