@@ -265,24 +265,122 @@ fn openai_agent() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../examples/python/openai_agent.py")
 }
 
+/// What the gateway tests play with: Qwen2.5's chat template as shipped (with tools), the
+/// fixture's Qwen tokenizer, and the agent setup of both (a context with room for the tools'
+/// system prompt).
+struct Chat {
+    template: learner::chat::ChatTemplate,
+    tok: learner::tokenizer::Tokenizer,
+    agent: rollout::episode::Agent,
+}
+
+fn chat() -> Chat {
+    let data = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data");
+    let tokenizer_json =
+        std::fs::read_to_string(data.join("tiny-qwen2/checkpoint/tokenizer.json")).unwrap();
+    let source = std::fs::read_to_string(data.join("chat/qwen2.5-tools.jinja")).unwrap();
+    Chat {
+        template: learner::chat::ChatTemplate::new(&source, "", "<|im_end|>").unwrap(),
+        tok: learner::tokenizer::Tokenizer::from_json(&tokenizer_json, Path::new("t")).unwrap(),
+        agent: rollout::episode::Agent::new(&rollout::episode::AgentSetup {
+            tokenizer_json,
+            chat: Some((source, String::new(), "<|im_end|>".into())),
+            max_context: 1024,
+        })
+        .unwrap(),
+    }
+}
+
+/// `python` running the example agent, writing its transcripts to `dir`, with `more` arguments.
+fn example_agent(python: &Path, dir: &Path, more: &[&str]) -> Vec<String> {
+    let mut v = vec![
+        python.display().to_string(),
+        openai_agent().display().to_string(),
+        "--transcript".into(),
+        dir.display().to_string(),
+    ];
+    v.extend(more.iter().map(|s| s.to_string()));
+    v
+}
+
+/// A request of `n` episodes (turns of `max_tokens`, from `seed`) of "12*34" played by the agent
+/// program `argv`, named `name`, with `timeout_s` between its calls.
+fn agent_request(
+    name: &str,
+    argv: Vec<String>,
+    n: usize,
+    seed: u64,
+    max_tokens: usize,
+    timeout_s: f64,
+) -> rollout::GenerateRequest {
+    use rollout::env::command::{AgentProgram, CommandEnv};
+    rollout::GenerateRequest {
+        prompt: vec![1, 2],
+        params: rollout::SamplingParams {
+            n,
+            temperature: 1.0,
+            max_tokens,
+            seed: Some(seed),
+            ..Default::default()
+        },
+        episode: Some(rollout::episode::EpisodeSpec {
+            env: rollout::env::EnvSpec::Agent(AgentProgram {
+                program: CommandEnv {
+                    name: name.into(),
+                    argv,
+                    dir: None,
+                    memory_bytes: 2048 << 20,
+                },
+                printed_reward: true,
+            }),
+            format: rollout::env::tools::ToolFormat::Hermes,
+            chat: true,
+            prompt: "What is 12*34?".into(),
+            answer: "408".into(),
+            limits: rollout::episode::Limits {
+                max_turns: 4,
+                max_tokens: 400,
+                step_timeout_s: timeout_s,
+            },
+        }),
+    }
+}
+
+/// `reqs` played on `engine` beside `agent`.
+fn play(
+    engine: &dyn rollout::InferenceEngine,
+    agent: &rollout::episode::Agent,
+    reqs: Vec<rollout::GenerateRequest>,
+) -> Vec<rollout::Completion> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(rollout::episode::generate(engine, Some(agent), reqs))
+        .unwrap()
+}
+
+/// The transcript the example agent wrote for sample `i` of request `r` (`tools`, `messages`).
+fn transcript(dir: &Path, r: usize, i: usize) -> Value {
+    let file = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.to_string_lossy().ends_with(&format!("-{r}-{i}.json")))
+        .expect("the program's transcript");
+    serde_json::from_str(&std::fs::read_to_string(file).unwrap()).unwrap()
+}
+
 #[test]
 fn the_openai_client_plays_episodes_through_the_gateway_and_every_token_is_recorded_exactly() {
-    use learner::chat::{ChatTemplate, Message};
-    use rollout::env::EnvSpec;
-    use rollout::env::command::AgentProgram;
-    use rollout::env::command::CommandEnv;
-    use rollout::env::tools::ToolFormat;
-    use rollout::episode::{Agent, AgentSetup, EpisodeSpec, Limits};
+    use learner::chat::Message;
     use rollout::native::{NativeConfig, NativeEngine};
-    use rollout::{GenerateRequest, SamplingParams};
 
     let Some(python) = trellis_tests::python() else {
         return;
     };
     let root = scratch("gateway");
-    let data = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data");
-    // A tiny random Qwen2 with the fixture's tokenizer, Qwen2.5's chat template as shipped, and
-    // room for its tools' system prompt.
+    // A tiny random Qwen2 with the fixture's vocabulary.
     let config = learner::ModelConfig::from_json(
         serde_json::json!({"model_type": "qwen2", "vocab_size": 384, "hidden_size": 32,
             "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -292,84 +390,27 @@ fn the_openai_client_plays_episodes_through_the_gateway_and_every_token_is_recor
     )
     .unwrap();
     let model = learner::Model::init(config, 5);
-    let tokenizer_json =
-        std::fs::read_to_string(data.join("tiny-qwen2/checkpoint/tokenizer.json")).unwrap();
-    let source = std::fs::read_to_string(data.join("chat/qwen2.5-tools.jinja")).unwrap();
-    let template = ChatTemplate::new(&source, "", "<|im_end|>").unwrap();
-    let tok = learner::tokenizer::Tokenizer::from_json(&tokenizer_json, Path::new("t")).unwrap();
-    let agent = Agent::new(&AgentSetup {
-        tokenizer_json,
-        chat: Some((source, String::new(), "<|im_end|>".into())),
-        max_context: 1024,
-    })
-    .unwrap();
+    let Chat {
+        template,
+        tok,
+        agent,
+    } = chat();
     let engine = NativeEngine::new(model.clone(), NativeConfig::default());
-
-    let program = |name: &str, argv: Vec<String>| AgentProgram {
-        program: CommandEnv {
-            name: name.into(),
-            argv,
-            dir: None,
-            memory_bytes: 2048 << 20,
-        },
-        printed_reward: true,
-    };
-    let py = |more: &[&str]| {
-        let mut v = vec![
-            python.display().to_string(),
-            openai_agent().display().to_string(),
-            "--transcript".into(),
-            root.display().to_string(),
-        ];
-        v.extend(more.iter().map(|s| s.to_string()));
-        v
-    };
-    let request = |n: usize, seed: u64, program: AgentProgram, timeout: f64| GenerateRequest {
-        prompt: vec![1, 2],
-        params: SamplingParams {
-            n,
-            temperature: 1.0,
-            max_tokens: 8,
-            seed: Some(seed),
-            ..Default::default()
-        },
-        episode: Some(EpisodeSpec {
-            env: EnvSpec::Agent(program),
-            format: ToolFormat::Hermes,
-            chat: true,
-            prompt: "What is 12*34?".into(),
-            answer: "408".into(),
-            limits: Limits {
-                max_turns: 4,
-                max_tokens: 200,
-                step_timeout_s: timeout,
-            },
-        }),
-    };
+    let sh = |script: &str| vec!["sh".into(), "-c".into(), script.into()];
     let reqs = vec![
-        request(2, 1, program("agent", py(&[])), 30.0),
-        request(1, 2, program("agent", py(&["--stream"])), 30.0),
-        request(
+        agent_request("agent", example_agent(&python, &root, &[]), 2, 1, 8, 30.0),
+        agent_request(
+            "agent",
+            example_agent(&python, &root, &["--stream"]),
             1,
-            3,
-            program("crash", vec!["sh".into(), "-c".into(), "exit 3".into()]),
+            2,
+            8,
             30.0,
         ),
-        request(
-            1,
-            4,
-            program("hang", vec!["sleep".into(), "30".into()]),
-            1.0,
-        ),
+        agent_request("crash", sh("exit 3"), 1, 3, 8, 30.0),
+        agent_request("hang", vec!["sleep".into(), "30".into()], 1, 4, 8, 1.0),
     ];
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
-    let out = rt
-        .block_on(rollout::episode::generate(&engine, Some(&agent), reqs))
-        .unwrap();
+    let out = play(&engine, &agent, reqs);
 
     // A program that crashes and one that hangs fail their episodes only.
     let failed = |r: usize| {
@@ -423,12 +464,7 @@ fn the_openai_client_plays_episodes_through_the_gateway_and_every_token_is_recor
         // prompt is the messages it began with, rendered; each model turn is what the client
         // was told; between them, exactly the template's text for the program's new messages.
         let c = trajectories.last().unwrap();
-        let file = std::fs::read_dir(&root)
-            .unwrap()
-            .map(|e| e.unwrap().path())
-            .find(|p| p.to_string_lossy().ends_with(&format!("-{r}-{i}.json")))
-            .expect("the program's transcript");
-        let t: Value = serde_json::from_str(&std::fs::read_to_string(file).unwrap()).unwrap();
+        let t = transcript(&root, r, i);
         let (tools, messages) = (&t["tools"], t["messages"].as_array().unwrap());
         let first = messages
             .iter()
@@ -659,82 +695,30 @@ impl rollout::InferenceEngine for ToolCaller {
 
 #[test]
 fn a_tool_call_reaches_the_openai_client_and_its_result_continues_the_same_trajectory() {
-    use learner::chat::{ChatTemplate, Message};
-    use rollout::env::EnvSpec;
-    use rollout::env::command::AgentProgram;
-    use rollout::env::command::CommandEnv;
-    use rollout::env::tools::ToolFormat;
-    use rollout::episode::{Agent, AgentSetup, EpisodeSpec, Limits};
-    use rollout::{GenerateRequest, SamplingParams};
+    use learner::chat::Message;
 
     let Some(python) = trellis_tests::python() else {
         return;
     };
     let root = scratch("gateway-tools");
-    let data = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data");
-    let tokenizer_json =
-        std::fs::read_to_string(data.join("tiny-qwen2/checkpoint/tokenizer.json")).unwrap();
-    let source = std::fs::read_to_string(data.join("chat/qwen2.5-tools.jinja")).unwrap();
-    let template = ChatTemplate::new(&source, "", "<|im_end|>").unwrap();
-    let tok = learner::tokenizer::Tokenizer::from_json(&tokenizer_json, Path::new("t")).unwrap();
-    let agent = Agent::new(&AgentSetup {
-        tokenizer_json,
-        chat: Some((source, String::new(), "<|im_end|>".into())),
-        max_context: 1024,
-    })
-    .unwrap();
+    let Chat {
+        template,
+        tok,
+        agent,
+    } = chat();
     let engine = ToolCaller { tok: tok.clone() };
-    let request = |stream: bool| {
-        let mut argv = vec![
-            python.display().to_string(),
-            openai_agent().display().to_string(),
-            "--transcript".into(),
-            root.display().to_string(),
-        ];
-        if stream {
-            argv.push("--stream".into());
-        }
-        GenerateRequest {
-            prompt: vec![1],
-            params: SamplingParams {
-                max_tokens: 64,
-                seed: Some(1),
-                ..Default::default()
-            },
-            episode: Some(EpisodeSpec {
-                env: EnvSpec::Agent(AgentProgram {
-                    program: CommandEnv {
-                        name: "agent".into(),
-                        argv,
-                        dir: None,
-                        memory_bytes: 2048 << 20,
-                    },
-                    printed_reward: true,
-                }),
-                format: ToolFormat::Hermes,
-                chat: true,
-                prompt: "What is 12*34?".into(),
-                answer: "408".into(),
-                limits: Limits {
-                    max_turns: 4,
-                    max_tokens: 400,
-                    step_timeout_s: 30.0,
-                },
-            }),
-        }
-    };
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
-    let out = rt
-        .block_on(rollout::episode::generate(
-            &engine,
-            Some(&agent),
-            vec![request(false), request(true)],
-        ))
-        .unwrap();
+    let reqs = vec![
+        agent_request("agent", example_agent(&python, &root, &[]), 1, 1, 64, 30.0),
+        agent_request(
+            "agent",
+            example_agent(&python, &root, &["--stream"]),
+            1,
+            1,
+            64,
+            30.0,
+        ),
+    ];
+    let out = play(&engine, &agent, reqs);
     let enc = |t: &str| tok.encode_rendered(t).unwrap();
     let call = enc(
         "<tool_call>\n{\"name\": \"calculator\", \"arguments\": {\"expression\": \"12*34\"}}\n</tool_call><|im_end|>",
@@ -748,12 +732,7 @@ fn a_tool_call_reaches_the_openai_client_and_its_result_continues_the_same_traje
         // The client ran the call it was given and sent back the result, which the model
         // read: it said 408, and the program scored that 1.
         assert_eq!((stats.turns, stats.tool_calls, stats.reward), (2, 1, 1.0));
-        let file = std::fs::read_dir(&root)
-            .unwrap()
-            .map(|e| e.unwrap().path())
-            .find(|p| p.to_string_lossy().ends_with(&format!("-{r}-0.json")))
-            .unwrap();
-        let t: Value = serde_json::from_str(&std::fs::read_to_string(file).unwrap()).unwrap();
+        let t = transcript(&root, r, 0);
         let tools = &t["tools"];
         let messages = t["messages"].as_array().unwrap();
         assert_eq!(

@@ -82,6 +82,33 @@ pub struct EpisodeStats {
     pub fork: usize,
 }
 
+impl EpisodeStats {
+    /// Counts a later turn's prefill: its context of `context` tokens, `cached` of them held by
+    /// the engine's prefix cache.
+    pub(crate) fn count_prefill(&mut self, context: usize, cached: usize) {
+        self.prefill_tokens += context - cached.min(context);
+        self.cached_tokens += cached;
+    }
+}
+
+/// Appends the model's turn `c` to a trajectory whose response is `start` tokens long: its
+/// tokens, log-probs, and the weight versions that made them (moved to where they now sit).
+pub(crate) fn append_turn(
+    c: &Completion,
+    start: usize,
+    context: &mut Vec<u32>,
+    logprobs: &mut Vec<f32>,
+    spans: &mut Vec<VersionSpan>,
+) {
+    spans.extend(c.weight_versions.iter().map(|s| VersionSpan {
+        version: s.version,
+        start: s.start + start,
+        end: s.end + start,
+    }));
+    context.extend(&c.token_ids);
+    logprobs.extend(&c.logprobs);
+}
+
 /// How an engine's side renders observations: made once per actor from an [`AgentSetup`].
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct AgentSetup {
@@ -213,18 +240,16 @@ impl Episode {
     fn take_turn(&mut self, c: Completion) {
         let start = self.response_len();
         if self.stats.turns > 0 {
-            self.stats.prefill_tokens +=
-                self.context.len() - c.cached_tokens.min(self.context.len());
-            self.stats.cached_tokens += c.cached_tokens;
+            self.stats
+                .count_prefill(self.context.len(), c.cached_tokens);
         }
-        self.spans
-            .extend(c.weight_versions.iter().map(|s| VersionSpan {
-                version: s.version,
-                start: s.start + start,
-                end: s.end + start,
-            }));
-        self.context.extend(&c.token_ids);
-        self.logprobs.extend(&c.logprobs);
+        append_turn(
+            &c,
+            start,
+            &mut self.context,
+            &mut self.logprobs,
+            &mut self.spans,
+        );
         self.turn = start..self.response_len();
         self.finish = c.finish_reason;
         self.stats.turns += 1;

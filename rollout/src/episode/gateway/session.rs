@@ -10,7 +10,7 @@
 //! trajectory records. Never: serves HTTP or runs the program (`gateway` does).
 
 use crate::env::tools::{Call, split_hermes};
-use crate::episode::{Agent, EpisodeStats, Limits, turn_seed};
+use crate::episode::{Agent, EpisodeStats, Limits, append_turn, turn_seed};
 use crate::{Completion, FinishReason, GenerateRequest, SamplingParams, VersionSpan};
 use learner::chat::Message;
 use serde_json::Value;
@@ -340,21 +340,13 @@ impl Session {
             }
         };
         if self.calls > 0 {
-            self.stats.prefill_tokens += prompt_tokens - c.cached_tokens.min(prompt_tokens);
-            self.stats.cached_tokens += c.cached_tokens;
+            self.stats.count_prefill(prompt_tokens, c.cached_tokens);
         }
         self.calls += 1;
         self.stats.turns += 1;
         let b = &mut self.branches[i];
         let start = b.response_len();
-        b.spans
-            .extend(c.weight_versions.iter().map(|s| VersionSpan {
-                version: s.version,
-                start: s.start + start,
-                end: s.end + start,
-            }));
-        b.context.extend(&c.token_ids);
-        b.logprobs.extend(&c.logprobs);
+        append_turn(&c, start, &mut b.context, &mut b.logprobs, &mut b.spans);
         b.finish = c.finish_reason;
         let text = agent
             .tokenizer
