@@ -159,22 +159,26 @@ fn python_example() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../examples/python/guess_env.py")
 }
 
+/// `trellis train FILE --run-dir DIR --quiet`, and the run's metric rows.
+fn train_quietly(file: &Path, dir: &Path) -> Vec<Value> {
+    run_ok(
+        trellis()
+            .arg("train")
+            .arg(file)
+            .arg("--run-dir")
+            .arg(dir)
+            .arg("--quiet"),
+    );
+    metric_rows(dir)
+}
+
 #[test]
 fn a_python_environment_drives_episodes_as_the_built_in_one_and_a_broken_one_fails_alone() {
     let root = scratch("episodes-python");
     let run = |name: &str, env: &str| {
         let file = root.join(format!("{name}.yaml"));
         std::fs::write(&file, guessing(env)).unwrap();
-        let dir = root.join(name);
-        run_ok(
-            trellis()
-                .arg("train")
-                .arg(&file)
-                .arg("--run-dir")
-                .arg(&dir)
-                .arg("--quiet"),
-        );
-        metric_rows(&dir)
+        train_quietly(&file, &root.join(name))
     };
     // examples/python/guess_env.py is the built-in `guess` written in Python: the same episodes,
     // token for token, so the same rows (but for the name of the failure count).
@@ -577,16 +581,7 @@ fn grpo_trains_through_an_agent_program_and_a_stage_reward_can_score_its_transcr
             ),
         )
         .unwrap();
-        let dir = root.join(name);
-        run_ok(
-            trellis()
-                .arg("train")
-                .arg(&file)
-                .arg("--run-dir")
-                .arg(&dir)
-                .arg("--quiet"),
-        );
-        metric_rows(&dir)
+        train_quietly(&file, &root.join(name))
     };
     // examples/python/openai_agent.py, unchanged, as the stage's agent.
     let rows = run(
