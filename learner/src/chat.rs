@@ -139,6 +139,7 @@ impl ChatTemplate {
         env.add_function("raise_exception", |msg: String| -> Result<String, Error> {
             Err(Error::new(ErrorKind::InvalidOperation, msg))
         });
+        env.add_filter("tojson", tojson);
         env.add_template_owned("chat", source.to_string())
             .map_err(|e| ChatError::Compile(e.to_string()))?;
         Ok(Self {
@@ -261,6 +262,209 @@ impl ChatTemplate {
     }
 }
 
+/// `tojson` as transformers gives it to chat templates: Python's `json.dumps(value,
+/// ensure_ascii=False, indent=…, separators=…, sort_keys=…)` — `", "` and `": "` (`","` with an
+/// indent), keys in their order, floats as Python's `repr`, nothing escaped for HTML (minijinja's
+/// own `tojson` writes compact JSON with `<`, `>`, `&` and `'` escaped).
+fn tojson(value: &minijinja::Value, kwargs: minijinja::value::Kwargs) -> Result<String, Error> {
+    let bad = |msg: String| Error::new(ErrorKind::InvalidOperation, msg);
+    let ascii: Option<bool> = kwargs.get("ensure_ascii")?;
+    let indent: Option<minijinja::Value> = kwargs.get("indent")?;
+    let separators: Option<Vec<String>> = kwargs.get("separators")?;
+    let sort_keys: Option<bool> = kwargs.get("sort_keys")?;
+    kwargs.assert_all_used()?;
+    let mut v = serde_json::to_value(value).map_err(|e| bad(format!("tojson: {e}")))?;
+    if sort_keys == Some(true) {
+        v.sort_all_objects();
+    }
+    let indent = match indent {
+        None => None,
+        Some(i) if i.is_none() => None,
+        Some(i) => match (i.as_usize(), i.as_str()) {
+            (Some(n), _) => Some(" ".repeat(n)),
+            (None, Some(s)) => Some(s.to_string()),
+            _ => {
+                return Err(bad(format!(
+                    "tojson: indent must be a number or text, got {i}"
+                )));
+            }
+        },
+    };
+    let (item, key) = match separators.as_deref() {
+        Some([item, key]) => (item.clone(), key.clone()),
+        Some(other) => {
+            return Err(bad(format!(
+                "tojson: separators must be (item, key), got {other:?}"
+            )));
+        }
+        None if indent.is_some() => (",".into(), ": ".into()),
+        None => (", ".into(), ": ".into()),
+    };
+    let f = PyJson {
+        item,
+        key,
+        indent,
+        level: 0,
+        has_value: false,
+        ascii: ascii.unwrap_or(false),
+    };
+    let mut out = Vec::new();
+    let mut ser = serde_json::Serializer::with_formatter(&mut out, f);
+    serde::Serialize::serialize(&v, &mut ser).map_err(|e| bad(format!("tojson: {e}")))?;
+    String::from_utf8(out).map_err(|e| bad(format!("tojson: {e}")))
+}
+
+/// JSON written as Python's `json` module writes it.
+struct PyJson {
+    item: String,
+    key: String,
+    indent: Option<String>,
+    level: usize,
+    has_value: bool,
+    ascii: bool,
+}
+
+impl PyJson {
+    fn newline<W: ?Sized + std::io::Write>(&self, w: &mut W) -> std::io::Result<()> {
+        if let Some(unit) = &self.indent {
+            w.write_all(b"\n")?;
+            for _ in 0..self.level {
+                w.write_all(unit.as_bytes())?;
+            }
+        }
+        Ok(())
+    }
+
+    fn open<W: ?Sized + std::io::Write>(&mut self, w: &mut W, b: &[u8]) -> std::io::Result<()> {
+        self.level += 1;
+        self.has_value = false;
+        w.write_all(b)
+    }
+
+    fn close<W: ?Sized + std::io::Write>(&mut self, w: &mut W, b: &[u8]) -> std::io::Result<()> {
+        self.level -= 1;
+        if self.has_value {
+            self.newline(w)?;
+        }
+        w.write_all(b)
+    }
+
+    fn element<W: ?Sized + std::io::Write>(&self, w: &mut W, first: bool) -> std::io::Result<()> {
+        if !first {
+            w.write_all(self.item.as_bytes())?;
+        }
+        self.newline(w)
+    }
+}
+
+impl serde_json::ser::Formatter for PyJson {
+    fn begin_array<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        self.open(w, b"[")
+    }
+    fn end_array<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        self.close(w, b"]")
+    }
+    fn begin_array_value<W: ?Sized + std::io::Write>(
+        &mut self,
+        w: &mut W,
+        first: bool,
+    ) -> std::io::Result<()> {
+        self.element(w, first)
+    }
+    fn end_array_value<W: ?Sized + std::io::Write>(&mut self, _: &mut W) -> std::io::Result<()> {
+        self.has_value = true;
+        Ok(())
+    }
+    fn begin_object<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        self.open(w, b"{")
+    }
+    fn end_object<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        self.close(w, b"}")
+    }
+    fn begin_object_key<W: ?Sized + std::io::Write>(
+        &mut self,
+        w: &mut W,
+        first: bool,
+    ) -> std::io::Result<()> {
+        self.element(w, first)
+    }
+    fn begin_object_value<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        w.write_all(self.key.as_bytes())
+    }
+    fn end_object_value<W: ?Sized + std::io::Write>(&mut self, _: &mut W) -> std::io::Result<()> {
+        self.has_value = true;
+        Ok(())
+    }
+    fn write_f64<W: ?Sized + std::io::Write>(&mut self, w: &mut W, v: f64) -> std::io::Result<()> {
+        w.write_all(py_float(v).as_bytes())
+    }
+    fn write_f32<W: ?Sized + std::io::Write>(&mut self, w: &mut W, v: f32) -> std::io::Result<()> {
+        w.write_all(py_float(f64::from(v)).as_bytes())
+    }
+    fn write_string_fragment<W: ?Sized + std::io::Write>(
+        &mut self,
+        w: &mut W,
+        fragment: &str,
+    ) -> std::io::Result<()> {
+        if !self.ascii {
+            return w.write_all(fragment.as_bytes());
+        }
+        for c in fragment.chars() {
+            if c.is_ascii() {
+                w.write_all(&[c as u8])?;
+            } else {
+                let mut units = [0u16; 2];
+                for u in c.encode_utf16(&mut units) {
+                    write!(w, "\\u{u:04x}")?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `v` as Python's `repr(float)` writes it: the shortest digits that read back the same, in
+/// positional notation for exponents -4 to 15 (`.0` added to whole numbers), else as `1e-05`.
+fn py_float(v: f64) -> String {
+    if v.is_nan() {
+        return "NaN".into();
+    }
+    if v.is_infinite() {
+        return if v > 0.0 { "Infinity" } else { "-Infinity" }.into();
+    }
+    if v == 0.0 {
+        return if v.is_sign_negative() { "-0.0" } else { "0.0" }.into();
+    }
+    // Rust's `{:e}` is the shortest round-tripping digits: `-1.2345e4`.
+    let e = format!("{:e}", v.abs());
+    let (mantissa, exp) = e.split_once('e').unwrap_or((&e, "0"));
+    let exp: i32 = exp.parse().unwrap_or(0);
+    let digits: String = mantissa.chars().filter(char::is_ascii_digit).collect();
+    let sign = if v < 0.0 { "-" } else { "" };
+    if (-4..16).contains(&exp) {
+        let body = if exp < 0 {
+            format!("0.{}{digits}", "0".repeat((-exp - 1) as usize))
+        } else {
+            let point = exp as usize + 1;
+            if digits.len() <= point {
+                format!("{digits}{}.0", "0".repeat(point - digits.len()))
+            } else {
+                format!("{}.{}", &digits[..point], &digits[point..])
+            }
+        };
+        format!("{sign}{body}")
+    } else {
+        let (head, tail) = digits.split_at(1);
+        let frac = if tail.is_empty() {
+            String::new()
+        } else {
+            format!(".{tail}")
+        };
+        let esign = if exp < 0 { '-' } else { '+' };
+        format!("{sign}{head}{frac}e{esign}{:02}", exp.abs())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -275,6 +479,59 @@ mod tests {
             t.render_user("What is 2+2?").unwrap(),
             "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
         );
+    }
+
+    /// Qwen2.5-Instruct's template as shipped, with tools, tool calls and tool results: the text
+    /// transformers renders (`tests/data/chat/make_tools.py`), character for character — the
+    /// tools' JSON as Python's `json.dumps` writes it (`", "` and `": "`, the keys in their
+    /// given order, non-ASCII and `<&>` as they are).
+    #[test]
+    fn tool_conversations_render_as_transformers_renders_them() {
+        let data = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/data/chat");
+        let source = std::fs::read_to_string(data.join("qwen2.5-tools.jinja")).unwrap();
+        let t = ChatTemplate::new(&source, "", "<|im_end|>").unwrap();
+        let cases: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(data.join("qwen2.5/tools.json")).unwrap(),
+        )
+        .unwrap();
+        for case in cases.as_array().unwrap() {
+            let got = t
+                .render_with_tools(
+                    &case["messages"],
+                    case["add_generation_prompt"].as_bool().unwrap(),
+                    Some(&case["tools"]),
+                )
+                .unwrap();
+            assert_eq!(got, case["text"].as_str().unwrap());
+        }
+    }
+
+    #[test]
+    fn tojson_writes_as_pythons_json_dumps() {
+        let t = ChatTemplate::new(
+            "{{ v | tojson }}|{{ v | tojson(indent=2) }}|{{ v | tojson(sort_keys=true, separators=(',', ':')) }}|{{ v | tojson(ensure_ascii=true) }}|{{ n | tojson }}",
+            "",
+            "",
+        )
+        .unwrap();
+        let v = serde_json::json!({"b": [1, 2.5, true, null], "a": "é<\"\n", "c": {}, "d": []});
+        let n = serde_json::json!([1e-5, 1e16, 123456789.0, -0.5, 1e22, 0.0001]);
+        let got = t
+            .env
+            .get_template("chat")
+            .unwrap()
+            .render(context! { v => v, n => n })
+            .unwrap();
+        // Each as `json.dumps(v, ensure_ascii=False, …)` writes it.
+        let want = [
+            r#"{"b": [1, 2.5, true, null], "a": "é<\"\n", "c": {}, "d": []}"#,
+            "{\n  \"b\": [\n    1,\n    2.5,\n    true,\n    null\n  ],\n  \"a\": \"é<\\\"\\n\",\n  \"c\": {},\n  \"d\": []\n}",
+            r#"{"a":"é<\"\n","b":[1,2.5,true,null],"c":{},"d":[]}"#,
+            r#"{"b": [1, 2.5, true, null], "a": "\u00e9<\"\n", "c": {}, "d": []}"#,
+            "[1e-05, 1e+16, 123456789.0, -0.5, 1e+22, 0.0001]",
+        ]
+        .join("|");
+        assert_eq!(got, want);
     }
 
     #[test]
@@ -296,7 +553,7 @@ mod tests {
         let with = t.render_with_tools(&user, true, Some(&tools)).unwrap();
         assert!(
             with.starts_with(
-                "<|im_start|>system\nYou are Qwen.\n\n# Tools\n\n<tools>\n{\"function\":{\"name\":\"calculator\"},\"type\":\"function\"}\n</tools>"
+                "<|im_start|>system\nYou are Qwen.\n\n# Tools\n\n<tools>\n{\"type\": \"function\", \"function\": {\"name\": \"calculator\"}}\n</tools>"
             ),
             "{with}"
         );
