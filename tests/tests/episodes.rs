@@ -604,13 +604,16 @@ fn grpo_trains_through_an_agent_program_and_a_stage_reward_can_score_its_transcr
         "{rows:?}"
     );
 
-    // An agent that prints no reward, scored by the stage's reward on its transcript.
+    // An agent that prints no reward (and asks for its tokens' log-probs), scored by the stage's
+    // reward on its transcript.
     let quiet = root.join("quiet_agent.py");
     std::fs::write(
         &quiet,
         "import json, sys\nfrom openai import OpenAI\nproblem = json.loads(sys.stdin.readline())\n\
-         r = OpenAI().chat.completions.create(model='m', messages=[{'role': 'user', 'content': problem['prompt']}])\n\
-         assert r.choices[0].message.role == 'assistant'\n",
+         r = OpenAI().chat.completions.create(model='m', logprobs=True, messages=[{'role': 'user', 'content': problem['prompt']}])\n\
+         assert r.choices[0].message.role == 'assistant'\n\
+         lp = r.choices[0].logprobs.content\n\
+         assert len(lp) == r.usage.completion_tokens and all(t.logprob <= 0 for t in lp), lp\n",
     )
     .unwrap();
     let rows = run(

@@ -26,6 +26,8 @@ pub(crate) struct ChatRequest {
     pub stream: bool,
     pub include_usage: bool,
     pub model: String,
+    /// Return the sampled tokens' log-probs (`logprobs: true`).
+    pub logprobs: bool,
 }
 
 /// A call on its way to the episode loop, and where its answer goes.
@@ -160,6 +162,12 @@ pub(crate) fn read(bytes: &[u8]) -> Result<ChatRequest, HttpError> {
             .and_then(|o| o.get("include_usage")),
         "stream_options.include_usage",
     )?;
+    let logprobs = flag(map.get("logprobs"), "logprobs")?;
+    if count("top_logprobs")?.is_some_and(|k| k > 0) {
+        return Err(bad(
+            "`top_logprobs` is not served (the sampled tokens' log-probs are, with `logprobs: true`)",
+        ));
+    }
     let model = map
         .get("model")
         .and_then(Value::as_str)
@@ -172,6 +180,7 @@ pub(crate) fn read(bytes: &[u8]) -> Result<ChatRequest, HttpError> {
         stream,
         include_usage,
         model,
+        logprobs,
     })
 }
 
@@ -262,6 +271,19 @@ impl Shape {
         ))
     }
 
+    /// OpenAI's `logprobs` of a choice: the sampled tokens', or null when not asked for.
+    fn logprobs(r: &Reply) -> Value {
+        if r.tokens.is_empty() {
+            return Value::Null;
+        }
+        let content: Vec<Value> = r
+            .tokens
+            .iter()
+            .map(|(t, l)| json!({"token": t, "logprob": l, "bytes": t.as_bytes(), "top_logprobs": []}))
+            .collect();
+        json!({ "content": content })
+    }
+
     fn usage(r: &Reply) -> Value {
         json!({"prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens,
             "total_tokens": r.prompt_tokens + r.completion_tokens})
@@ -274,7 +296,7 @@ impl Shape {
         }
         json!({"id": self.id, "object": "chat.completion", "created": self.created,
             "model": self.model, "choices": [{"index": 0, "message": message,
-                "logprobs": null, "finish_reason": r.finish}],
+                "logprobs": Self::logprobs(r), "finish_reason": r.finish}],
             "usage": Self::usage(r)})
     }
 
@@ -289,9 +311,11 @@ impl Shape {
         let mut events = vec![self.chunk(json!([{"index": 0,
             "delta": {"role": "assistant", "content": ""}, "logprobs": null,
             "finish_reason": null}]))];
-        if let Some(text) = r.content.as_ref().filter(|t| !t.is_empty()) {
+        let logprobs = Self::logprobs(r);
+        let text = r.content.as_deref().unwrap_or("");
+        if !text.is_empty() || !logprobs.is_null() {
             events.push(self.chunk(json!([{"index": 0, "delta": {"content": text},
-                "logprobs": null, "finish_reason": null}])));
+                "logprobs": logprobs, "finish_reason": null}])));
         }
         if let Some(calls) = self.tool_calls(r, true) {
             events.push(
@@ -359,6 +383,10 @@ mod tests {
             (
                 br#"{"messages": [{}], "stream": "yes"}"#,
                 "`stream` must be true or false",
+            ),
+            (
+                br#"{"messages": [{}], "logprobs": true, "top_logprobs": 2}"#,
+                "`top_logprobs` is not served",
             ),
         ] {
             let e = read(body).unwrap_err();

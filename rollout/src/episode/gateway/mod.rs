@@ -264,7 +264,8 @@ async fn serve(
                 tracing::debug!(session = call.session, "{why}");
                 let _ = call.reply.send(Ok(Reply::spent(0)));
             }
-            Ok(Prepared::Turn(p)) => {
+            Ok(Prepared::Turn(mut p)) => {
+                p.logprobs = call.request.logprobs;
                 l.deadline = None;
                 work.push((s, p, call.reply));
             }

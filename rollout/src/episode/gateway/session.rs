@@ -142,6 +142,8 @@ pub(crate) struct Pending {
     context: Vec<u32>,
     /// Tokens it may sample.
     room: usize,
+    /// The call wants its tokens' log-probs back.
+    pub logprobs: bool,
 }
 
 /// What a call gets: the engine's request, or no turn (the episode's budget is spent).
@@ -161,6 +163,8 @@ pub(crate) struct Reply {
     pub finish: &'static str,
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
+    /// Each sampled token's text and log-prob, when the call asked for them.
+    pub tokens: Vec<(String, f32)>,
 }
 
 impl Reply {
@@ -172,6 +176,7 @@ impl Reply {
             finish: "length",
             prompt_tokens,
             completion_tokens: 0,
+            tokens: Vec::new(),
         }
     }
 }
@@ -296,6 +301,7 @@ impl Session {
             tools,
             context,
             room,
+            logprobs: false,
         }))
     }
 
@@ -368,12 +374,23 @@ impl Session {
                 .map(|c| (c.name.clone(), c.arguments.clone()))
                 .collect(),
         });
+        let tokens = if p.logprobs {
+            c.token_ids
+                .iter()
+                .zip(&c.logprobs)
+                .map(|(&t, &l)| Ok((agent.tokenizer.decode(&[t])?, l)))
+                .collect::<Result<_, learner::Error>>()
+                .map_err(|e| e.to_string())?
+        } else {
+            Vec::new()
+        };
         Ok(Reply {
             content: (!content.is_empty() || calls.is_empty()).then_some(content),
             calls,
             finish,
             prompt_tokens,
             completion_tokens: c.token_ids.len(),
+            tokens,
         })
     }
 
@@ -535,6 +552,7 @@ mod tests {
                 finish: "tool_calls",
                 prompt_tokens: prompt.len(),
                 completion_tokens: call.len(),
+                tokens: Vec::new(),
             }
         );
 
@@ -559,6 +577,8 @@ mod tests {
         let whole: Vec<u32> = [&prompt[..], &call, &obs].concat();
         assert_eq!(p.context, whole);
         let answer = enc("It is 42.<|im_end|>");
+        let mut p = p;
+        p.logprobs = true;
         let reply = s
             .record(&agent, p, sampled(answer.clone(), FinishReason::Stop))
             .unwrap();
@@ -566,6 +586,12 @@ mod tests {
             (reply.content.as_deref(), reply.finish),
             (Some("It is 42."), "stop")
         );
+        // Asked for: every sampled token's text and log-prob (the end of turn's text is a
+        // special token's, skipped).
+        let texts: String = reply.tokens.iter().map(|(t, _)| t.as_str()).collect();
+        assert_eq!(texts, "It is 42.");
+        assert_eq!(reply.tokens.len(), answer.len());
+        assert!(reply.tokens.iter().all(|&(_, l)| l == -0.5));
 
         // A rewritten history (the tool exchange dropped) forks a new trajectory.
         let third = json!([{"role": "system", "content": "Be brief."},
