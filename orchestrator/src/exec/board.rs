@@ -61,16 +61,15 @@ pub(crate) fn score<'c>(
 
 /// `out` with only the last trajectory of every episode (an agent program that rewrote its
 /// history made several; its final transcript is the last).
-pub(crate) fn finals(mut out: Vec<Completion>) -> Vec<Completion> {
-    let mut keep = vec![true; out.len()];
-    for i in 1..out.len() {
-        if (out[i].request, out[i].index) == (out[i - 1].request, out[i - 1].index) {
-            keep[i - 1] = false;
+pub(crate) fn finals(out: Vec<Completion>) -> Vec<Completion> {
+    let mut finals: Vec<Completion> = Vec::with_capacity(out.len());
+    for c in out {
+        match finals.last_mut() {
+            Some(last) if (last.request, last.index) == (c.request, c.index) => *last = c,
+            _ => finals.push(c),
         }
     }
-    let mut k = keep.into_iter();
-    out.retain(|_| k.next().unwrap_or(true));
-    out
+    finals
 }
 
 /// The behaviour policy's log-probs.

@@ -81,11 +81,7 @@ pub(super) fn evaluate(
             seed: Some(0xE7A1_5EED ^ i as u64),
             ..Default::default()
         };
-        reqs.push(
-            stage
-                .data
-                .request(prompts, p, params, stage.scores_episodes)?,
-        );
+        reqs.push(stage.request(prompts, p, params)?);
     }
     let out = super::board::finals(rollouts.generate(reqs)?);
     let texts = out

@@ -252,27 +252,25 @@ pub struct DataPlan {
     pub env: Option<EnvPlan>,
 }
 
-impl DataPlan {
+impl StagePlan {
     /// The request for problem `p` sampled with `params`: its prompt (through the chat template
     /// when the data asks for it, given the environment's tools), and its episode when the
-    /// data has an environment.
-    ///
-    /// `scores_episodes`: the stage's ([`StagePlan::scores_episodes`]); when false, an agent
-    /// program owes no reward.
+    /// data has an environment (an agent program owes a reward unless the stage's reward
+    /// scores its transcripts).
     pub fn request(
         &self,
         prompts: &Prompts<'_>,
         p: &Problem,
         params: rollout::SamplingParams,
-        scores_episodes: bool,
     ) -> Result<rollout::GenerateRequest, PromptError> {
-        let env = self.env.as_ref();
+        let data = &self.data;
+        let env = data.env.as_ref();
         let tools = env.and_then(|e| e.spec.tools());
-        let (prompt, _) = prompts.encode_with_tools(p, self.chat_template, tools.as_ref())?;
+        let (prompt, _) = prompts.encode_with_tools(p, data.chat_template, tools.as_ref())?;
         let episode = env.map(|e| {
-            let mut episode = e.episode(p, self.chat_template);
+            let mut episode = e.episode(p, data.chat_template);
             if let rollout::env::EnvSpec::Agent(a) = &mut episode.env {
-                a.printed_reward = scores_episodes;
+                a.printed_reward = self.scores_episodes;
             }
             episode
         });

@@ -53,6 +53,13 @@ pub struct Limits {
     pub step_timeout_s: f64,
 }
 
+impl Limits {
+    /// [`Limits::step_timeout_s`] as a duration (a millisecond at least).
+    pub fn step_timeout(&self) -> Duration {
+        Duration::from_secs_f64(self.step_timeout_s.max(0.001))
+    }
+}
+
 /// What an episode did.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct EpisodeStats {
@@ -91,22 +98,98 @@ impl EpisodeStats {
     }
 }
 
-/// Appends the model's turn `c` to a trajectory whose response is `start` tokens long: its
-/// tokens, log-probs, and the weight versions that made them (moved to where they now sit).
-pub(crate) fn append_turn(
-    c: &Completion,
-    start: usize,
-    context: &mut Vec<u32>,
-    logprobs: &mut Vec<f32>,
-    spans: &mut Vec<VersionSpan>,
-) {
-    spans.extend(c.weight_versions.iter().map(|s| VersionSpan {
-        version: s.version,
-        start: s.start + start,
-        end: s.end + start,
-    }));
-    context.extend(&c.token_ids);
-    logprobs.extend(&c.logprobs);
+impl EpisodeStats {
+    /// Ends the episode for `e`: it scores 0 (the first failure is the one kept).
+    pub(crate) fn fail(&mut self, e: &EnvError) {
+        self.failed.get_or_insert_with(|| e.to_string());
+        self.reward = 0.0;
+        self.turn_rewards.clear();
+    }
+}
+
+/// One token sequence of an episode: its prompt, then the model's turns as the engine sampled
+/// them, with the environment's tokens between them (observations, log-prob 0).
+#[derive(Debug)]
+pub(crate) struct Trajectory {
+    prompt_len: usize,
+    /// The prompt and every token since.
+    pub context: Vec<u32>,
+    logprobs: Vec<f32>,
+    observations: Vec<Range<usize>>,
+    spans: Vec<VersionSpan>,
+    /// How the last model turn ended.
+    pub finish: FinishReason,
+}
+
+impl Trajectory {
+    pub(crate) fn new(prompt: Vec<u32>) -> Self {
+        Self {
+            prompt_len: prompt.len(),
+            context: prompt,
+            logprobs: Vec::new(),
+            observations: Vec::new(),
+            spans: Vec::new(),
+            finish: FinishReason::Stop,
+        }
+    }
+
+    /// Tokens after the prompt.
+    pub(crate) fn response_len(&self) -> usize {
+        self.context.len() - self.prompt_len
+    }
+
+    /// The response tokens in `r`.
+    fn response(&self, r: &Range<usize>) -> &[u32] {
+        &self.context[self.prompt_len + r.start..self.prompt_len + r.end]
+    }
+
+    /// Appends the model's turn `c` — its tokens, log-probs, the weight versions that made them
+    /// (moved to where they now sit) and how it ended —; its range in the response.
+    pub(crate) fn push_turn(&mut self, c: &Completion) -> Range<usize> {
+        let start = self.response_len();
+        self.spans
+            .extend(c.weight_versions.iter().map(|s| VersionSpan {
+                version: s.version,
+                start: s.start + start,
+                end: s.end + start,
+            }));
+        self.context.extend(&c.token_ids);
+        self.logprobs.extend(&c.logprobs);
+        self.finish = c.finish_reason;
+        start..self.response_len()
+    }
+
+    /// Appends the environment's `tokens` as an observation.
+    pub(crate) fn push_observation(&mut self, tokens: &[u32]) {
+        let start = self.response_len();
+        self.context.extend(tokens);
+        self.logprobs.extend(std::iter::repeat_n(0.0, tokens.len()));
+        self.observations.push(start..self.response_len());
+    }
+
+    /// Sample `index` of request `request`, with the episode's `stats`; `own_prompt`: the
+    /// completion carries its prompt (it is not the request's).
+    pub(crate) fn into_completion(
+        self,
+        request: usize,
+        index: usize,
+        stats: EpisodeStats,
+        own_prompt: bool,
+    ) -> Completion {
+        let (prompt, response) = self.context.split_at(self.prompt_len);
+        Completion {
+            request,
+            index,
+            token_ids: response.to_vec(),
+            logprobs: self.logprobs,
+            finish_reason: self.finish,
+            weight_versions: self.spans,
+            observations: self.observations,
+            prompt: own_prompt.then(|| prompt.to_vec()),
+            cached_tokens: 0,
+            episode: Some(stats),
+        }
+    }
 }
 
 /// How an engine's side renders observations: made once per actor from an [`AgentSetup`].
@@ -185,11 +268,7 @@ impl Agent {
                     role: role.into(),
                     content: c.clone(),
                 };
-                let (eos, rest) = t
-                    .continuation(&[message], spec.env.tools().as_ref())
-                    .map_err(|e| e.to_string())?;
-                // A turn cut short never wrote its end of turn: the template's closes it.
-                if ended { rest } else { format!("{eos}{rest}") }
+                return self.continue_chat(t, &[message], spec.env.tools().as_ref(), ended);
             }
             (None, Observation::Tool(c)) => match spec.format {
                 ToolFormat::Compact => format!("{}{c}{}", RESULT.0, RESULT.1),
@@ -197,6 +276,28 @@ impl Agent {
             },
             (None, Observation::Reply(c)) => c.clone(),
         };
+        self.tokenizer
+            .encode_rendered(&text)
+            .map_err(|e| e.to_string())
+    }
+}
+
+impl Agent {
+    /// Token ids of `messages` as `template` renders them after a model turn (with the
+    /// conversation's `tools`): its continuation, opened with the template's end of turn when
+    /// the turn did not end (`ended`: it stopped at a stop token, not cut at its budget).
+    pub(crate) fn continue_chat(
+        &self,
+        template: &ChatTemplate,
+        messages: &[Message],
+        tools: Option<&serde_json::Value>,
+        ended: bool,
+    ) -> Result<Vec<u32>, String> {
+        let (eos, rest) = template
+            .continuation(messages, tools)
+            .map_err(|e| e.to_string())?;
+        // A turn cut short never wrote its end of turn: the template's closes it.
+        let text = if ended { rest } else { format!("{eos}{rest}") };
         self.tokenizer
             .encode_rendered(&text)
             .map_err(|e| e.to_string())
@@ -218,51 +319,33 @@ struct Episode {
     env: Option<Box<dyn Environment>>,
     /// The sampling of later turns (one sample, its own seed).
     params: crate::SamplingParams,
-    prompt_len: usize,
-    /// The prompt and every token since.
-    context: Vec<u32>,
-    logprobs: Vec<f32>,
-    observations: Vec<Range<usize>>,
-    spans: Vec<VersionSpan>,
+    traj: Trajectory,
     /// The last turn's tokens (in the response).
     turn: Range<usize>,
-    finish: FinishReason,
     stats: EpisodeStats,
     over: bool,
 }
 
 impl Episode {
-    fn response_len(&self) -> usize {
-        self.context.len() - self.prompt_len
-    }
-
     /// Appends a model turn.
     fn take_turn(&mut self, c: Completion) {
-        let start = self.response_len();
         if self.stats.turns > 0 {
             self.stats
-                .count_prefill(self.context.len(), c.cached_tokens);
+                .count_prefill(self.traj.context.len(), c.cached_tokens);
         }
-        append_turn(
-            &c,
-            start,
-            &mut self.context,
-            &mut self.logprobs,
-            &mut self.spans,
-        );
-        self.turn = start..self.response_len();
-        self.finish = c.finish_reason;
+        self.turn = self.traj.push_turn(&c);
         self.stats.turns += 1;
     }
 
-    /// Tokens the next turn may sample (0: none, the episode is out of room).
-    fn room(&self, max_context: usize) -> usize {
+    /// Tokens the next turn may sample after `extra` more tokens (0: none, the episode is out
+    /// of room).
+    fn room(&self, max_context: usize, extra: usize) -> usize {
         let budget = self
             .spec
             .limits
             .max_tokens
-            .saturating_sub(self.response_len());
-        let context = max_context.saturating_sub(self.context.len());
+            .saturating_sub(self.traj.response_len() + extra);
+        let context = max_context.saturating_sub(self.traj.context.len() + extra);
         self.params.max_tokens.min(budget).min(context)
     }
 
@@ -272,26 +355,13 @@ impl Episode {
             sample = self.index,
             "{e}: the episode ends"
         );
-        self.stats.failed = Some(e.to_string());
-        self.stats.reward = 0.0;
-        self.stats.turn_rewards.clear();
+        self.stats.fail(e);
         self.over = true;
     }
 
     fn into_completion(self) -> Completion {
-        let start = self.prompt_len;
-        Completion {
-            request: self.request,
-            index: self.index,
-            token_ids: self.context[start..].to_vec(),
-            logprobs: self.logprobs,
-            finish_reason: self.finish,
-            weight_versions: self.spans,
-            observations: self.observations,
-            prompt: None,
-            cached_tokens: 0,
-            episode: Some(self.stats),
-        }
+        self.traj
+            .into_completion(self.request, self.index, self.stats, false)
     }
 }
 
@@ -404,13 +474,8 @@ async fn play_turns(
             spec: spec.clone(),
             env: None,
             params,
-            prompt_len: r.prompt.len(),
-            context: r.prompt.clone(),
-            logprobs: Vec::new(),
-            observations: Vec::new(),
-            spans: Vec::new(),
+            traj: Trajectory::new(r.prompt.clone()),
             turn: 0..0,
-            finish: FinishReason::Stop,
             stats: EpisodeStats::default(),
             over: false,
         };
@@ -433,7 +498,7 @@ async fn play_turns(
                 let e = &mut live[i];
                 let mut base = e.params.clone();
                 base.seed = turn_seed(e.params.seed, e.index, e.stats.turns);
-                turn_request(e.context.clone(), &base, e.room(agent.max_context))
+                turn_request(e.traj.context.clone(), &base, e.room(agent.max_context, 0))
             })
             .collect();
         for c in engine.generate(turns).await? {
@@ -448,10 +513,7 @@ async fn play_turns(
 /// Steps `e`'s environment with its last turn and appends what it says, or ends the episode
 /// (done, out of turns or room, or a failure).
 async fn step(agent: &Agent, e: &mut Episode) {
-    let text = match agent
-        .tokenizer
-        .decode(&e.context[e.prompt_len + e.turn.start..e.prompt_len + e.turn.end])
-    {
+    let text = match agent.tokenizer.decode(e.traj.response(&e.turn)) {
         Ok(t) => t,
         Err(err) => {
             e.fail(&EnvError {
@@ -461,7 +523,7 @@ async fn step(agent: &Agent, e: &mut Episode) {
             return;
         }
     };
-    let timeout = Duration::from_secs_f64(e.spec.limits.step_timeout_s.max(0.001));
+    let timeout = e.spec.limits.step_timeout();
     // The environment is made and reset with the first step, on the blocking pool like every
     // step (a program's start runs beside the others').
     let (mut env, problem) = match e.env.take() {
@@ -528,7 +590,7 @@ async fn step(agent: &Agent, e: &mut Episode) {
         e.over = true;
         return;
     }
-    let ended = e.finish == FinishReason::Stop;
+    let ended = e.traj.finish == FinishReason::Stop;
     let tokens = match agent.observe(&e.spec, &obs, ended) {
         Ok(t) => t,
         Err(msg) => {
@@ -539,16 +601,12 @@ async fn step(agent: &Agent, e: &mut Episode) {
             return;
         }
     };
-    let start = e.response_len();
-    e.context.extend(&tokens);
-    if e.room(agent.max_context) == 0 {
+    if e.room(agent.max_context, tokens.len()) == 0 {
         // No room for another turn after the observation: the episode ends where the model
         // stopped, cut short.
-        e.context.truncate(e.prompt_len + start);
-        e.finish = FinishReason::Length;
+        e.traj.finish = FinishReason::Length;
         e.over = true;
         return;
     }
-    e.logprobs.extend(std::iter::repeat_n(0.0, tokens.len()));
-    e.observations.push(start..e.response_len());
+    e.traj.push_observation(&tokens);
 }

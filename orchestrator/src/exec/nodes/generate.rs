@@ -70,7 +70,7 @@ fn draw(
             seed: Some(seed),
             ..Default::default()
         };
-        reqs.push(data.request(cx.prompts, p, params, cx.stage.scores_episodes)?);
+        reqs.push(cx.stage.request(cx.prompts, p, params)?);
     }
     let indexed = (start..).zip(problems).collect();
     Ok((indexed, reqs))

@@ -27,6 +27,7 @@
 mod http;
 mod session;
 
+use crate::env::EnvError;
 use crate::env::command::AgentProgram;
 use crate::episode::{Agent, EpisodeSpec};
 use crate::{Completion, EngineError, GenerateRequest, InferenceEngine};
@@ -100,7 +101,7 @@ pub async fn play(
             let n = live.len();
             let base = format!("http://{}/s/{id}/v1", server.addr);
             let kill = start(program, spec, &id, &base, n, exit_tx.clone());
-            let timeout = step_timeout(spec);
+            let timeout = spec.limits.step_timeout();
             ids.insert(id, n);
             live.push(Live {
                 session: Session::new(r, i, spec.limits, &req.params),
@@ -142,11 +143,11 @@ pub async fn play(
                 let now = Instant::now();
                 for l in live.iter_mut().filter(|l| l.deadline.is_some_and(|d| d <= now)) {
                     l.deadline = None;
-                    let secs = step_timeout(&l.spec).as_secs_f64();
-                    l.session.stats.failed = Some(format!(
-                        "environment `{}`: the agent program neither called nor ended within {secs:.1} s",
-                        l.spec.env.name()
-                    ));
+                    let secs = l.spec.limits.step_timeout().as_secs_f64();
+                    l.session.stats.fail(&EnvError {
+                        env: l.spec.env.name().into(),
+                        msg: format!("the agent program neither called nor ended within {secs:.1} s"),
+                    });
                     if let Some(k) = l.kill.take() {
                         let _ = k.send(());
                     }
@@ -163,11 +164,8 @@ pub async fn play(
     Ok(out)
 }
 
-fn step_timeout(spec: &EpisodeSpec) -> Duration {
-    Duration::from_secs_f64(spec.limits.step_timeout_s.max(0.001))
-}
-
-/// Records how `l`'s program ended: its reward, or why its episode failed.
+/// Records how `l`'s program ended: its reward, or why its episode failed (a kill for time
+/// already said why).
 fn finish(l: &mut Live, exit: Exit) {
     let crate::env::EnvSpec::Agent(program) = &l.spec.env else {
         return;
@@ -184,11 +182,11 @@ fn finish(l: &mut Live, exit: Exit) {
             Err(why) => Some(why),
         },
     };
-    if let Some(why) = failed {
-        // A kill for time already said why.
-        if stats.failed.is_none() {
-            stats.failed = Some(format!("environment `{}`: {why}", l.spec.env.name()));
-        }
+    if let Some(msg) = failed {
+        stats.fail(&EnvError {
+            env: l.spec.env.name().into(),
+            msg,
+        });
     }
     if let Some(why) = &stats.failed {
         tracing::warn!(
@@ -196,7 +194,6 @@ fn finish(l: &mut Live, exit: Exit) {
             sample = l.session.index,
             "{why}: the episode ends"
         );
-        stats.reward = 0.0;
     }
 }
 
@@ -262,7 +259,7 @@ async fn serve(
             }
             Ok(Prepared::Spent(why)) => {
                 tracing::debug!(session = call.session, "{why}");
-                let _ = call.reply.send(Ok(Reply::spent(0)));
+                let _ = call.reply.send(Ok(Reply::spent()));
             }
             Ok(Prepared::Turn(mut p)) => {
                 p.logprobs = call.request.logprobs;
@@ -285,7 +282,7 @@ async fn serve(
     }
     for ((s, p, reply), c) in work.into_iter().zip(outs) {
         let l = &mut live[s];
-        l.deadline = Some(Instant::now() + step_timeout(&l.spec));
+        l.deadline = Some(Instant::now() + l.spec.limits.step_timeout());
         let answer = match c {
             None => Err("the engine gave no turn".to_string()),
             Some(c) => l.session.record(agent, p, c),

@@ -10,11 +10,10 @@
 //! trajectory records. Never: serves HTTP or runs the program (`gateway` does).
 
 use crate::env::tools::{Call, split_hermes};
-use crate::episode::{Agent, EpisodeStats, Limits, append_turn, turn_seed};
-use crate::{Completion, FinishReason, GenerateRequest, SamplingParams, VersionSpan};
+use crate::episode::{Agent, EpisodeStats, Limits, Trajectory, turn_seed};
+use crate::{Completion, FinishReason, GenerateRequest, SamplingParams};
 use learner::chat::Message;
 use serde_json::Value;
-use std::ops::Range;
 
 /// One message as conversations are compared: its role, its text, and its tool calls (name
 /// and arguments as JSON, whatever ids and spelling the client gave them).
@@ -107,25 +106,13 @@ pub(crate) fn read_messages(messages: &[Value]) -> Result<(Vec<Turn>, Vec<Value>
     Ok((turns, rendered))
 }
 
-/// One trajectory: a prompt, and the model's turns with the messages between them.
+/// One trajectory, and the conversation it is.
 #[derive(Debug)]
 struct Branch {
     /// The conversation through the gateway's last reply.
     turns: Vec<Turn>,
     tools: Option<Value>,
-    prompt_len: usize,
-    /// The prompt and every token since.
-    context: Vec<u32>,
-    logprobs: Vec<f32>,
-    observations: Vec<Range<usize>>,
-    spans: Vec<VersionSpan>,
-    finish: FinishReason,
-}
-
-impl Branch {
-    fn response_len(&self) -> usize {
-        self.context.len() - self.prompt_len
-    }
+    traj: Trajectory,
 }
 
 /// A call made ready for the engine.
@@ -169,12 +156,12 @@ pub(crate) struct Reply {
 
 impl Reply {
     /// The answer to a call past the episode's budget: no text, `length`.
-    pub(crate) fn spent(prompt_tokens: usize) -> Self {
+    pub(crate) fn spent() -> Self {
         Self {
             content: None,
             calls: Vec::new(),
             finish: "length",
-            prompt_tokens,
+            prompt_tokens: 0,
             completion_tokens: 0,
             tokens: Vec::new(),
         }
@@ -243,23 +230,11 @@ impl Session {
                         content: t.content.clone(),
                     })
                     .collect();
-                let (eos, rest) = chat
-                    .continuation(&new, tools.as_ref())
-                    .map_err(|e| e.to_string())?;
-                // A turn cut at its budget never wrote its end of turn: the template's
-                // closes it.
-                let text = if b.finish == FinishReason::Stop {
-                    rest
-                } else {
-                    format!("{eos}{rest}")
-                };
-                let obs = agent
-                    .tokenizer
-                    .encode_rendered(&text)
-                    .map_err(|e| e.to_string())?;
-                let mut context = b.context.clone();
+                let ended = b.traj.finish == FinishReason::Stop;
+                let obs = agent.continue_chat(chat, &new, tools.as_ref(), ended)?;
+                let mut context = b.traj.context.clone();
                 context.extend(&obs);
-                let used = b.response_len() + obs.len();
+                let used = b.traj.response_len() + obs.len();
                 (
                     Some(i),
                     obs,
@@ -323,24 +298,14 @@ impl Session {
         let prompt_tokens = p.context.len();
         let i = match p.branch {
             Some(i) => {
-                let b = &mut self.branches[i];
-                let start = b.response_len();
-                b.context.extend(&p.observation);
-                b.logprobs
-                    .extend(std::iter::repeat_n(0.0, p.observation.len()));
-                b.observations.push(start..b.response_len());
+                self.branches[i].traj.push_observation(&p.observation);
                 i
             }
             None => {
                 self.branches.push(Branch {
                     turns: Vec::new(),
                     tools: p.tools,
-                    prompt_len: p.context.len(),
-                    context: p.context,
-                    logprobs: Vec::new(),
-                    observations: Vec::new(),
-                    spans: Vec::new(),
-                    finish: FinishReason::Stop,
+                    traj: Trajectory::new(p.context),
                 });
                 self.branches.len() - 1
             }
@@ -351,9 +316,7 @@ impl Session {
         self.calls += 1;
         self.stats.turns += 1;
         let b = &mut self.branches[i];
-        let start = b.response_len();
-        append_turn(&c, start, &mut b.context, &mut b.logprobs, &mut b.spans);
-        b.finish = c.finish_reason;
+        b.traj.push_turn(&c);
         let text = agent
             .tokenizer
             .decode(&c.token_ids)
@@ -406,36 +369,17 @@ impl Session {
             ..
         } = self;
         if branches.is_empty() {
-            return vec![Completion {
-                request,
-                index,
-                token_ids: Vec::new(),
-                logprobs: Vec::new(),
-                finish_reason: FinishReason::Stop,
-                weight_versions: Vec::new(),
-                observations: Vec::new(),
-                cached_tokens: 0,
-                episode: Some(stats),
-                prompt: None,
-            }];
+            return vec![Trajectory::new(Vec::new()).into_completion(request, index, stats, false)];
         }
         branches
             .into_iter()
             .enumerate()
-            .map(|(fork, b)| Completion {
-                request,
-                index,
-                token_ids: b.context[b.prompt_len..].to_vec(),
-                logprobs: b.logprobs,
-                finish_reason: b.finish,
-                weight_versions: b.spans,
-                observations: b.observations,
-                cached_tokens: 0,
-                episode: Some(EpisodeStats {
+            .map(|(fork, b)| {
+                let stats = EpisodeStats {
                     fork,
                     ..stats.clone()
-                }),
-                prompt: Some(b.context[..b.prompt_len].to_vec()),
+                };
+                b.traj.into_completion(request, index, stats, true)
             })
             .collect()
     }
@@ -444,6 +388,7 @@ impl Session {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::VersionSpan;
     use crate::episode::AgentSetup;
     use learner::chat::ChatTemplate;
     use serde_json::json;
