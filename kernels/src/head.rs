@@ -4,7 +4,7 @@
 //! Rows are processed in chunks, so the full `[rows × vocab]` logits matrix never exists; the
 //! backward recomputes each chunk's logits from `x` and the saved log-sum-exp.
 
-use crate::matmul::{Op, Par, matmul};
+use crate::matmul::{Op, Par, Precision, matmul};
 use rayon::prelude::*;
 
 /// Rows per chunk, so that one chunk of logits is about 4 MiB.
@@ -12,7 +12,7 @@ pub fn chunk_rows(vocab: usize) -> usize {
     ((1 << 20) / vocab.max(1)).clamp(8, 512)
 }
 
-/// Forward. `x` is `[rows, dim]`, `w` is `[vocab, dim]`, `targets` has one id per row.
+/// Forward, its matmul in `precision`. `x` is `[rows, dim]`, `w` is `[vocab, dim]`, `targets` has one id per row.
 /// Writes `logp`, `entropy` and `lse` (the log-sum-exp of the tempered logits, kept for the
 /// backward), one value per row each.
 pub fn logprob_entropy(
@@ -24,6 +24,7 @@ pub fn logprob_entropy(
     logp: &mut [f32],
     entropy: &mut [f32],
     lse: &mut [f32],
+    precision: Precision,
 ) {
     let rows = targets.len();
     let vocab = w.len() / dim;
@@ -49,6 +50,7 @@ pub fn logprob_entropy(
             z,
             false,
             Par::Pool,
+            precision,
         );
         z.par_chunks_mut(vocab)
             .zip(targets[r0..r0 + n].par_iter())
@@ -93,6 +95,7 @@ pub fn logprob_entropy_backward(
     d_entropy: &[f32],
     dx: &mut [f32],
     dw: &mut [f32],
+    precision: Precision,
 ) {
     let rows = targets.len();
     let vocab = w.len() / dim;
@@ -124,6 +127,7 @@ pub fn logprob_entropy_backward(
             z,
             false,
             Par::Pool,
+            precision,
         );
         z.par_chunks_mut(vocab).enumerate().for_each(|(i, row)| {
             let r = r0 + i;
@@ -149,6 +153,7 @@ pub fn logprob_entropy_backward(
             &mut dx[r0 * dim..(r0 + n) * dim],
             false,
             Par::Pool,
+            precision,
         );
         matmul(
             vocab,
@@ -161,6 +166,7 @@ pub fn logprob_entropy_backward(
             dw,
             true,
             Par::Pool,
+            precision,
         );
     }
 }
@@ -211,7 +217,17 @@ mod tests {
         let targets: Vec<u32> = (0..rows as u32).map(|r| (r * 97) % vocab as u32).collect();
         let (cl, ce) = (randn(rows, 23), randn(rows, 24));
         let (mut lp, mut ent, mut lse) = (vec![0.0; rows], vec![0.0; rows], vec![0.0; rows]);
-        logprob_entropy(&x, &w, dim, &targets, temp, &mut lp, &mut ent, &mut lse);
+        logprob_entropy(
+            &x,
+            &w,
+            dim,
+            &targets,
+            temp,
+            &mut lp,
+            &mut ent,
+            &mut lse,
+            Precision::F32,
+        );
         let f64s = |x: &[f32]| x.iter().map(|&v| v as f64).collect::<Vec<f64>>();
         let (x64, w64) = (f64s(&x), f64s(&w));
         let (_, rlp, rent) = reference(&x64, &w64, dim, &targets, temp as f64, &cl, &ce);
@@ -230,7 +246,18 @@ mod tests {
         let mut dx = vec![0.0; rows * dim];
         let mut dw = vec![0.0; vocab * dim];
         logprob_entropy_backward(
-            &x, &w, dim, &targets, temp, &lse, &ent, &cl, &ce, &mut dx, &mut dw,
+            &x,
+            &w,
+            dim,
+            &targets,
+            temp,
+            &lse,
+            &ent,
+            &cl,
+            &ce,
+            &mut dx,
+            &mut dw,
+            Precision::F32,
         );
         let t = temp as f64;
         check_grad(&x, &dx, 60, 2e-3, "head dx", &|p| {

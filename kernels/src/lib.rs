@@ -1,7 +1,7 @@
 //! Numerical kernels for the native CPU engines: forward and backward of every op the model
 //! uses, on row-major f32 slices, threaded with rayon.
 //!
-//! Owns: GEMM (through `gemm`, AVX-512 when the CPU has it), RMSNorm, RoPE, causal grouped-query
+//! Owns: GEMM (through `gemm`, AVX-512 when the CPU has it; bf16 on `vdpbf16ps` in [`bf16`]), RMSNorm, RoPE, causal grouped-query
 //! attention, SwiGLU, embedding gather/scatter-add, the fused log-softmax/log-prob/entropy head,
 //! AdamW and gradient-norm utilities, and the thread-count setting; and [`hlo`], the same ops
 //! traced into StableHLO (with their gradients) for the `pjrt` engines.
@@ -13,6 +13,7 @@
 
 pub mod activation;
 pub mod attention;
+pub mod bf16;
 pub mod embedding;
 pub mod head;
 pub mod hlo;

@@ -1,5 +1,6 @@
-//! Dense matrix multiply on row-major f32, all transpose combinations, through the `gemm`
-//! crate (runtime dispatch picks AVX-512 where present).
+//! Dense matrix multiply on row-major f32, all transpose combinations: in f32 through the
+//! `gemm` crate (runtime dispatch picks AVX-512 where present), or with bf16 operands and f32
+//! accumulation through [`crate::bf16`].
 
 use gemm::Parallelism;
 
@@ -22,10 +23,21 @@ pub enum Par {
     Single,
 }
 
+/// The arithmetic of a multiply (inputs and outputs are f32 either way).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Precision {
+    /// f32 products and sums.
+    #[default]
+    F32,
+    /// Operands rounded to bf16, products summed in f32 (`torch.autocast(dtype=bfloat16)`);
+    /// on AVX512-BF16 hardware at twice the f32 rate ([`crate::bf16`]). Always over the pool.
+    Bf16,
+}
+
 /// Up to this many rows, `A·Bᵀ` goes through [`crate::skinny`].
 pub const SKINNY_ROWS: usize = 64;
 
-/// `C[m,n] = op(A)[m,k] · op(B)[k,n]`, or `C += …` when `accumulate`.
+/// `C[m,n] = op(A)[m,k] · op(B)[k,n]`, or `C += …` when `accumulate`, in `precision`.
 ///
 /// `A` holds `m·k` values (`[m,k]` for `Op::N`, `[k,m]` for `Op::T`), `B` holds `k·n`.
 pub fn matmul(
@@ -39,6 +51,7 @@ pub fn matmul(
     c: &mut [f32],
     accumulate: bool,
     par: Par,
+    precision: Precision,
 ) {
     assert!(
         a.len() >= m * k,
@@ -58,6 +71,10 @@ pub fn matmul(
         c.len(),
         m * n
     );
+    if precision == Precision::Bf16 {
+        crate::bf16::matmul(m, k, n, a, op_a, b, op_b, c, accumulate);
+        return;
+    }
     // A few rows times a weight matrix (decode): stream the weights once instead of packing them.
     if m <= SKINNY_ROWS
         && op_a == Op::N
@@ -101,15 +118,22 @@ pub fn matmul(
 /// `Cᵢ = A · Bᵢᵀ` for several weights read by the same rows (`A` `[m,k]`, `Bᵢ` `[nᵢ,k]`
 /// with `nᵢ = Bᵢ.len() / k`, `Cᵢ` `[m,nᵢ]` overwritten): for a few rows one parallel pass over
 /// all of them ([`crate::skinny::matmul_nt_many`]), otherwise one [`matmul`] each.
-pub fn matmul_nt_many(m: usize, k: usize, a: &[f32], bs: &[&[f32]], cs: &mut [&mut [f32]]) {
+pub fn matmul_nt_many(
+    m: usize,
+    k: usize,
+    a: &[f32],
+    bs: &[&[f32]],
+    cs: &mut [&mut [f32]],
+    precision: Precision,
+) {
     assert_eq!(bs.len(), cs.len(), "matmul_nt_many: one output per weight");
-    if m <= SKINNY_ROWS && k > 0 && crate::skinny::available() {
+    if precision == Precision::F32 && m <= SKINNY_ROWS && k > 0 && crate::skinny::available() {
         crate::skinny::matmul_nt_many(m, k, a, bs, cs);
         return;
     }
     for (b, c) in bs.iter().zip(cs.iter_mut()) {
         let n = b.len().checked_div(k).unwrap_or(0);
-        matmul(m, k, n, a, Op::N, b, Op::T, c, false, Par::Pool);
+        matmul(m, k, n, a, Op::N, b, Op::T, c, false, Par::Pool, precision);
     }
 }
 
@@ -203,10 +227,34 @@ mod tests {
         for ta in [Op::N, Op::T] {
             for tb in [Op::N, Op::T] {
                 let mut c = vec![0.0; m * n];
-                matmul(m, k, n, &a, ta, &b, tb, &mut c, false, Par::Pool);
+                matmul(
+                    m,
+                    k,
+                    n,
+                    &a,
+                    ta,
+                    &b,
+                    tb,
+                    &mut c,
+                    false,
+                    Par::Pool,
+                    Precision::F32,
+                );
                 close(&c, &naive(m, k, n, &a, ta, &b, tb), 1e-4, "matmul");
                 // accumulate adds onto what is there
-                matmul(m, k, n, &a, ta, &b, tb, &mut c, true, Par::Single);
+                matmul(
+                    m,
+                    k,
+                    n,
+                    &a,
+                    ta,
+                    &b,
+                    tb,
+                    &mut c,
+                    true,
+                    Par::Single,
+                    Precision::F32,
+                );
                 let twice: Vec<f32> = naive(m, k, n, &a, ta, &b, tb)
                     .iter()
                     .map(|x| 2.0 * x)

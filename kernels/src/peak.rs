@@ -1,5 +1,6 @@
-//! Measures this machine's f32 FMA peak, the denominator of MFU: every thread of the pool runs
-//! independent chains of fused multiply-adds in the widest vectors the CPU has.
+//! Measures this machine's f32 FMA peak and bf16 dot-product peak, the denominators of MFU:
+//! every thread of the pool runs independent chains of fused multiply-adds (or `vdpbf16ps`,
+//! two bf16 products per f32 lane) in the widest vectors the CPU has.
 
 use std::time::Instant;
 
@@ -40,6 +41,21 @@ fn fma_avx2(iters: u64) -> f32 {
     s
 }
 
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+fn dpbf16_avx512(iters: u64) -> f32 {
+    use std::arch::x86_64::*;
+    let a = _mm512_cvtne2ps_pbh(_mm512_set1_ps(0.999), _mm512_set1_ps(0.999));
+    let b = _mm512_cvtne2ps_pbh(_mm512_set1_ps(1e-3), _mm512_set1_ps(1e-3));
+    let mut acc = [_mm512_set1_ps(1.0); 12];
+    for _ in 0..iters {
+        for x in acc.iter_mut() {
+            *x = _mm512_dpbf16_ps(*x, a, b);
+        }
+    }
+    acc.iter().map(|x| _mm512_reduce_add_ps(*x)).sum()
+}
+
 /// FLOPs per iteration of one thread's loop, and the loop, for the widest ISA available.
 fn kernel() -> (f64, fn(u64) -> f32) {
     #[cfg(target_arch = "x86_64")]
@@ -67,7 +83,25 @@ fn kernel() -> (f64, fn(u64) -> f32) {
 /// Peak f32 GFLOP/s with `threads` threads: the best of several trials of about 0.1 s each,
 /// since on a shared machine only the best trial approaches what the cores can do.
 pub fn fma_peak_gflops(threads: usize) -> f64 {
-    let (flops_per_iter, f) = kernel();
+    best_of(threads, kernel())
+}
+
+/// Peak bf16 GFLOP/s (products and sums of `vdpbf16ps`, f32 accumulation) with `threads`
+/// threads, as [`fma_peak_gflops`]; `None` where the CPU has no AVX512-BF16.
+pub fn bf16_peak_gflops(threads: usize) -> Option<f64> {
+    #[cfg(target_arch = "x86_64")]
+    if crate::bf16::available() {
+        // SAFETY: the feature was just detected.
+        return Some(best_of(
+            threads,
+            (12.0 * 32.0 * 2.0, |n| unsafe { dpbf16_avx512(n) }),
+        ));
+    }
+    let _ = threads;
+    None
+}
+
+fn best_of(threads: usize, (flops_per_iter, f): (f64, fn(u64) -> f32)) -> f64 {
     let iters = 60_000_000u64;
     let mut best = 0.0f64;
     for _ in 0..7 {

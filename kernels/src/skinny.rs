@@ -305,7 +305,7 @@ pub fn matmul_nt_many(m: usize, k: usize, a: &[f32], bs: &[&[f32]], cs: &mut [&m
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::matmul::{Op, Par, matmul};
+    use crate::matmul::{Op, Par, Precision, matmul};
     use crate::testutil::{close, randn};
 
     #[test]
@@ -321,7 +321,19 @@ mod tests {
             let a = randn(m * k, 1);
             let b = randn(n * k, 2);
             let mut want = vec![0.0; m * n];
-            matmul(m, k, n, &a, Op::N, &b, Op::T, &mut want, false, Par::Single);
+            matmul(
+                m,
+                k,
+                n,
+                &a,
+                Op::N,
+                &b,
+                Op::T,
+                &mut want,
+                false,
+                Par::Single,
+                Precision::F32,
+            );
             let mut got = vec![9.0; m * n];
             matmul_nt(m, k, n, &a, &b, &mut got);
             close(&got, &want, 1e-4, "skinny");
@@ -343,7 +355,19 @@ mod tests {
             }
             for ((b, g), &n) in bs.iter().zip(&got).zip(&ns) {
                 let mut want = vec![0.0; m * n];
-                matmul(m, k, n, &a, Op::N, b, Op::T, &mut want, false, Par::Single);
+                matmul(
+                    m,
+                    k,
+                    n,
+                    &a,
+                    Op::N,
+                    b,
+                    Op::T,
+                    &mut want,
+                    false,
+                    Par::Single,
+                    Precision::F32,
+                );
                 close(g, &want, 1e-4, &format!("m {m} k {k} n {n}"));
             }
         }

@@ -1,12 +1,13 @@
 //! `trellis bench train`: one full training step (forward, backward, AdamW) of a reference
-//! model on random tokens, reported as tokens/s, GFLOP/s and MFU against the f32 FMA peak
-//! measured in the same run, with the GEMM rate at 1024³ and peak RSS; with a PJRT client, the
-//! same step on the `pjrt` engine in the same run (compile time apart).
+//! model on random tokens, in f32 or with bf16 matmuls, reported as tokens/s, GFLOP/s and MFU
+//! against the peak of that arithmetic measured in the same run (f32 FMA, or the bf16 dot
+//! product), with the GEMM rate at 1024³ and peak RSS; with a PJRT client, the same step on the
+//! `pjrt` engine in the same run (compile time apart).
 
 use crate::config::ModelConfig;
 use crate::model::{Batch, Model};
 use crate::optim::{LrSchedule, Optimizer};
-use kernels::matmul::{Op, Par, matmul};
+use kernels::matmul::{Op, Par, Precision, matmul};
 use kernels::optim::AdamW;
 use serde::Serialize;
 use std::time::Instant;
@@ -27,6 +28,8 @@ pub struct TrainBenchOptions {
     pub native: bool,
     /// The PJRT device's peak in TFLOP/s, for its MFU (its bf16 or f32 dense peak: say which).
     pub device_peak_tflops: Option<f64>,
+    /// The native engine's matmul arithmetic.
+    pub precision: Precision,
 }
 
 /// The reference config of the model issue: hidden 512, 8 layers, 8 heads, intermediate 1408,
@@ -48,6 +51,7 @@ impl Default for TrainBenchOptions {
             steps: 5,
             native: true,
             device_peak_tflops: None,
+            precision: Precision::F32,
         }
     }
 }
@@ -86,6 +90,8 @@ pub fn reference_config_with(
 #[derive(Clone, Debug, Serialize)]
 pub struct TrainBenchReport {
     pub threads: usize,
+    /// The native step's matmul arithmetic (`f32` or `bf16`).
+    pub precision: &'static str,
     pub params: usize,
     pub tokens_per_step: usize,
     pub step_seconds_median: f64,
@@ -94,7 +100,12 @@ pub struct TrainBenchReport {
     pub model_gflops_per_step: f64,
     pub achieved_gflops: f64,
     pub peak_fma_gflops: f64,
+    /// The bf16 dot-product peak (`vdpbf16ps`), where the CPU has one.
+    pub peak_bf16_gflops: Option<f64>,
+    /// Against the peak of the step's arithmetic: the bf16 peak for a bf16 step (the f32 one
+    /// where the CPU has no bf16 unit and the step rounds into f32 products).
     pub mfu: f64,
+    /// An n³ GEMM in the step's arithmetic.
     pub gemm_1024_gflops: f64,
     pub gemm_fraction_of_peak: f64,
     pub peak_rss_mib: f64,
@@ -154,15 +165,27 @@ pub fn peak_rss_mib() -> f64 {
         .map_or(0.0, |kb| kb / 1024.0)
 }
 
-/// GFLOP/s of an n³ matmul on the kernel pool (best of 20, after a warm-up).
-pub fn gemm_gflops(n: usize) -> f64 {
+/// GFLOP/s of an n³ matmul in `precision` on the kernel pool (best of 20, after a warm-up).
+pub fn gemm_gflops(n: usize, precision: Precision) -> f64 {
     let a = vec![0.5f32; n * n];
     let b = vec![0.25f32; n * n];
     let mut c = vec![0.0f32; n * n];
     let mut best = f64::MAX;
     for _ in 0..21 {
         let t = Instant::now();
-        matmul(n, n, n, &a, Op::N, &b, Op::N, &mut c, false, Par::Pool);
+        matmul(
+            n,
+            n,
+            n,
+            &a,
+            Op::N,
+            &b,
+            Op::N,
+            &mut c,
+            false,
+            Par::Pool,
+            precision,
+        );
         best = best.min(t.elapsed().as_secs_f64());
     }
     2.0 * (n * n * n) as f64 / best / 1e9
@@ -175,7 +198,12 @@ pub fn train_bench(
 ) -> crate::Result<TrainBenchReport> {
     let threads = kernels::threads::current();
     let peak = kernels::peak::fma_peak_gflops(threads);
-    let gemm = gemm_gflops(1024);
+    let peak_bf16 = kernels::peak::bf16_peak_gflops(threads);
+    let ceiling = match opts.precision {
+        Precision::Bf16 => peak_bf16.unwrap_or(peak),
+        Precision::F32 => peak,
+    };
+    let gemm = gemm_gflops(1024, opts.precision);
     let c = opts.config.clone();
     let vocab = c.vocab_size as u32;
     let rows: Vec<Vec<u32>> = (0..opts.batch)
@@ -193,6 +221,7 @@ pub fn train_bench(
     let mut times = Vec::new();
     if opts.native {
         let mut model = Model::init(c.clone(), 0);
+        model.set_precision(opts.precision);
         let mut grads = model.params.zeros_like();
         let mut opt = Optimizer::new(
             &model.params,
@@ -256,6 +285,10 @@ pub fn train_bench(
     };
     Ok(TrainBenchReport {
         threads,
+        precision: match opts.precision {
+            Precision::F32 => "f32",
+            Precision::Bf16 => "bf16",
+        },
         params: c.num_params(),
         tokens_per_step: n,
         step_seconds_median: step,
@@ -264,9 +297,10 @@ pub fn train_bench(
         model_gflops_per_step: flops / 1e9,
         achieved_gflops: achieved,
         peak_fma_gflops: peak,
-        mfu: achieved / peak,
+        peak_bf16_gflops: peak_bf16,
+        mfu: achieved / ceiling,
         gemm_1024_gflops: gemm,
-        gemm_fraction_of_peak: gemm / peak,
+        gemm_fraction_of_peak: gemm / ceiling,
         peak_rss_mib: peak_rss_mib(),
         pjrt,
     })

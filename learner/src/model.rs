@@ -7,7 +7,7 @@ use crate::error::{Error, Result};
 use crate::params::ParamsIo;
 use crate::params::{Layout, Params, Tensor};
 use kernels::attention::{AttnShape, attention, attention_backward};
-use kernels::matmul::{Op, Par, matmul, matmul_nt_many};
+use kernels::matmul::{Op, Par, Precision, matmul, matmul_nt_many};
 use kernels::rope::{RopeTable, apply as rope, inv_freq};
 use kernels::{activation, embedding, head, norm};
 use std::path::Path;
@@ -224,11 +224,12 @@ pub struct Model {
     pub params: Params,
     layout: Layout,
     inv_freq: Vec<f64>,
+    precision: Precision,
 }
 
-/// `y = x · Wᵀ (+ b)` for `n` rows.
-fn linear(x: &[f32], n: usize, w: &Tensor, b: Option<&Tensor>) -> Vec<f32> {
-    let [y] = linears(x, n, [(w, b)]);
+/// `y = x · Wᵀ (+ b)` for `n` rows, the product in `p`.
+fn linear(x: &[f32], n: usize, w: &Tensor, b: Option<&Tensor>, p: Precision) -> Vec<f32> {
+    let [y] = linears(x, n, [(w, b)], p);
     y
 }
 
@@ -238,13 +239,14 @@ fn linears<const N: usize>(
     x: &[f32],
     n: usize,
     ws: [(&Tensor, Option<&Tensor>); N],
+    p: Precision,
 ) -> [Vec<f32>; N] {
     let inp = ws[0].0.shape[1];
     let mut ys = ws.map(|(w, _)| vec![0.0f32; n * w.shape[0]]);
     {
         let bs: Vec<&[f32]> = ws.iter().map(|(w, _)| &w.data[..]).collect();
         let mut cs: Vec<&mut [f32]> = ys.iter_mut().map(|y| &mut y[..]).collect();
-        matmul_nt_many(n, inp, x, &bs, &mut cs);
+        matmul_nt_many(n, inp, x, &bs, &mut cs, p);
     }
     for (y, (w, b)) in ys.iter_mut().zip(ws) {
         if let Some(b) = b {
@@ -256,7 +258,7 @@ fn linears<const N: usize>(
     ys
 }
 
-/// Backward of [`linear`]: `dW += dyᵀ·x`, `db += Σ dy`, `dx (+)= dy·W`.
+/// Backward of [`linear`]: `dW += dyᵀ·x`, `db += Σ dy`, `dx (+)= dy·W`, the products in `p`.
 fn linear_backward(
     dy: &[f32],
     n: usize,
@@ -266,9 +268,10 @@ fn linear_backward(
     db: Option<&mut [f32]>,
     dx: &mut [f32],
     accumulate: bool,
+    p: Precision,
 ) {
     let (out, inp) = (w.shape[0], w.shape[1]);
-    matmul(out, n, inp, dy, Op::T, x, Op::N, dw, true, Par::Pool);
+    matmul(out, n, inp, dy, Op::T, x, Op::N, dw, true, Par::Pool, p);
     if let Some(db) = db {
         for r in dy.chunks(out) {
             db.iter_mut().zip(r).for_each(|(a, b)| *a += b);
@@ -285,6 +288,7 @@ fn linear_backward(
         dx,
         accumulate,
         Par::Pool,
+        p,
     );
 }
 
@@ -324,6 +328,7 @@ impl Model {
             params,
             layout,
             inv_freq,
+            precision: Precision::F32,
         })
     }
 
@@ -339,6 +344,18 @@ impl Model {
         let (_, specs) = Layout::new(&config);
         let params = Params::load(dir, &specs)?;
         Self::new(config, params)
+    }
+
+    /// The arithmetic of its matmuls (linear layers and the head; attention, norms, softmax
+    /// and the loss stay f32): f32 unless [`Model::set_precision`] says otherwise.
+    pub fn precision(&self) -> Precision {
+        self.precision
+    }
+
+    /// Runs its matmuls in `p` from now on (weights stay f32: bf16 rounds them per product, as
+    /// `torch.autocast` does, so f32 master weights need no second copy).
+    pub fn set_precision(&mut self, p: Precision) {
+        self.precision = p;
     }
 
     /// Where each role's tensor is in `params`.
@@ -398,6 +415,7 @@ impl Model {
             hidden.len() / self.config.hidden_size,
             self.head_weight(),
             None,
+            self.precision,
         )
     }
 
@@ -433,6 +451,7 @@ impl Model {
                     (self.t(ids.k), ids.k_bias.map(|i| self.t(i))),
                     (self.t(ids.v), ids.v_bias.map(|i| self.t(i))),
                 ],
+                self.precision,
             );
             let qk_pre = match (ids.q_norm, ids.k_norm) {
                 (Some(qn), Some(kn)) => {
@@ -454,7 +473,13 @@ impl Model {
             rope(&mut k, nkv, &table, false);
             let mut o = vec![0.0; n * nh * d];
             let lse = attn.attend(layer, &q, &k, &v, &mut o);
-            let a = linear(&o, n, self.t(ids.o), ids.o_bias.map(|i| self.t(i)));
+            let a = linear(
+                &o,
+                n,
+                self.t(ids.o),
+                ids.o_bias.map(|i| self.t(i)),
+                self.precision,
+            );
             let mut x2 = a;
             add_into(&mut x2, &x);
             let mut h2 = vec![0.0; n * h];
@@ -466,10 +491,15 @@ impl Model {
                 &mut h2,
                 &mut inv2,
             );
-            let [g, u] = linears(&h2, n, [(self.t(ids.gate), None), (self.t(ids.up), None)]);
+            let [g, u] = linears(
+                &h2,
+                n,
+                [(self.t(ids.gate), None), (self.t(ids.up), None)],
+                self.precision,
+            );
             let mut m = vec![0.0; g.len()];
             activation::swiglu(&g, &u, &mut m);
-            let f = linear(&m, n, self.t(ids.down), None);
+            let f = linear(&m, n, self.t(ids.down), None, self.precision);
             let mut x3 = f;
             add_into(&mut x3, &x2);
             if keep {
@@ -516,7 +546,13 @@ impl Model {
     pub fn logits(&self, b: &Batch) -> Result<Vec<f32>> {
         b.validate(&self.config)?;
         let hidden = self.trunk(b, false).hidden;
-        Ok(linear(&hidden, b.len(), self.head_weight(), None))
+        Ok(linear(
+            &hidden,
+            b.len(),
+            self.head_weight(),
+            None,
+            self.precision,
+        ))
     }
 
     /// Log-probs of `b.targets` and entropies, under logits / `temperature`, without a tape.
@@ -561,6 +597,7 @@ impl Model {
             &mut logp,
             &mut entropy,
             &mut lse,
+            self.precision,
         );
         let scores = Scores {
             logp,
@@ -604,6 +641,7 @@ impl Model {
             d_entropy,
             &mut dh,
             &mut grads.tensors[head_id].data,
+            self.precision,
         );
         self.backward_hidden(tape, &dh, grads);
     }
@@ -666,6 +704,7 @@ impl Model {
                 None,
                 &mut dm,
                 false,
+                self.precision,
             );
             let (mut dg, mut du) = (vec![0.0; dm.len()], vec![0.0; dm.len()]);
             activation::swiglu_backward(&lt.g, &lt.u, &dm, &mut dg, &mut du);
@@ -680,6 +719,7 @@ impl Model {
                 None,
                 &mut dh2,
                 false,
+                self.precision,
             );
             linear_backward(
                 &du,
@@ -690,6 +730,7 @@ impl Model {
                 None,
                 &mut dh2,
                 true,
+                self.precision,
             );
             let mut dx2 = vec![0.0; n * h];
             norm::rmsnorm_backward(
@@ -704,7 +745,17 @@ impl Model {
             // Attention: x2 = x + o_proj(attn(rope(q), rope(k), v))
             let mut d_o = vec![0.0; lt.o.len()];
             let (dw_o, db_o) = two_mut(&mut grads.tensors, ids.o, ids.o_bias);
-            linear_backward(&dx2, n, &lt.o, self.t(ids.o), dw_o, db_o, &mut d_o, false);
+            linear_backward(
+                &dx2,
+                n,
+                &lt.o,
+                self.t(ids.o),
+                dw_o,
+                db_o,
+                &mut d_o,
+                false,
+                self.precision,
+            );
             let (mut dq, mut dk, mut dv) = (
                 vec![0.0; lt.q.len()],
                 vec![0.0; lt.k.len()],
@@ -761,11 +812,41 @@ impl Model {
             }
             let mut dh1 = vec![0.0; n * h];
             let (dw, db) = two_mut(&mut grads.tensors, ids.q, ids.q_bias);
-            linear_backward(&dq, n, &lt.h1, self.t(ids.q), dw, db, &mut dh1, false);
+            linear_backward(
+                &dq,
+                n,
+                &lt.h1,
+                self.t(ids.q),
+                dw,
+                db,
+                &mut dh1,
+                false,
+                self.precision,
+            );
             let (dw, db) = two_mut(&mut grads.tensors, ids.k, ids.k_bias);
-            linear_backward(&dk, n, &lt.h1, self.t(ids.k), dw, db, &mut dh1, true);
+            linear_backward(
+                &dk,
+                n,
+                &lt.h1,
+                self.t(ids.k),
+                dw,
+                db,
+                &mut dh1,
+                true,
+                self.precision,
+            );
             let (dw, db) = two_mut(&mut grads.tensors, ids.v, ids.v_bias);
-            linear_backward(&dv, n, &lt.h1, self.t(ids.v), dw, db, &mut dh1, true);
+            linear_backward(
+                &dv,
+                n,
+                &lt.h1,
+                self.t(ids.v),
+                dw,
+                db,
+                &mut dh1,
+                true,
+                self.precision,
+            );
             let mut dx1 = vec![0.0; n * h];
             norm::rmsnorm_backward(
                 &lt.x,

@@ -266,10 +266,31 @@ fn the_head_matches_the_fused_kernel_at_a_temperature() {
         ],
     );
     let (mut lpe, mut ente, mut lse) = (vec![0.0; n], vec![0.0; n], vec![0.0; n]);
-    crate::head::logprob_entropy(&x, &w, dim, &targets, t, &mut lpe, &mut ente, &mut lse);
+    crate::head::logprob_entropy(
+        &x,
+        &w,
+        dim,
+        &targets,
+        t,
+        &mut lpe,
+        &mut ente,
+        &mut lse,
+        crate::matmul::Precision::F32,
+    );
     let (mut dx, mut dw) = (vec![0.0; n * dim], vec![0.0; vocab * dim]);
     crate::head::logprob_entropy_backward(
-        &x, &w, dim, &targets, t, &lse, &ente, &dl, &de, &mut dx, &mut dw,
+        &x,
+        &w,
+        dim,
+        &targets,
+        t,
+        &lse,
+        &ente,
+        &dl,
+        &de,
+        &mut dx,
+        &mut dw,
+        crate::matmul::Precision::F32,
     );
     close(&out[0], &lpe, 1e-5, "head logp");
     close(&out[1], &ente, 1e-5, "head entropy");

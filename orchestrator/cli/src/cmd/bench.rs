@@ -3,6 +3,7 @@
 
 use super::runtime;
 use anyhow::{Context, Result, bail};
+use kernels::matmul::Precision;
 use learner::bench;
 use learner::checkpoint::Checkpoint;
 use std::path::PathBuf;
@@ -126,6 +127,13 @@ pub enum BenchDevice {
     Tpu,
 }
 
+/// The native step's matmul arithmetic.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum BenchPrecision {
+    F32,
+    Bf16,
+}
+
 /// `trellis bench train`.
 #[derive(Debug, clap::Args)]
 pub struct TrainBench {
@@ -163,6 +171,10 @@ pub struct TrainBench {
     /// The device's peak TFLOP/s, for its MFU (e.g. an H200's dense bf16 or f32 peak).
     #[arg(long)]
     device_peak_tflops: Option<f64>,
+    /// The native step's matmuls: f32, or bf16 operands with f32 sums (MFU then against the
+    /// bf16 dot-product peak).
+    #[arg(long, value_enum, default_value_t = BenchPrecision::F32)]
+    precision: BenchPrecision,
     /// Print JSON.
     #[arg(long)]
     json: bool,
@@ -212,6 +224,10 @@ fn bench_train(a: TrainBench) -> Result<()> {
         steps,
         native: engine != BenchEngine::PjrtOnly,
         device_peak_tflops: a.device_peak_tflops,
+        precision: match a.precision {
+            BenchPrecision::F32 => Precision::F32,
+            BenchPrecision::Bf16 => Precision::Bf16,
+        },
     };
     let r = bench::train_bench(&opts, client)?;
     if json {
@@ -219,9 +235,10 @@ fn bench_train(a: TrainBench) -> Result<()> {
         return Ok(());
     }
     println!(
-        "train step, reference model ({:.1}M params), batch {batch} × seq {seq}, {} threads",
+        "train step, reference model ({:.1}M params), batch {batch} × seq {seq}, {} threads, {} matmuls",
         r.params as f64 / 1e6,
-        r.threads
+        r.threads,
+        r.precision
     );
     if r.step_seconds_median.is_nan() {
         println!("  native engine not timed (--engine pjrt-only)");
@@ -239,7 +256,18 @@ fn bench_train(a: TrainBench) -> Result<()> {
         "  f32 FMA peak (measured)    {:.1} GFLOP/s",
         r.peak_fma_gflops
     );
-    println!("  MFU                        {:.1}%", 100.0 * r.mfu);
+    if let Some(p) = r.peak_bf16_gflops {
+        println!("  bf16 dot peak (measured)   {p:.1} GFLOP/s");
+    }
+    println!(
+        "  MFU                        {:.1}% (of the {} peak)",
+        100.0 * r.mfu,
+        if r.precision == "bf16" && r.peak_bf16_gflops.is_some() {
+            "bf16"
+        } else {
+            "f32"
+        }
+    );
     println!(
         "  GEMM 1024³                 {:.1} GFLOP/s ({:.1}% of peak)",
         r.gemm_1024_gflops,

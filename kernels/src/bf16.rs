@@ -1,0 +1,493 @@
+//! bf16 matrix multiply with f32 accumulation — what `torch.autocast(dtype=bfloat16)` does to
+//! a linear layer: both operands rounded to bf16 (round to nearest even), every product summed
+//! in f32, the result f32.
+//!
+//! On CPUs with AVX512-BF16 the products run on `vdpbf16ps` (two bf16 products per f32 lane
+//! per instruction, twice the rate of f32 FMA): both operands are rounded while they are packed
+//! into panels of k-pairs ([`pack`]), and an `MR × 32` register tile walks the pairs
+//! ([`tile`]). Elsewhere the same numbers come from rounding the operands to bf16-valued f32
+//! and the f32 GEMM (a product of two bf16 values is exact in f32, so only the summation order
+//! differs). [`available`] says which path a machine takes.
+//!
+//! Owns the rounding rule ([`round`]) and the packed kernel. Never: chooses a precision (the
+//! caller's [`crate::matmul::Precision`] does), or keeps state between calls.
+
+use crate::matmul::Op;
+use rayon::prelude::*;
+
+/// `x` rounded to the nearest bf16 (ties to even), as the f32 of the same value. NaN stays NaN.
+#[inline]
+pub fn round(x: f32) -> f32 {
+    f32::from_bits((bits(x) as u32) << 16)
+}
+
+/// The bf16 bit pattern nearest to `x` (ties to even), as `vcvtneps2bf16` rounds.
+#[inline]
+pub fn bits(x: f32) -> u16 {
+    let u = x.to_bits();
+    if x.is_nan() {
+        return ((u >> 16) | 0x40) as u16;
+    }
+    let lsb = (u >> 16) & 1;
+    (u.wrapping_add(0x7fff + lsb) >> 16) as u16
+}
+
+/// Whether this CPU multiplies bf16 in hardware (AVX512-BF16, with the AVX-512 F/BW the packing
+/// uses); otherwise [`matmul`] rounds the operands and runs the f32 GEMM.
+pub fn available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::sync::OnceLock;
+        static YES: OnceLock<bool> = OnceLock::new();
+        *YES.get_or_init(|| {
+            is_x86_feature_detected!("avx512f")
+                && is_x86_feature_detected!("avx512bw")
+                && is_x86_feature_detected!("avx512bf16")
+        })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// Rows of the register tile (rows of C per A panel).
+const MR: usize = 12;
+/// Columns of the register tile: two vectors of 16 lanes.
+const NR: usize = 32;
+/// k-pairs per block: a block of one B panel (`KCP · NR` pairs, 16 KiB) stays in L1 while the
+/// task's A panels pass it.
+const KCP: usize = 128;
+/// A panels per task (rows of C a task owns: `MB · MR`).
+const MB: usize = 8;
+
+/// `C[m,n] (+)= round(op(A)) · round(op(B))` in f32, over the rayon pool. Shapes as
+/// [`crate::matmul::matmul`] (already checked there).
+pub fn matmul(
+    m: usize,
+    k: usize,
+    n: usize,
+    a: &[f32],
+    op_a: Op,
+    b: &[f32],
+    op_b: Op,
+    c: &mut [f32],
+    accumulate: bool,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        if !accumulate {
+            c[..m * n].fill(0.0);
+        }
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if available() {
+        // SAFETY: the features were just detected.
+        unsafe { hardware(m, k, n, a, op_a, b, op_b, c, accumulate) };
+        return;
+    }
+    emulated(m, k, n, a, op_a, b, op_b, c, accumulate);
+}
+
+/// The `vdpbf16ps` path: both operands packed into rounded pairs, then the register tiles.
+///
+/// # Safety
+/// AVX512-BF16 (and F/BW) must be available; `k > 0`.
+#[cfg(target_arch = "x86_64")]
+unsafe fn hardware(
+    m: usize,
+    k: usize,
+    n: usize,
+    a: &[f32],
+    op_a: Op,
+    b: &[f32],
+    op_b: Op,
+    c: &mut [f32],
+    accumulate: bool,
+) {
+    // A[i][p] = a[i·rs + p·cs]; B is packed as its transpose (rows j, inner p).
+    let (a_rs, a_cs) = match op_a {
+        Op::N => (k, 1),
+        Op::T => (1, m),
+    };
+    let (b_rs, b_cs) = match op_b {
+        Op::N => (1, n),
+        Op::T => (k, 1),
+    };
+    let ap = pack(&a[..m * k], m, k, a_rs, a_cs, MR);
+    let bp = pack(&b[..k * n], n, k, b_rs, b_cs, NR);
+    // SAFETY: the caller's contract; the panels hold `m`/`n` padded rows of `ceil(k/2)`
+    // pairs, `c` holds `m·n` values.
+    unsafe { multiply(m, k.div_ceil(2), n, &ap, &bp, &mut c[..m * n], accumulate) };
+}
+
+/// Everywhere else: the operands rounded to bf16-valued f32, then the f32 GEMM (each product of
+/// two bf16 values is exact in f32, so only the order of the f32 sums differs).
+fn emulated(
+    m: usize,
+    k: usize,
+    n: usize,
+    a: &[f32],
+    op_a: Op,
+    b: &[f32],
+    op_b: Op,
+    c: &mut [f32],
+    accumulate: bool,
+) {
+    let ar: Vec<f32> = a[..m * k].iter().map(|&x| round(x)).collect();
+    let br: Vec<f32> = b[..k * n].iter().map(|&x| round(x)).collect();
+    crate::matmul::matmul(
+        m,
+        k,
+        n,
+        &ar,
+        op_a,
+        &br,
+        op_b,
+        c,
+        accumulate,
+        crate::matmul::Par::Pool,
+        crate::matmul::Precision::F32,
+    );
+}
+
+/// 32 bf16 values seen as 16 u32 pairs.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn ints(v: std::arch::x86_64::__m512bh) -> std::arch::x86_64::__m512i {
+    // SAFETY: both are 64 plain bytes; every bit pattern is valid for each.
+    unsafe { std::mem::transmute(v) }
+}
+
+/// 16 u32 pairs seen as 32 bf16 values.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn halves(v: std::arch::x86_64::__m512i) -> std::arch::x86_64::__m512bh {
+    // SAFETY: as [`ints`].
+    unsafe { std::mem::transmute(v) }
+}
+
+/// Packs a `rows × k` matrix (`M[r][p] = src[r·rs + p·cs]`, one of `rs`, `cs` is 1) into panels
+/// of `w` rows: panel `i` holds, for each k-pair `q`, the pair `(M[r][2q], M[r][2q+1])` of each
+/// of its rows as one u32 (the first in the low half), bf16-rounded; rows past `rows` and the
+/// odd k's missing partner are zero.
+#[cfg(target_arch = "x86_64")]
+fn pack(src: &[f32], rows: usize, k: usize, rs: usize, cs: usize, w: usize) -> Vec<u32> {
+    let kp = k.div_ceil(2);
+    let mut out = vec![0u32; rows.div_ceil(w) * kp * w];
+    out.par_chunks_mut(kp * w)
+        .enumerate()
+        .for_each(|(i, panel)| {
+            let r0 = i * w;
+            let live = w.min(rows - r0);
+            // SAFETY: `available()` was checked by the caller; the indices stay inside `src`
+            // (rows r0..r0+live, inner 0..k) and `panel` (`kp · w`).
+            unsafe {
+                if cs == 1 {
+                    pack_rows(src, r0, live, k, rs, w, panel);
+                } else {
+                    pack_cols(src, r0, live, k, cs, w, panel);
+                }
+            }
+        });
+    out
+}
+
+/// Rows contiguous in `p`: each row is rounded 32 values at a time into 16 pairs, which go to
+/// that row's slot of 16 consecutive k-pairs.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+unsafe fn pack_rows(
+    src: &[f32],
+    r0: usize,
+    live: usize,
+    k: usize,
+    rs: usize,
+    w: usize,
+    panel: &mut [u32],
+) {
+    use std::arch::x86_64::*;
+    let mut pairs = [0u32; 16];
+    for r in 0..live {
+        let row = &src[(r0 + r) * rs..(r0 + r) * rs + k];
+        let mut p = 0;
+        while p < k {
+            let left = k - p;
+            let lo_m: __mmask16 = if left >= 16 { !0 } else { (1 << left) - 1 };
+            let hi_m: __mmask16 = if left >= 32 {
+                !0
+            } else if left > 16 {
+                (1 << (left - 16)) - 1
+            } else {
+                0
+            };
+            // SAFETY: the masks keep the loads inside `row`.
+            let (lo, hi) = unsafe {
+                (
+                    _mm512_maskz_loadu_ps(lo_m, row.as_ptr().add(p)),
+                    _mm512_maskz_loadu_ps(hi_m, row.as_ptr().add((p + 16).min(k))),
+                )
+            };
+            let v = ints(_mm512_cvtne2ps_pbh(hi, lo));
+            // SAFETY: `pairs` holds 16 u32.
+            unsafe { _mm512_storeu_si512(pairs.as_mut_ptr().cast(), v) };
+            let q0 = p / 2;
+            for (j, &pair) in pairs.iter().enumerate().take(left.div_ceil(2).min(16)) {
+                panel[(q0 + j) * w + r] = pair;
+            }
+            p += 32;
+        }
+    }
+}
+
+/// Rows contiguous across `r` (a transposed operand): for each k-pair, 16 rows' values at `p`
+/// and at `p+1` are rounded together and interleaved into 16 pairs.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+unsafe fn pack_cols(
+    src: &[f32],
+    r0: usize,
+    live: usize,
+    k: usize,
+    cs: usize,
+    w: usize,
+    panel: &mut [u32],
+) {
+    use std::arch::x86_64::*;
+    // Lane 2j takes element j of the low half (p), lane 2j+1 element j of the high half (p+1).
+    let mut idx = [0i16; 32];
+    for (j, x) in idx.iter_mut().enumerate() {
+        *x = (j / 2 + 16 * (j % 2)) as i16;
+    }
+    // SAFETY: `idx` holds 32 i16.
+    let idx = unsafe { _mm512_loadu_si512(idx.as_ptr().cast()) };
+    for q in 0..k.div_ceil(2) {
+        let p = 2 * q;
+        let mut r = 0;
+        while r < live {
+            let n = (live - r).min(16);
+            let m: __mmask16 = if n == 16 { !0 } else { (1 << n) - 1 };
+            let base = p * cs + r0 + r;
+            // SAFETY: the mask keeps the loads inside `src` (rows r0+r..r0+r+n at p, p+1).
+            let lo = unsafe { _mm512_maskz_loadu_ps(m, src.as_ptr().add(base)) };
+            let hi = if p + 1 < k {
+                unsafe { _mm512_maskz_loadu_ps(m, src.as_ptr().add(base + cs)) }
+            } else {
+                _mm512_setzero_ps()
+            };
+            let v = ints(_mm512_cvtne2ps_pbh(hi, lo));
+            let v = _mm512_permutexvar_epi16(idx, v);
+            // SAFETY: slots q·w + r .. + n are inside the panel (r + n <= live <= w).
+            unsafe { _mm512_mask_storeu_epi32(panel.as_mut_ptr().add(q * w + r).cast(), m, v) };
+            r += 16;
+        }
+    }
+}
+
+/// Every `MR × NR` tile of C from the packed panels: tasks of `MB` row panels by one column
+/// panel, each walking k in blocks of `KCP` pairs.
+///
+/// # Safety
+/// AVX512-BF16 must be available; `ap`/`bp` are [`pack`]ed for `m`/`n` rows of `kp` pairs.
+#[cfg(target_arch = "x86_64")]
+unsafe fn multiply(
+    m: usize,
+    kp: usize,
+    n: usize,
+    ap: &[u32],
+    bp: &[u32],
+    c: &mut [f32],
+    accumulate: bool,
+) {
+    let (ip, jp) = (m.div_ceil(MR), n.div_ceil(NR));
+    let ib = ip.div_ceil(MB);
+    let cp = crate::embedding::SendPtr(c.as_mut_ptr());
+    (0..ib * jp).into_par_iter().for_each(|t| {
+        let (bi, j) = (t % ib, t / ib);
+        let cp = &cp;
+        for q0 in (0..kp).step_by(KCP) {
+            let kc = KCP.min(kp - q0);
+            for i in bi * MB..((bi + 1) * MB).min(ip) {
+                let (r0, c0) = (i * MR, j * NR);
+                // SAFETY: the panels hold these pairs; this task alone writes rows
+                // r0..r0+MR of columns c0..c0+NR (clipped to m, n).
+                unsafe {
+                    tile(
+                        kc,
+                        ap.as_ptr().add(i * kp * MR + q0 * MR),
+                        bp.as_ptr().add(j * kp * NR + q0 * NR),
+                        cp.0.add(r0 * n + c0),
+                        n,
+                        MR.min(m - r0),
+                        NR.min(n - c0),
+                        accumulate || q0 > 0,
+                    );
+                }
+            }
+        }
+    });
+}
+
+/// One `MR × NR` register tile over `kc` pairs: `C[r][j] (+)= Σ_q A·B` with `vdpbf16ps`;
+/// only the live `rows × cols` corner is written.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+unsafe fn tile(
+    kc: usize,
+    a: *const u32,
+    b: *const u32,
+    c: *mut f32,
+    ldc: usize,
+    rows: usize,
+    cols: usize,
+    accumulate: bool,
+) {
+    use std::arch::x86_64::*;
+    let mut acc = [[_mm512_setzero_ps(); 2]; MR];
+    for q in 0..kc {
+        // SAFETY: pair q of both panels is inside them (caller's contract).
+        unsafe {
+            let b0 = halves(_mm512_loadu_si512(b.add(q * NR).cast()));
+            let b1 = halves(_mm512_loadu_si512(b.add(q * NR + 16).cast()));
+            for (r, acc) in acc.iter_mut().enumerate() {
+                let av = halves(_mm512_set1_epi32(*a.add(q * MR + r) as i32));
+                acc[0] = _mm512_dpbf16_ps(acc[0], av, b0);
+                acc[1] = _mm512_dpbf16_ps(acc[1], av, b1);
+            }
+        }
+    }
+    let m0: __mmask16 = if cols >= 16 { !0 } else { (1 << cols) - 1 };
+    let m1: __mmask16 = if cols >= 32 {
+        !0
+    } else if cols > 16 {
+        (1 << (cols - 16)) - 1
+    } else {
+        0
+    };
+    for (r, acc) in acc.iter().enumerate().take(rows) {
+        // SAFETY: the masks keep row r's accesses inside its `cols` live columns.
+        unsafe {
+            let p = c.add(r * ldc);
+            let (mut v0, mut v1) = (acc[0], acc[1]);
+            if accumulate {
+                v0 = _mm512_add_ps(v0, _mm512_maskz_loadu_ps(m0, p));
+                v1 = _mm512_add_ps(v1, _mm512_maskz_loadu_ps(m1, p.add(16)));
+            }
+            _mm512_mask_storeu_ps(p, m0, v0);
+            _mm512_mask_storeu_ps(p.add(16), m1, v1);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testutil::randn;
+
+    /// f64 sums of the bf16-rounded operands: what an exact accumulator would give.
+    fn reference(m: usize, k: usize, n: usize, a: &[f32], ta: Op, b: &[f32], tb: Op) -> Vec<f64> {
+        let mut c = vec![0.0f64; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                c[i * n + j] = (0..k)
+                    .map(|p| {
+                        let av = if ta == Op::N {
+                            a[i * k + p]
+                        } else {
+                            a[p * m + i]
+                        };
+                        let bv = if tb == Op::N {
+                            b[p * n + j]
+                        } else {
+                            b[j * k + p]
+                        };
+                        round(av) as f64 * round(bv) as f64
+                    })
+                    .sum();
+            }
+        }
+        c
+    }
+
+    #[test]
+    fn rounding_is_to_nearest_even_as_the_hardware_rounds() {
+        // (input, bf16 value): exact, halfway down to even, halfway up to even, above half.
+        let cases = [
+            (1.0f32, 1.0f32),
+            (f32::from_bits(0x3f80_8000), 1.0),
+            (f32::from_bits(0x3f81_8000), f32::from_bits(0x3f82_0000)),
+            (f32::from_bits(0x3f80_8001), f32::from_bits(0x3f81_0000)),
+            (-2.5, -2.5),
+            (f32::INFINITY, f32::INFINITY),
+            (f32::MAX, f32::INFINITY),
+        ];
+        for (x, want) in cases {
+            assert_eq!(round(x).to_bits(), want.to_bits(), "round({x:e})");
+        }
+        assert!(round(f32::NAN).is_nan());
+    }
+
+    type Path = fn(usize, usize, usize, &[f32], Op, &[f32], Op, &mut [f32], bool);
+
+    /// The paths this machine can run: the emulation always, the hardware's where present.
+    fn paths() -> Vec<(&'static str, Path)> {
+        let mut v: Vec<(&'static str, Path)> = vec![("emulated", emulated)];
+        #[cfg(target_arch = "x86_64")]
+        if available() {
+            // SAFETY: the feature was just detected; the shapes tested have k > 0.
+            v.push(("vdpbf16ps", |m, k, n, a, ta, b, tb, c, acc| unsafe {
+                hardware(m, k, n, a, ta, b, tb, c, acc);
+            }));
+        }
+        v
+    }
+
+    /// Every transpose combination, shapes with ragged tiles, odd k, k over one block, and
+    /// accumulation, against f64 sums of the rounded operands: only f32 summation error remains
+    /// — on the hardware path and on the emulation.
+    #[test]
+    fn every_layout_matches_an_f64_reference_of_the_rounded_operands() {
+        for (name, matmul) in paths() {
+            for (m, k, n) in [(1, 1, 1), (13, 7, 33), (37, 301, 65), (96, 258, 31)] {
+                let a = randn(m * k, 3);
+                let b = randn(k * n, 4);
+                for ta in [Op::N, Op::T] {
+                    for tb in [Op::N, Op::T] {
+                        let want = reference(m, k, n, &a, ta, &b, tb);
+                        let mut c = vec![7.0f32; m * n];
+                        matmul(m, k, n, &a, ta, &b, tb, &mut c, false);
+                        let tol = 2e-6 * (k as f64).sqrt() * 8.0;
+                        for (i, (&got, &w)) in c.iter().zip(&want).enumerate() {
+                            assert!(
+                                (got as f64 - w).abs() <= tol * (1.0 + w.abs()),
+                                "{name} {m}x{k}x{n} {ta:?}{tb:?}[{i}]: {got} vs {w}"
+                            );
+                        }
+                        matmul(m, k, n, &a, ta, &b, tb, &mut c, true);
+                        for (i, (&got, &w)) in c.iter().zip(&want).enumerate() {
+                            assert!(
+                                (got as f64 - 2.0 * w).abs() <= 2.0 * tol * (1.0 + w.abs()),
+                                "{name} accumulate {m}x{k}x{n} {ta:?}{tb:?}[{i}]: {got} vs {}",
+                                2.0 * w
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// The products really are bf16: an operand below bf16's resolution vanishes, as it does in
+    /// `torch.autocast`.
+    #[test]
+    fn operands_are_rounded_to_bf16() {
+        let a = [1.0 + 1.0 / 512.0, 1.0];
+        let b = [1.0, 1.0];
+        for (name, matmul) in paths() {
+            let mut c = [0.0f32];
+            matmul(1, 2, 1, &a, Op::N, &b, Op::N, &mut c, false);
+            assert_eq!(c[0], 2.0, "{name}");
+        }
+    }
+}
