@@ -72,84 +72,103 @@ pub fn matmul(
     c: &mut [f32],
     accumulate: bool,
 ) {
-    if m == 0 || n == 0 {
-        return;
-    }
-    if k == 0 {
-        if !accumulate {
-            c[..m * n].fill(0.0);
-        }
-        return;
-    }
+    Rhs::new(k, n, b, op_b).matmul(m, a, op_a, c, accumulate);
+}
+
+/// The right operand `op(B)` (`[k,n]`) of bf16 products, rounded and laid out once, for a
+/// weight that several products share (every row chunk of the output head).
+pub struct Rhs {
+    k: usize,
+    n: usize,
+    form: Form,
+}
+
+enum Form {
+    /// Packed k-pairs for `vdpbf16ps`.
     #[cfg(target_arch = "x86_64")]
-    if available() {
-        // SAFETY: the features were just detected.
-        unsafe { hardware(m, k, n, a, op_a, b, op_b, c, accumulate) };
-        return;
+    Pairs(Vec<u32>),
+    /// bf16-valued f32 as given, for the f32 GEMM.
+    Rounded(Vec<f32>, Op),
+}
+
+impl Rhs {
+    /// `op(B)` of `k·n` values in `b` (`[k,n]` for `Op::N`, `[n,k]` for `Op::T`).
+    pub fn new(k: usize, n: usize, b: &[f32], op_b: Op) -> Self {
+        Self::on(available(), k, n, b, op_b)
     }
-    emulated(m, k, n, a, op_a, b, op_b, c, accumulate);
-}
 
-/// The `vdpbf16ps` path: both operands packed into rounded pairs, then the register tiles.
-///
-/// # Safety
-/// AVX512-BF16 (and F/BW) must be available; `k > 0`.
-#[cfg(target_arch = "x86_64")]
-unsafe fn hardware(
-    m: usize,
-    k: usize,
-    n: usize,
-    a: &[f32],
-    op_a: Op,
-    b: &[f32],
-    op_b: Op,
-    c: &mut [f32],
-    accumulate: bool,
-) {
-    // A[i][p] = a[i·rs + p·cs]; B is packed as its transpose (rows j, inner p).
-    let (a_rs, a_cs) = match op_a {
-        Op::N => (k, 1),
-        Op::T => (1, m),
-    };
-    let (b_rs, b_cs) = match op_b {
-        Op::N => (1, n),
-        Op::T => (k, 1),
-    };
-    let ap = pack(&a[..m * k], m, k, a_rs, a_cs, MR);
-    let bp = pack(&b[..k * n], n, k, b_rs, b_cs, NR);
-    // SAFETY: the caller's contract; the panels hold `m`/`n` padded rows of `ceil(k/2)`
-    // pairs, `c` holds `m·n` values.
-    unsafe { multiply(m, k.div_ceil(2), n, &ap, &bp, &mut c[..m * n], accumulate) };
-}
+    /// As [`Rhs::new`], on the hardware path or the emulation (the hardware's only where
+    /// [`available`]).
+    fn on(hardware: bool, k: usize, n: usize, b: &[f32], op_b: Op) -> Self {
+        assert!(
+            b.len() >= k * n,
+            "bf16 rhs: B has {} values, needs {}",
+            b.len(),
+            k * n
+        );
+        #[cfg(target_arch = "x86_64")]
+        if hardware && available() && k > 0 {
+            // B is packed as its transpose: rows j, inner p, B[p][j] = b[j·rs + p·cs].
+            let (rs, cs) = match op_b {
+                Op::N => (1, n),
+                Op::T => (k, 1),
+            };
+            let form = Form::Pairs(pack(&b[..k * n], n, k, rs, cs, NR));
+            return Self { k, n, form };
+        }
+        let _ = hardware;
+        let form = Form::Rounded(b[..k * n].iter().map(|&x| round(x)).collect(), op_b);
+        Self { k, n, form }
+    }
 
-/// Everywhere else: the operands rounded to bf16-valued f32, then the f32 GEMM (each product of
-/// two bf16 values is exact in f32, so only the order of the f32 sums differs).
-fn emulated(
-    m: usize,
-    k: usize,
-    n: usize,
-    a: &[f32],
-    op_a: Op,
-    b: &[f32],
-    op_b: Op,
-    c: &mut [f32],
-    accumulate: bool,
-) {
-    let ar: Vec<f32> = a[..m * k].iter().map(|&x| round(x)).collect();
-    let br: Vec<f32> = b[..k * n].iter().map(|&x| round(x)).collect();
-    crate::matmul::matmul(
-        m,
-        k,
-        n,
-        &ar,
-        op_a,
-        &br,
-        op_b,
-        c,
-        accumulate,
-        crate::matmul::Par::Pool,
-        crate::matmul::Precision::F32,
-    );
+    /// `C[m,n] (+)= round(op(A)) · self` (`A` `m·k` values, `C` `m·n`).
+    pub fn matmul(&self, m: usize, a: &[f32], op_a: Op, c: &mut [f32], accumulate: bool) {
+        let (k, n) = (self.k, self.n);
+        assert!(
+            a.len() >= m * k && c.len() >= m * n,
+            "bf16 matmul: A has {}, C {} values for {m}×{k}×{n}",
+            a.len(),
+            c.len()
+        );
+        if m == 0 || n == 0 {
+            return;
+        }
+        if k == 0 {
+            if !accumulate {
+                c[..m * n].fill(0.0);
+            }
+            return;
+        }
+        match &self.form {
+            #[cfg(target_arch = "x86_64")]
+            Form::Pairs(bp) => {
+                let (rs, cs) = match op_a {
+                    Op::N => (k, 1),
+                    Op::T => (1, m),
+                };
+                let ap = pack(&a[..m * k], m, k, rs, cs, MR);
+                // SAFETY: `Pairs` exists only where the features were detected; the panels
+                // hold `m`/`n` padded rows of `ceil(k/2)` pairs, `c` holds `m·n` values.
+                unsafe { multiply(m, k.div_ceil(2), n, &ap, bp, &mut c[..m * n], accumulate) };
+            }
+            Form::Rounded(br, op_b) => {
+                let ar: Vec<f32> = a[..m * k].iter().map(|&x| round(x)).collect();
+                crate::matmul::matmul(
+                    m,
+                    k,
+                    n,
+                    &ar,
+                    op_a,
+                    br,
+                    *op_b,
+                    c,
+                    accumulate,
+                    crate::matmul::Par::Pool,
+                    crate::matmul::Precision::F32,
+                );
+            }
+        }
+    }
 }
 
 /// 32 bf16 values seen as 16 u32 pairs.
@@ -432,12 +451,16 @@ mod tests {
 
     /// The paths this machine can run: the emulation always, the hardware's where present.
     fn paths() -> Vec<(&'static str, Path)> {
-        let mut v: Vec<(&'static str, Path)> = vec![("emulated", emulated)];
-        #[cfg(target_arch = "x86_64")]
+        let mut v: Vec<(&'static str, Path)> =
+            vec![("emulated", |m, k, n, a, ta, b, tb, c, acc| {
+                Rhs::on(false, k, n, b, tb).matmul(m, a, ta, c, acc);
+            })];
         if available() {
-            // SAFETY: the feature was just detected; the shapes tested have k > 0.
-            v.push(("vdpbf16ps", |m, k, n, a, ta, b, tb, c, acc| unsafe {
-                hardware(m, k, n, a, ta, b, tb, c, acc);
+            v.push(("vdpbf16ps", |m, k, n, a, ta, b, tb, c, acc| {
+                let rhs = Rhs::on(true, k, n, b, tb);
+                #[cfg(target_arch = "x86_64")]
+                assert!(matches!(rhs.form, Form::Pairs(_)));
+                rhs.matmul(m, a, ta, c, acc);
             }));
         }
         v

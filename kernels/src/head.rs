@@ -7,6 +7,45 @@
 use crate::matmul::{Op, Par, Precision, matmul};
 use rayon::prelude::*;
 
+/// The weight as the right operand of the chunks' products: as stored for f32, or rounded and
+/// packed once for all of them for bf16.
+enum Weight<'a> {
+    F32(&'a [f32], Op),
+    Bf16(crate::bf16::Rhs),
+}
+
+impl<'a> Weight<'a> {
+    /// `op(w)` as a `[k,n]` operand in `precision`.
+    fn new(w: &'a [f32], op: Op, k: usize, n: usize, precision: Precision) -> Self {
+        match precision {
+            Precision::F32 => Weight::F32(w, op),
+            Precision::Bf16 => Weight::Bf16(crate::bf16::Rhs::new(k, n, w, op)),
+        }
+    }
+
+    /// `c[m,n] = a[m,k] · op(w)`.
+    fn matmul(&self, m: usize, k: usize, n: usize, a: &[f32], c: &mut [f32]) {
+        match self {
+            Weight::F32(w, op) => {
+                matmul(
+                    m,
+                    k,
+                    n,
+                    a,
+                    Op::N,
+                    w,
+                    *op,
+                    c,
+                    false,
+                    Par::Pool,
+                    Precision::F32,
+                );
+            }
+            Weight::Bf16(rhs) => rhs.matmul(m, a, Op::N, c, false),
+        }
+    }
+}
+
 /// Rows per chunk, so that one chunk of logits is about 4 MiB.
 pub fn chunk_rows(vocab: usize) -> usize {
     ((1 << 20) / vocab.max(1)).clamp(8, 512)
@@ -35,23 +74,12 @@ pub fn logprob_entropy(
     );
     assert!(temperature > 0.0, "head: temperature must be positive");
     let c = chunk_rows(vocab);
+    let wt = Weight::new(w, Op::T, dim, vocab, precision);
     let mut logits = vec![0.0f32; c * vocab];
     for r0 in (0..rows).step_by(c) {
         let n = c.min(rows - r0);
         let z = &mut logits[..n * vocab];
-        matmul(
-            n,
-            dim,
-            vocab,
-            &x[r0 * dim..],
-            Op::N,
-            w,
-            Op::T,
-            z,
-            false,
-            Par::Pool,
-            precision,
-        );
+        wt.matmul(n, dim, vocab, &x[r0 * dim..], z);
         z.par_chunks_mut(vocab)
             .zip(targets[r0..r0 + n].par_iter())
             .zip(logp[r0..r0 + n].par_iter_mut())
@@ -111,24 +139,16 @@ pub fn logprob_entropy_backward(
     );
     assert_eq!(dw.len(), w.len(), "head backward: dw shape");
     let c = chunk_rows(vocab);
+    let (wt, wn) = (
+        Weight::new(w, Op::T, dim, vocab, precision),
+        Weight::new(w, Op::N, vocab, dim, precision),
+    );
     let mut logits = vec![0.0f32; c * vocab];
     let inv_t = 1.0 / temperature;
     for r0 in (0..rows).step_by(c) {
         let n = c.min(rows - r0);
         let z = &mut logits[..n * vocab];
-        matmul(
-            n,
-            dim,
-            vocab,
-            &x[r0 * dim..],
-            Op::N,
-            w,
-            Op::T,
-            z,
-            false,
-            Par::Pool,
-            precision,
-        );
+        wt.matmul(n, dim, vocab, &x[r0 * dim..], z);
         z.par_chunks_mut(vocab).enumerate().for_each(|(i, row)| {
             let r = r0 + i;
             let (l, h, gl, ge) = (lse[r], entropy[r], d_logp[r], d_entropy[r]);
@@ -142,19 +162,7 @@ pub fn logprob_entropy_backward(
             row[targets[r] as usize] += gl * inv_t;
         });
         // dx = dz · W ;  dW += dzᵀ · x
-        matmul(
-            n,
-            vocab,
-            dim,
-            z,
-            Op::N,
-            w,
-            Op::N,
-            &mut dx[r0 * dim..(r0 + n) * dim],
-            false,
-            Par::Pool,
-            precision,
-        );
+        wn.matmul(n, vocab, dim, z, &mut dx[r0 * dim..(r0 + n) * dim]);
         matmul(
             vocab,
             n,

@@ -23,14 +23,18 @@ pub enum Par {
     Single,
 }
 
-/// The arithmetic of a multiply (inputs and outputs are f32 either way).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+/// The arithmetic of a multiply (inputs and outputs are f32 either way); in a workflow,
+/// `f32` or `bf16`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Precision {
     /// f32 products and sums.
     #[default]
+    #[serde(alias = "float32", alias = "fp32")]
     F32,
     /// Operands rounded to bf16, products summed in f32 (`torch.autocast(dtype=bfloat16)`);
     /// on AVX512-BF16 hardware at twice the f32 rate ([`crate::bf16`]). Always over the pool.
+    #[serde(alias = "bfloat16")]
     Bf16,
 }
 

@@ -11,6 +11,7 @@
 use crate::pools::PoolError;
 use crate::pools::learner::LearnerPool;
 use crate::pools::rollout::RolloutPool;
+use kernels::matmul::Precision;
 use kernels::tensor::WeightSnapshot;
 use learner::algo::TokenRows;
 use learner::algo::policy::{PolicyBatch, PolicyUpdate};
@@ -375,11 +376,16 @@ pub struct RankRoles {
     pub device: crate::plan::Device,
     /// ZeRO-1.
     pub shard_optimizer: bool,
+    /// The arithmetic of the ranks' matmuls.
+    pub precision: Precision,
 }
 
 impl RoleMaker for RankRoles {
     fn reference(&self, config: &ModelConfig, weights: Arc<Params>) -> Result<Box<dyn Reference>> {
-        LocalRoles.reference(config, weights)
+        LocalRoles {
+            precision: self.precision,
+        }
+        .reference(config, weights)
     }
 
     fn critic(
@@ -406,6 +412,7 @@ impl RoleMaker for RankRoles {
             },
             assets: Vec::new(),
             shard_optimizer: self.shard_optimizer,
+            precision: self.precision,
             role: crate::kinds::learner::RankRole::Critic,
         })?;
         pool.begin_stage(LrSchedule::constant(lr), grad_clip, saved.as_deref())?;
@@ -414,11 +421,15 @@ impl RoleMaker for RankRoles {
 }
 
 /// Makes local roles.
-pub struct LocalRoles;
+pub struct LocalRoles {
+    /// The arithmetic of their matmuls.
+    pub precision: Precision,
+}
 
 impl RoleMaker for LocalRoles {
     fn reference(&self, config: &ModelConfig, weights: Arc<Params>) -> Result<Box<dyn Reference>> {
-        let model = Model::new(config.clone(), Arc::unwrap_or_clone(weights))?;
+        let mut model = Model::new(config.clone(), Arc::unwrap_or_clone(weights))?;
+        model.set_precision(self.precision);
         Ok(Box::new(LocalReference(model)))
     }
 
@@ -430,7 +441,8 @@ impl RoleMaker for LocalRoles {
         lr: f32,
         grad_clip: f64,
     ) -> Result<Box<dyn Critic>> {
-        let (critic, saved) = initial_critic(config, weights, resume)?;
+        let (mut critic, saved) = initial_critic(config, weights, resume)?;
+        critic.model.set_precision(self.precision);
         let mut opt = critic.optimizer(
             Default::default(),
             LrSchedule::constant(lr),

@@ -620,6 +620,7 @@ fn run(
             weights,
             assets,
             shard_optimizer: plan.learner.shard_optimizer,
+            precision: plan.learner.precision,
             role: RankRole::Policy,
         })
         .map_err(stopped)?;
@@ -631,6 +632,7 @@ fn run(
         Box::new(ranks)
     } else {
         drop(weights);
+        model.set_precision(plan.learner.precision);
         let engine = learner::engine::open(model, backend)?;
         tracing::info!(
             on = engine.describe(),
@@ -661,9 +663,12 @@ fn run(
                 placement: plan.learner.placement,
                 device: plan.learner.device,
                 shard_optimizer: plan.learner.shard_optimizer,
+                precision: plan.learner.precision,
             })
         } else {
-            Box::new(LocalRoles)
+            Box::new(LocalRoles {
+                precision: plan.learner.precision,
+            })
         },
     };
     let job = crate::exec::Job {

@@ -34,6 +34,9 @@ pub struct LearnerConfig {
     /// The policy, or PPO's critic (the trunk with a value head).
     #[serde(default)]
     pub role: RankRole,
+    /// The arithmetic of the rank's matmuls.
+    #[serde(default)]
+    pub precision: kernels::matmul::Precision,
 }
 
 /// What a learner rank trains.
@@ -253,6 +256,7 @@ impl Trainee {
 pub struct LearnerActor {
     config: ModelConfig,
     role: RankRole,
+    precision: kernels::matmul::Precision,
     rank: Option<Rank>,
 }
 
@@ -318,6 +322,7 @@ impl Actor for LearnerActor {
         Ok(Self {
             config,
             role: start.role,
+            precision: start.precision,
             rank: None,
         })
     }
@@ -346,13 +351,17 @@ impl Actor for LearnerActor {
         let params = Arc::unwrap_or_clone(snapshot.params);
         let trainee = match self.role {
             RankRole::Policy => {
-                let model = Model::new(self.config.clone(), params).map_err(|e| e.to_string())?;
+                let mut model =
+                    Model::new(self.config.clone(), params).map_err(|e| e.to_string())?;
+                model.set_precision(self.precision);
                 Trainee::Policy(
                     learner::engine::open(model, Backend::Native).map_err(|e| e.to_string())?,
                 )
             }
             RankRole::Critic => {
-                let critic = Critic::from_all(&self.config, params).map_err(|e| e.to_string())?;
+                let mut critic =
+                    Critic::from_all(&self.config, params).map_err(|e| e.to_string())?;
+                critic.model.set_precision(self.precision);
                 let grads = critic.zeros_grads();
                 Trainee::Critic {
                     critic: Box::new(critic),

@@ -4,6 +4,7 @@ use super::graph::{GraphSpec, UserNode as GraphNode, expand};
 use super::schema::{self, Engine, StageKind, Task, Workflow};
 use super::*;
 use crate::record::mlflow::MlflowTarget;
+use kernels::matmul::Precision;
 use learner::optim::ScheduleKind;
 use learner::rl::agg::LossAgg;
 use learner::rl::kl::Kl;
@@ -341,6 +342,12 @@ fn rollout(p: &schema::Pool, e: &Errs<'_>) -> Result<RolloutPlan, PlanError> {
             "is for the learner pool (its ranks' optimiser state)",
         ));
     }
+    if p.precision.is_some() {
+        return Err(e.at(
+            "pools.rollout.precision",
+            "is for the learner pool (the native rollout engine decodes in f32; an external engine's dtype is its server's, see weights_dtype)",
+        ));
+    }
     let kv_cache_bytes = p.kv_cache_mib << 20;
     if p.engine.is_external() {
         if p.endpoints.is_empty() {
@@ -551,6 +558,12 @@ fn learner(p: &schema::Pool, e: &Errs<'_>) -> Result<LearnerPlan, PlanError> {
                 ),
             ));
         }
+        Engine::Pjrt if p.precision == Some(Precision::Bf16) => {
+            return Err(e.at(
+                "pools.learner.precision",
+                "`bf16` is the native learner's (the pjrt learner's programs are traced in f32)",
+            ));
+        }
         Engine::Pjrt => LearnerEngine::Pjrt {
             device: p.device,
             plugin: p.plugin.clone(),
@@ -568,6 +581,7 @@ fn learner(p: &schema::Pool, e: &Errs<'_>) -> Result<LearnerPlan, PlanError> {
     Ok(LearnerPlan {
         engine,
         shard_optimizer: p.shard_optimizer.unwrap_or(true),
+        precision: p.precision.unwrap_or_default(),
         count: p.count,
         placement: placement(p.placement),
         device: p.device,

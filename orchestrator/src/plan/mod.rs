@@ -171,6 +171,8 @@ pub struct LearnerPlan {
     /// ZeRO-1 over several ranks: each keeps and updates the optimiser state of 1/N of the
     /// model.
     pub shard_optimizer: bool,
+    /// The arithmetic of the native learner's matmuls (policy, critic, reference).
+    pub precision: kernels::matmul::Precision,
 }
 
 impl LearnerPlan {

@@ -193,6 +193,12 @@ pub struct Pool {
     /// true; false: every rank keeps all of them).
     #[serde(default)]
     pub shard_optimizer: Option<bool>,
+    /// The arithmetic of a native learner's matmuls (policy, critic and reference alike):
+    /// `f32` (default), or `bf16` — operands rounded to bf16 and products summed in f32, as
+    /// `torch.autocast(dtype=bfloat16)` runs a linear layer, with f32 master weights, optimiser
+    /// moments, norms, softmax and loss; twice the f32 rate on CPUs with AVX512-BF16.
+    #[serde(default)]
+    pub precision: Option<kernels::matmul::Precision>,
 }
 
 impl Default for Pool {
@@ -214,6 +220,7 @@ impl Default for Pool {
             plugin: None,
             kv_cache_mib: default_kv_cache_mib(),
             shard_optimizer: None,
+            precision: None,
         }
     }
 }

@@ -2,6 +2,7 @@
 //! it gets; and the step graphs the algorithms expand to.
 
 use super::*;
+use kernels::matmul::Precision;
 
 /// A small valid workflow: SFT, then RL, then an eval.
 const BASE: &str = "name: t
@@ -318,6 +319,21 @@ fn bad_workflows_get_messages_that_say_where_and_why() {
         ),
         (
             "stages:\n",
+            "pools: {rollout: {precision: bf16}}\nstages:\n",
+            "t.yaml: pools.rollout.precision: is for the learner pool (the native rollout engine decodes in f32; an external engine's dtype is its server's, see weights_dtype)",
+        ),
+        (
+            "stages:\n",
+            "pools: {learner: {engine: pjrt, precision: bf16}}\nstages:\n",
+            "t.yaml: pools.learner.precision: `bf16` is the native learner's (the pjrt learner's programs are traced in f32)",
+        ),
+        (
+            "stages:\n",
+            "pools: {learner: {precision: fp8}}\nstages:\n",
+            "t.yaml:6:30: pools.learner.precision: unknown variant `fp8` (did you mean `f32`?); expected one of f32, float32, fp32, bf16, bfloat16",
+        ),
+        (
+            "stages:\n",
             "pools: {learner: {count: 0}}\nstages:\n",
             "t.yaml: pools.learner.count: is 0: a pool needs at least one engine",
         ),
@@ -417,6 +433,11 @@ fn overrides_apply_and_name_their_key() {
     .unwrap();
     assert_eq!(plan.stages[1].steps, 5);
     assert_eq!(plan.spec.stages[0].sft.lr, 0.01);
+    assert_eq!(plan.learner.precision, Precision::F32);
+    for name in ["bf16", "bfloat16"] {
+        let plan = parse(BASE, "t.yaml", &[format!("pools.learner.precision={name}")]).unwrap();
+        assert_eq!(plan.learner.precision, Precision::Bf16, "{name}");
+    }
     let e = parse(
         BASE,
         "t.yaml",

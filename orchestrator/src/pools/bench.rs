@@ -209,6 +209,7 @@ pub fn run(o: &LearnerBenchOptions) -> Result<LearnerBench, PoolError> {
             weights: weights.clone(),
             assets: Vec::new(),
             shard_optimizer: sharded,
+            precision: kernels::matmul::Precision::F32,
             role: crate::kinds::learner::RankRole::Policy,
         })?;
         pool.begin_stage(schedule, 1.0, None)?;

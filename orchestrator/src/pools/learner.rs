@@ -65,6 +65,8 @@ pub struct LearnerStart<'a> {
     pub assets: Vec<(String, Vec<u8>)>,
     /// ZeRO-1: each of several ranks keeps and updates the optimiser state of 1/N of the model.
     pub shard_optimizer: bool,
+    /// The arithmetic of the ranks' matmuls.
+    pub precision: kernels::matmul::Precision,
     /// The policy, or PPO's critic (its weights: the trunk's tensors, then the value head's).
     pub role: RankRole,
 }
@@ -108,10 +110,11 @@ impl LearnerPool {
                 .collect()
         });
         let model = start.config.to_hf_json();
-        let role = start.role;
+        let (role, precision) = (start.role, start.precision);
         let config = move |_: usize| LearnerConfig {
             model: model.clone(),
             role,
+            precision,
         };
         let restarted = Arc::new(Mutex::new(Vec::new()));
         let told = Arc::clone(&restarted);
