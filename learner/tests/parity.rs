@@ -284,3 +284,71 @@ fn micro_batch_accumulation_equals_one_batch() {
         );
     }
 }
+
+/// `reference-bf16.*`: the same model under `torch.autocast(dtype=bfloat16)` (`make_bf16.py`).
+fn bf16_reference() -> (Value, Vec<u8>) {
+    let json =
+        serde_json::from_str(&std::fs::read_to_string(data().join("reference-bf16.json")).unwrap())
+            .unwrap();
+    (
+        json,
+        std::fs::read(data().join("reference-bf16.safetensors")).unwrap(),
+    )
+}
+
+/// Largest |a − b| over the largest |b|.
+fn rel_worst(a: &[f32], b: &[f32]) -> f32 {
+    let scale = b.iter().map(|v| v.abs()).fold(0.0f32, f32::max);
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0f32, f32::max)
+        / scale
+}
+
+/// bf16 matmuls against PyTorch's autocast. Autocast also rounds each linear's output to bf16
+/// and runs attention in bf16, where Trellis keeps f32, and those roundings dominate: on this
+/// fixture's wide weights (std 0.25) autocast's logits and gradients are 1–8 % of each tensor's
+/// largest entry away from f32's. So the tolerance is that scale (8 % of the largest entry;
+/// 20 bf16 ulps), the loss must agree to 0.2 %, and — so that the test sees the rounding at all —
+/// our bf16 logits must differ from our f32 ones, by more than f32 noise and less than bf16's.
+#[test]
+fn bf16_matmuls_match_pytorch_autocast() {
+    let (mut ckpt, r) = (model(), Reference::load());
+    let (json, bytes) = bf16_reference();
+    let torch = Reference { json, bytes };
+    let ids = &r.ids("input_ids")[0];
+    let batch = Batch::padded(&[ids]);
+    let f32_logits = ckpt.model.logits(&batch).unwrap();
+    ckpt.model.set_precision(kernels::matmul::Precision::Bf16);
+    let logits = ckpt.model.logits(&batch).unwrap();
+    let own = rel_worst(&logits, &f32_logits);
+    assert!(
+        (1e-4..2e-2).contains(&own),
+        "bf16 logits differ from f32 by {own:.2e} of their scale"
+    );
+    let d = rel_worst(&logits, &torch.tensor("logits_0"));
+    assert!(d <= 8e-2, "logits: {d:.2e} of their scale from autocast's");
+    let (scores, tape) = ckpt.model.forward(&batch, 1.0).unwrap();
+    let n = ids.len() - 1;
+    let nll = -scores.logp[..n].iter().sum::<f32>() / n as f32;
+    let want_nll = torch.json["nll_seq0"].as_f64().unwrap() as f32;
+    assert!(
+        (nll - want_nll).abs() <= 2e-3 * want_nll,
+        "nll {nll} vs autocast {want_nll}"
+    );
+    let mut d_logp = vec![0.0; batch.len()];
+    d_logp[..n].fill(-1.0 / n as f32);
+    let mut grads = ckpt.model.params.zeros_like();
+    ckpt.model
+        .backward(tape, &d_logp, &vec![0.0; batch.len()], &mut grads);
+    for g in &grads.tensors {
+        let d = rel_worst(&g.data, &torch.tensor(&format!("grad.{}", g.name)));
+        eprintln!("grad.{}: {d:.2e} of its scale from autocast's", g.name);
+        assert!(
+            d <= 8e-2,
+            "grad.{}: {d:.2e} of its scale from autocast's",
+            g.name
+        );
+    }
+}
