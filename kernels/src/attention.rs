@@ -65,36 +65,34 @@ fn softmax_rows(
     for i in 0..seq {
         let row = &mut s[i * seq..(i + 1) * seq];
         let si = seg[i];
-        if recompute {
-            let l = lse[i];
-            for j in 0..seq {
-                row[j] = if j <= i && seg[j] == si {
-                    (row[j] * scale - l).exp()
-                } else {
-                    0.0
-                };
+        // Scores past the diagonal never count; the rest count within the segment, as
+        // exponents (−∞ outside it) taken together.
+        row[i + 1..].fill(0.0);
+        let row = &mut row[..=i];
+        let shift = if recompute {
+            lse[i]
+        } else {
+            let mut max = f32::NEG_INFINITY;
+            for (x, &sj) in row.iter().zip(seg) {
+                if sj == si {
+                    max = max.max(x * scale);
+                }
             }
-            continue;
-        }
-        let mut max = f32::NEG_INFINITY;
-        for j in 0..=i {
-            if seg[j] == si {
-                max = max.max(row[j] * scale);
-            }
-        }
-        let mut sum = 0.0f32;
-        for j in 0..seq {
-            if j <= i && seg[j] == si {
-                let e = (row[j] * scale - max).exp();
-                row[j] = e;
-                sum += e;
+            max
+        };
+        for (x, &sj) in row.iter_mut().zip(seg) {
+            *x = if sj == si {
+                *x * scale - shift
             } else {
-                row[j] = 0.0;
-            }
+                f32::NEG_INFINITY
+            };
         }
-        let inv = 1.0 / sum;
-        row[..=i].iter_mut().for_each(|p| *p *= inv);
-        lse[i] = max + sum.ln();
+        let sum = crate::vmath::exp_in_place(row);
+        if !recompute {
+            let inv = 1.0 / sum;
+            row.iter_mut().for_each(|p| *p *= inv);
+            lse[i] = shift + sum.ln();
+        }
     }
 }
 

@@ -92,13 +92,7 @@ pub fn logprob_entropy(
                     *v *= inv_t;
                     max = max.max(*v);
                 }
-                let mut sum = 0.0f32;
-                let mut dot = 0.0f32;
-                for &v in row.iter() {
-                    let e = (v - max).exp();
-                    sum += e;
-                    dot += e * v;
-                }
+                let (sum, dot) = crate::vmath::exp_sum_dot(row, max);
                 let lse_v = max + sum.ln();
                 *l = lse_v;
                 let tgt = tgt as usize;
@@ -152,13 +146,12 @@ pub fn logprob_entropy_backward(
         z.par_chunks_mut(vocab).enumerate().for_each(|(i, row)| {
             let r = r0 + i;
             let (l, h, gl, ge) = (lse[r], entropy[r], d_logp[r], d_entropy[r]);
+            // d logp_t / dz = 1[t] - p ;  d H / dz = -p (log p + H): with x = log p,
+            // dz = e^x · (-gl - ge·H - ge·x) / T.
             for v in row.iter_mut() {
-                let zt = *v * inv_t;
-                let logp = zt - l;
-                let p = logp.exp();
-                // d logp_t / dz = 1[t] - p ;  d H / dz = -p (log p + H)
-                *v = (-gl * p - ge * p * (logp + h)) * inv_t;
+                *v = *v * inv_t - l;
             }
+            crate::vmath::exp_affine(row, -gl - ge * h, -ge, inv_t);
             row[targets[r] as usize] += gl * inv_t;
         });
         // dx = dz · W ;  dW += dzᵀ · x

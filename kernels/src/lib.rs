@@ -26,6 +26,7 @@ pub mod rope;
 pub mod skinny;
 pub mod tensor;
 pub mod threads;
+pub mod vmath;
 
 #[cfg(test)]
 pub(crate) mod testutil;

@@ -485,11 +485,13 @@ fn the_arith_recipe_shortened_lifts_held_out_accuracy_on_native_and_pjrt_engines
         ),
     )
     .unwrap();
-    let mut engines = vec!["native"];
+    // (engines, the learner's matmuls): the native learner in bf16 learns as in f32.
+    let mut runs = vec![("native", "f32"), ("native", "bf16")];
     if libtpu_sys::testing::cpu_plugin().is_some() {
-        engines.push("pjrt");
+        runs.push(("pjrt", "f32"));
     }
-    for engine in engines {
+    for (engine, precision) in runs {
+        let name = format!("{engine}-{precision}");
         run_ok(
             trellis()
                 .arg("train")
@@ -498,14 +500,15 @@ fn the_arith_recipe_shortened_lifts_held_out_accuracy_on_native_and_pjrt_engines
                 .args(["-o", "stages.rl.trainer.eval_freq=0"])
                 .args(["-o", "stages.rl.trainer.save_freq=0"])
                 .args(["-o", &format!("pools.learner.engine={engine}")])
+                .args(["-o", &format!("pools.learner.precision={precision}")])
                 .args(["-o", &format!("pools.rollout.engine={engine}")])
                 .arg("--run-dir")
-                .arg(dir.join(engine)),
+                .arg(dir.join(&name)),
         );
-        let after = acc(engine, "rl");
+        let after = acc(&name, "rl");
         assert!(
             after >= warm + 0.05,
-            "GRPO on the {engine} engines did not lift accuracy: {warm} → {after}"
+            "GRPO on the {engine} engines ({precision} learner) did not lift accuracy: {warm} → {after}"
         );
     }
     std::fs::remove_dir_all(&dir).unwrap();
