@@ -96,6 +96,14 @@ fn softmax_rows(
     }
 }
 
+/// Row blocks `(r0, r1)` of a causal `[seq × seq]` product: block rows see columns `0..r1`.
+fn causal_blocks(seq: usize) -> impl Iterator<Item = (usize, usize)> {
+    const ROWS: usize = 64;
+    (0..seq)
+        .step_by(ROWS)
+        .map(move |r0| (r0, (r0 + ROWS).min(seq)))
+}
+
 /// Forward. Writes `out` (`[batch·seq, heads·head_dim]`) and `lse` (`[batch, heads, seq]`).
 pub fn attention(
     sh: AttnShape,
@@ -132,38 +140,44 @@ pub fn attention(
                 let qp = q.as_ptr().add(row0 * nh * d + h * d);
                 let kp = k.as_ptr().add(row0 * nkv * d + g * d);
                 let vp = v.as_ptr().add(row0 * nkv * d + g * d);
-                strided(
-                    t,
-                    d,
-                    t,
-                    qp,
-                    qs,
-                    1,
-                    kp,
-                    1,
-                    kvs,
-                    s.as_mut_ptr(),
-                    t as isize,
-                    false,
-                    Par::Single,
-                );
+                // Causal: rows r0..r1 see keys 0..r1 only, so the blocks above the diagonal
+                // are never computed (softmax_rows zeroes what lies past each row's diagonal).
+                for (r0, r1) in causal_blocks(t) {
+                    strided(
+                        r1 - r0,
+                        d,
+                        r1,
+                        qp.offset(r0 as isize * qs),
+                        qs,
+                        1,
+                        kp,
+                        1,
+                        kvs,
+                        s.as_mut_ptr().add(r0 * t),
+                        t as isize,
+                        false,
+                        Par::Single,
+                    );
+                }
                 softmax_rows(s, t, seg, scale, lse_row, false);
                 let op = out_ptr.0.add(row0 * nh * d + h * d);
-                strided(
-                    t,
-                    t,
-                    d,
-                    s.as_ptr(),
-                    t as isize,
-                    1,
-                    vp,
-                    kvs,
-                    1,
-                    op,
-                    qs,
-                    false,
-                    Par::Single,
-                );
+                for (r0, r1) in causal_blocks(t) {
+                    strided(
+                        r1 - r0,
+                        r1,
+                        d,
+                        s.as_ptr().add(r0 * t),
+                        t as isize,
+                        1,
+                        vp,
+                        kvs,
+                        1,
+                        op.offset(r0 as isize * qs),
+                        qs,
+                        false,
+                        Par::Single,
+                    );
+                }
             }
         },
     );
@@ -221,95 +235,90 @@ pub fn attention_backward(
                     let kp = k.as_ptr().add(row0 * nkv * d + g * d);
                     let vp = v.as_ptr().add(row0 * nkv * d + g * d);
                     let dop = d_out.as_ptr().add(row0 * nh * d + h * d);
-                    strided(
-                        t,
-                        d,
-                        t,
-                        qp,
-                        qs,
-                        1,
-                        kp,
-                        1,
-                        kvs,
-                        p.as_mut_ptr(),
-                        t as isize,
-                        false,
-                        Par::Single,
-                    );
+                    for (r0, r1) in causal_blocks(t) {
+                        strided(
+                            r1 - r0,
+                            d,
+                            r1,
+                            qp.offset(r0 as isize * qs),
+                            qs,
+                            1,
+                            kp,
+                            1,
+                            kvs,
+                            p.as_mut_ptr().add(r0 * t),
+                            t as isize,
+                            false,
+                            Par::Single,
+                        );
+                    }
                     softmax_rows(p, t, seg, scale, lse_buf, true);
-                    // dP = dO · Vᵀ
-                    strided(
-                        t,
-                        d,
-                        t,
-                        dop,
-                        qs,
-                        1,
-                        vp,
-                        1,
-                        kvs,
-                        dp.as_mut_ptr(),
-                        t as isize,
-                        false,
-                        Par::Single,
-                    );
+                    // dP = dO · Vᵀ, below the diagonal
+                    for (r0, r1) in causal_blocks(t) {
+                        strided(
+                            r1 - r0,
+                            d,
+                            r1,
+                            dop.offset(r0 as isize * qs),
+                            qs,
+                            1,
+                            vp,
+                            1,
+                            kvs,
+                            dp.as_mut_ptr().add(r0 * t),
+                            t as isize,
+                            false,
+                            Par::Single,
+                        );
+                    }
                     for i in 0..t {
-                        for j in 0..t {
-                            let x = i * t + j;
-                            dp[x] = p[x] * (dp[x] - dsum[i]) * scale;
+                        let (pr, dr) = (&p[i * t..=i * t + i], &mut dp[i * t..(i + 1) * t]);
+                        for (x, &pv) in dr.iter_mut().zip(pr) {
+                            *x = pv * (*x - dsum[i]) * scale;
                         }
+                        dr[i + 1..].fill(0.0);
                     }
                     // dQ = dS · K
                     let dqp = dq_p.0.add(row0 * nh * d + h * d);
-                    strided(
-                        t,
-                        t,
-                        d,
-                        dp.as_ptr(),
-                        t as isize,
-                        1,
-                        kp,
-                        kvs,
-                        1,
-                        dqp,
-                        qs,
-                        false,
-                        Par::Single,
-                    );
-                    // dK (+)= dSᵀ · Q
+                    for (r0, r1) in causal_blocks(t) {
+                        strided(
+                            r1 - r0,
+                            r1,
+                            d,
+                            dp.as_ptr().add(r0 * t),
+                            t as isize,
+                            1,
+                            kp,
+                            kvs,
+                            1,
+                            dqp.offset(r0 as isize * qs),
+                            qs,
+                            false,
+                            Par::Single,
+                        );
+                    }
+                    // dK (+)= dSᵀ · Q and dV (+)= Pᵀ · dO: keys c0..c1 are seen by rows c0..t.
                     let dkp = dk_p.0.add(row0 * nkv * d + g * d);
-                    strided(
-                        t,
-                        t,
-                        d,
-                        dp.as_ptr(),
-                        1,
-                        t as isize,
-                        qp,
-                        qs,
-                        1,
-                        dkp,
-                        kvs,
-                        !first,
-                        Par::Single,
-                    );
-                    // dV (+)= Pᵀ · dO
                     let dvp = dv_p.0.add(row0 * nkv * d + g * d);
-                    strided(
-                        t,
-                        t,
-                        d,
-                        p.as_ptr(),
-                        1,
-                        t as isize,
-                        dop,
-                        qs,
-                        1,
-                        dvp,
-                        kvs,
-                        !first,
-                        Par::Single,
-                    );
+                    for (c0, c1) in causal_blocks(t) {
+                        for (src, rhs, out) in [(dp.as_ptr(), qp, dkp), (p.as_ptr(), dop, dvp)] {
+                            strided(
+                                c1 - c0,
+                                t - c0,
+                                d,
+                                src.add(c0 * t + c0),
+                                1,
+                                t as isize,
+                                rhs.offset(c0 as isize * qs),
+                                qs,
+                                1,
+                                out.offset(c0 as isize * kvs),
+                                kvs,
+                                !first,
+                                Par::Single,
+                            );
+                        }
+                    }
                 }
             }
         },
@@ -363,43 +372,64 @@ mod tests {
 
     #[test]
     fn forward_and_backward_match_an_f64_reference() {
-        let sh = AttnShape {
-            batch: 2,
-            seq: 7,
-            heads: 4,
-            kv_heads: 2,
-            head_dim: 5,
-        };
-        let n = sh.batch * sh.seq;
-        // row 0: padded after 5 tokens; row 1: two packed segments.
-        let seg = [0u32, 0, 0, 0, 0, 9, 9, 1, 1, 1, 2, 2, 2, 2];
-        let q = randn(n * 4 * 5, 11);
-        let k = randn(n * 2 * 5, 12);
-        let v = randn(n * 2 * 5, 13);
-        let coef = randn(n * 4 * 5, 14);
-        let scale = 1.0 / (5f32).sqrt();
-        let mut out = vec![0.0; q.len()];
-        let mut lse = vec![0.0; sh.batch * sh.heads * sh.seq];
-        attention(sh, &q, &k, &v, &seg, scale, &mut out, &mut lse);
-        let f64s = |x: &[f32]| x.iter().map(|&v| v as f64).collect::<Vec<f64>>();
-        let (q64, k64, v64) = (f64s(&q), f64s(&k), f64s(&v));
-        let (_, ref_out) = reference(sh, &q64, &k64, &v64, &seg, scale as f64, &coef);
-        let ref_out: Vec<f32> = ref_out.iter().map(|&x| x as f32).collect();
-        close(&out, &ref_out, 1e-5, "attention out");
+        // Row 0 padded after 5 tokens, row 1 two packed segments; then 150 tokens (three causal
+        // blocks, the last one ragged) in two segments.
+        let seg7 = [0u32, 0, 0, 0, 0, 9, 9, 1, 1, 1, 2, 2, 2, 2];
+        let seg150: Vec<u32> = (0..150).map(|i| u32::from(i >= 100)).collect();
+        let cases = [
+            (
+                AttnShape {
+                    batch: 2,
+                    seq: 7,
+                    heads: 4,
+                    kv_heads: 2,
+                    head_dim: 5,
+                },
+                &seg7[..],
+            ),
+            (
+                AttnShape {
+                    batch: 1,
+                    seq: 150,
+                    heads: 2,
+                    kv_heads: 1,
+                    head_dim: 4,
+                },
+                &seg150[..],
+            ),
+        ];
+        for (sh, seg) in cases {
+            let n = sh.batch * sh.seq;
+            let (qw, kw) = (sh.heads * sh.head_dim, sh.kv_heads * sh.head_dim);
+            let q = randn(n * qw, 11);
+            let k = randn(n * kw, 12);
+            let v = randn(n * kw, 13);
+            let coef = randn(n * qw, 14);
+            let scale = 1.0 / (sh.head_dim as f32).sqrt();
+            let mut out = vec![0.0; q.len()];
+            let mut lse = vec![0.0; sh.batch * sh.heads * sh.seq];
+            attention(sh, &q, &k, &v, seg, scale, &mut out, &mut lse);
+            let f64s = |x: &[f32]| x.iter().map(|&v| v as f64).collect::<Vec<f64>>();
+            let (q64, k64, v64) = (f64s(&q), f64s(&k), f64s(&v));
+            let (_, ref_out) = reference(sh, &q64, &k64, &v64, seg, scale as f64, &coef);
+            let ref_out: Vec<f32> = ref_out.iter().map(|&x| x as f32).collect();
+            close(&out, &ref_out, 1e-5, "attention out");
 
-        let (mut dq, mut dk, mut dv) = (vec![9.0; q.len()], vec![9.0; k.len()], vec![9.0; v.len()]);
-        attention_backward(
-            sh, &q, &k, &v, &seg, scale, &out, &lse, &coef, &mut dq, &mut dk, &mut dv,
-        );
-        let s = scale as f64;
-        check_grad(&q, &dq, 140, 1e-3, "attention dq", &|p| {
-            reference(sh, p, &k64, &v64, &seg, s, &coef).0
-        });
-        check_grad(&k, &dk, 70, 1e-3, "attention dk", &|p| {
-            reference(sh, &q64, p, &v64, &seg, s, &coef).0
-        });
-        check_grad(&v, &dv, 70, 1e-3, "attention dv", &|p| {
-            reference(sh, &q64, &k64, p, &seg, s, &coef).0
-        });
+            let (mut dq, mut dk, mut dv) =
+                (vec![9.0; q.len()], vec![9.0; k.len()], vec![9.0; v.len()]);
+            attention_backward(
+                sh, &q, &k, &v, seg, scale, &out, &lse, &coef, &mut dq, &mut dk, &mut dv,
+            );
+            let s = scale as f64;
+            check_grad(&q, &dq, 140, 1e-3, "attention dq", &|p| {
+                reference(sh, p, &k64, &v64, seg, s, &coef).0
+            });
+            check_grad(&k, &dk, 70, 1e-3, "attention dk", &|p| {
+                reference(sh, &q64, p, &v64, seg, s, &coef).0
+            });
+            check_grad(&v, &dv, 70, 1e-3, "attention dv", &|p| {
+                reference(sh, &q64, &k64, p, seg, s, &coef).0
+            });
+        }
     }
 }
