@@ -15,6 +15,23 @@
 use crate::matmul::Op;
 use rayon::prelude::*;
 
+/// A bf16 value as stored: the high half of an f32's bits.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[repr(transparent)]
+pub struct Bf16(pub u16);
+
+impl Bf16 {
+    /// The bf16 nearest to `x` (ties to even).
+    pub fn from_f32(x: f32) -> Self {
+        Bf16(bits(x))
+    }
+
+    /// Its value (exact in f32).
+    pub fn to_f32(self) -> f32 {
+        f32::from_bits((self.0 as u32) << 16)
+    }
+}
+
 /// `x` rounded to the nearest bf16 (ties to even), as the f32 of the same value. NaN stays NaN.
 #[inline]
 pub fn round(x: f32) -> f32 {

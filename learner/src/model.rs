@@ -7,7 +7,8 @@ use crate::error::{Error, Result};
 use crate::params::ParamsIo;
 use crate::params::{Layout, Params, Tensor};
 use kernels::attention::{AttnShape, attention, attention_backward};
-use kernels::matmul::{Op, Par, Precision, matmul, matmul_nt_many};
+use kernels::bf16::Bf16;
+use kernels::matmul::{Op, Par, Precision, SKINNY_ROWS, matmul, matmul_nt_many};
 use kernels::rope::{RopeTable, apply as rope, inv_freq};
 use kernels::{activation, embedding, head, norm};
 use std::path::Path;
@@ -225,11 +226,21 @@ pub struct Model {
     layout: Layout,
     inv_freq: Vec<f64>,
     precision: Precision,
+    /// bf16 copies of the matrices, by tensor index (empty unless [`Model::round_to_bf16`]).
+    half: Vec<Option<Vec<Bf16>>>,
 }
 
-/// `y = x · Wᵀ (+ b)` for `n` rows, the product in `p`.
-fn linear(x: &[f32], n: usize, w: &Tensor, b: Option<&Tensor>, p: Precision) -> Vec<f32> {
-    let [y] = linears(x, n, [(w, b)], p);
+/// `y = x · Wᵀ (+ b)` for `n` rows, the product in `p` (or, for the few rows of a decode step,
+/// against the bf16 copy of `W` when there is one).
+fn linear(
+    x: &[f32],
+    n: usize,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    p: Precision,
+    half: Option<[&[Bf16]; 1]>,
+) -> Vec<f32> {
+    let [y] = linears(x, n, [(w, b)], p, half);
     y
 }
 
@@ -240,13 +251,19 @@ fn linears<const N: usize>(
     n: usize,
     ws: [(&Tensor, Option<&Tensor>); N],
     p: Precision,
+    half: Option<[&[Bf16]; N]>,
 ) -> [Vec<f32>; N] {
     let inp = ws[0].0.shape[1];
     let mut ys = ws.map(|(w, _)| vec![0.0f32; n * w.shape[0]]);
     {
         let bs: Vec<&[f32]> = ws.iter().map(|(w, _)| &w.data[..]).collect();
         let mut cs: Vec<&mut [f32]> = ys.iter_mut().map(|y| &mut y[..]).collect();
-        matmul_nt_many(n, inp, x, &bs, &mut cs, p);
+        match half {
+            Some(hs) if n <= SKINNY_ROWS && kernels::skinny::available() => {
+                kernels::skinny::matmul_nt_many(n, inp, x, &hs, &mut cs);
+            }
+            _ => matmul_nt_many(n, inp, x, &bs, &mut cs, p),
+        }
     }
     for (y, (w, b)) in ys.iter_mut().zip(ws) {
         if let Some(b) = b {
@@ -329,6 +346,7 @@ impl Model {
             layout,
             inv_freq,
             precision: Precision::F32,
+            half: Vec::new(),
         })
     }
 
@@ -356,6 +374,47 @@ impl Model {
     /// `torch.autocast` does, so f32 master weights need no second copy).
     pub fn set_precision(&mut self, p: Precision) {
         self.precision = p;
+    }
+
+    /// Rounds every weight to bf16, as an engine serving bf16 weights holds them, and keeps a
+    /// bf16 copy of each matrix the linear layers and the head read, so that decode steps (up
+    /// to 64 rows) stream half the bytes; larger products read the rounded f32 weights, so
+    /// both compute with the same values.
+    pub fn round_to_bf16(&mut self) {
+        for t in &mut self.params.tensors {
+            t.data
+                .iter_mut()
+                .for_each(|x| *x = kernels::bf16::round(*x));
+        }
+        let mut matrices: Vec<usize> = self
+            .layout
+            .layers
+            .iter()
+            .flat_map(|l| [l.q, l.k, l.v, l.o, l.gate, l.up, l.down])
+            .collect();
+        matrices.push(self.layout.lm_head.unwrap_or(self.layout.embed));
+        self.half = vec![None; self.params.tensors.len()];
+        for i in matrices {
+            let t = &self.params.tensors[i];
+            self.half[i] = Some(t.data.iter().map(|&x| Bf16::from_f32(x)).collect());
+        }
+    }
+
+    /// Whether [`Model::round_to_bf16`] made its weights bf16.
+    pub fn is_bf16(&self) -> bool {
+        !self.half.is_empty()
+    }
+
+    /// The bf16 copies of tensors `ids`, when the model has them.
+    fn halves<const N: usize>(&self, ids: [usize; N]) -> Option<[&[Bf16]; N]> {
+        if self.half.is_empty() {
+            return None;
+        }
+        let mut out = [&[][..]; N];
+        for (o, i) in out.iter_mut().zip(ids) {
+            *o = self.half[i].as_deref()?;
+        }
+        Some(out)
     }
 
     /// Where each role's tensor is in `params`.
@@ -416,6 +475,7 @@ impl Model {
             self.head_weight(),
             None,
             self.precision,
+            self.halves([self.layout.lm_head.unwrap_or(self.layout.embed)]),
         )
     }
 
@@ -452,6 +512,7 @@ impl Model {
                     (self.t(ids.v), ids.v_bias.map(|i| self.t(i))),
                 ],
                 self.precision,
+                self.halves([ids.q, ids.k, ids.v]),
             );
             let qk_pre = match (ids.q_norm, ids.k_norm) {
                 (Some(qn), Some(kn)) => {
@@ -479,6 +540,7 @@ impl Model {
                 self.t(ids.o),
                 ids.o_bias.map(|i| self.t(i)),
                 self.precision,
+                self.halves([ids.o]),
             );
             let mut x2 = a;
             add_into(&mut x2, &x);
@@ -496,10 +558,18 @@ impl Model {
                 n,
                 [(self.t(ids.gate), None), (self.t(ids.up), None)],
                 self.precision,
+                self.halves([ids.gate, ids.up]),
             );
             let mut m = vec![0.0; g.len()];
             activation::swiglu(&g, &u, &mut m);
-            let f = linear(&m, n, self.t(ids.down), None, self.precision);
+            let f = linear(
+                &m,
+                n,
+                self.t(ids.down),
+                None,
+                self.precision,
+                self.halves([ids.down]),
+            );
             let mut x3 = f;
             add_into(&mut x3, &x2);
             if keep {
@@ -552,6 +622,7 @@ impl Model {
             self.head_weight(),
             None,
             self.precision,
+            self.halves([self.layout.lm_head.unwrap_or(self.layout.embed)]),
         ))
     }
 

@@ -1,10 +1,11 @@
 //! `trellis bench generate`: prefill and decode throughput of the native engine, the cost of
 //! `n` samples against one, and batch-1 decode against the memory-bandwidth bound measured in
-//! the same run.
+//! the same run; with f32 weights or bf16 ones (half the bytes a decode step streams).
 
 use crate::native::{NativeConfig, NativeEngine};
 use crate::{GenerateRequest, SamplingParams};
 use learner::Model;
+use learner::params::WeightDtype;
 use serde::Serialize;
 use std::time::Instant;
 
@@ -12,6 +13,8 @@ use std::time::Instant;
 #[derive(Clone, Debug, Serialize)]
 pub struct GenerateBenchReport {
     pub threads: usize,
+    /// The served weights' number format.
+    pub weights_dtype: WeightDtype,
     pub params: usize,
     pub prefill_tokens_per_second: f64,
     /// Length of that prompt.
@@ -104,8 +107,12 @@ fn timed(engine: &NativeEngine, reqs: Vec<GenerateRequest>) -> f64 {
     t.elapsed().as_secs_f64()
 }
 
-/// Runs the benchmark on `model` (decode at each of `batches`).
-pub fn generate_bench(model: Model, batches: &[usize]) -> GenerateBenchReport {
+/// Runs the benchmark on `model` served in `weights_dtype` (decode at each of `batches`).
+pub fn generate_bench(
+    model: Model,
+    batches: &[usize],
+    weights_dtype: WeightDtype,
+) -> GenerateBenchReport {
     let threads = kernels::threads::current();
     let peak = kernels::peak::fma_peak_gflops(threads);
     let bw = {
@@ -119,13 +126,20 @@ pub fn generate_bench(model: Model, batches: &[usize]) -> GenerateBenchReport {
         NativeConfig {
             max_prefill_tokens: 64,
             kv_cache_bytes: 64 << 20,
+            weights_dtype,
             ..Default::default()
         },
     );
     timed(&apart, requests(1, 16, 4, 1, vocab));
     let prefill_apart_tps = (16 * 64) as f64 / timed(&apart, requests(16, 64, 1, 1, vocab));
     drop(apart);
-    let engine = NativeEngine::new(model, NativeConfig::default());
+    let engine = NativeEngine::new(
+        model,
+        NativeConfig {
+            weights_dtype,
+            ..Default::default()
+        },
+    );
     // warm-up
     timed(&engine, requests(1, 16, 4, 1, vocab));
     let prompt = 256.min(c.max_position_embeddings / 2);
@@ -169,7 +183,7 @@ pub fn generate_bench(model: Model, batches: &[usize]) -> GenerateBenchReport {
     let n8 = timed(&engine, requests(1, prompt, 16, 8, vocab));
     let n8_prefill = engine.stats().prefill_tokens - before;
     // every weight a decode step reads: all but an untied embedding table (one row of it)
-    let weight_bytes = (matmul_params * 4) as f64;
+    let weight_bytes = (matmul_params as u64 * weights_dtype.bytes()) as f64;
     let bound = bw * 1e9 / weight_bytes;
     let b1 = decode
         .iter()
@@ -177,6 +191,7 @@ pub fn generate_bench(model: Model, batches: &[usize]) -> GenerateBenchReport {
         .map_or(0.0, |d| d.tokens_per_second);
     GenerateBenchReport {
         threads,
+        weights_dtype,
         params: c.num_params(),
         prefill_tokens_per_second: prefill_tps,
         prefill_prompt_tokens: prompt,

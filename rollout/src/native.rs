@@ -19,6 +19,7 @@ use crate::{
     BoxFuture, Completion, EngineError, FinishReason, GenerateRequest, InferenceEngine, VersionSpan,
 };
 use kernels::tensor::WeightSnapshot;
+use learner::params::WeightDtype;
 use learner::{Model, ModelConfig};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
@@ -61,6 +62,10 @@ pub struct NativeConfig {
     /// Keep finished sequences' full KV blocks for later prompts with the same prefix (an
     /// episode's next turn, a shared system prompt); forgotten at every weight swap.
     pub prefix_cache: bool,
+    /// The number format of the served weights: `f32`, or `bf16` — every weight rounded to
+    /// bf16 as an engine serving bf16 holds it, decode steps streaming bf16 matrices (half the
+    /// bytes), activations, the KV cache and log-probs in f32.
+    pub weights_dtype: WeightDtype,
 }
 
 impl Default for NativeConfig {
@@ -74,6 +79,7 @@ impl Default for NativeConfig {
             initial_version: 0,
             raw_logprobs: false,
             prefix_cache: true,
+            weights_dtype: WeightDtype::F32,
         }
     }
 }
@@ -207,7 +213,10 @@ pub struct NativeEngine {
 
 impl NativeEngine {
     /// Starts an engine serving `model`.
-    pub fn new(model: Model, cfg: NativeConfig) -> Self {
+    pub fn new(mut model: Model, cfg: NativeConfig) -> Self {
+        if cfg.weights_dtype == WeightDtype::Bf16 {
+            model.round_to_bf16();
+        }
         let c = &model.config;
         let per_block = 2 * c.num_layers * cfg.block_size.max(1) * c.num_kv_heads * c.head_dim * 4;
         let kv = KvShape {
@@ -603,8 +612,11 @@ impl Worker {
             )));
         }
         let params = Arc::unwrap_or_clone(snap.params);
-        let model = Model::new(self.model.config.clone(), params)
+        let mut model = Model::new(self.model.config.clone(), params)
             .map_err(|e| EngineError::BadWeights(e.to_string()))?;
+        if self.cfg.weights_dtype == WeightDtype::Bf16 {
+            model.round_to_bf16();
+        }
         self.model = Arc::new(model);
         self.version = snap.version;
         // Keys and values of the old weights are no prefix of anything the new ones compute.

@@ -265,6 +265,74 @@ fn invalid_requests_are_refused_with_clear_errors() {
     check(req(&[1], |s| s.top_p = 2.0), "top_p");
 }
 
+/// bf16 weights: the engine serves every weight rounded to bf16 (decode steps reading bf16
+/// copies, prefill the rounded f32), so its log-probs are the learner's on the rounded weights
+/// — before and after a weight swap — and visibly not the f32 model's.
+#[test]
+fn bf16_weights_serve_the_rounded_model() {
+    let m = model();
+    let cfg = || NativeConfig {
+        weights_dtype: learner::params::WeightDtype::Bf16,
+        ..Default::default()
+    };
+    let engine = NativeEngine::new(m.clone(), cfg());
+    let prompt = ids(&reference()["input_ids"][2]);
+    let temp = 0.7;
+    let check = |engine: &NativeEngine, params: &learner::Params| {
+        let mut rounded = params.clone();
+        for t in &mut rounded.tensors {
+            t.data
+                .iter_mut()
+                .for_each(|x| *x = kernels::bf16::round(*x));
+        }
+        let (f32m, bf16m) = (
+            Model::new(m.config.clone(), params.clone()).unwrap(),
+            Model::new(m.config.clone(), rounded).unwrap(),
+        );
+        let out = engine
+            .generate_blocking(vec![req(&prompt, |s| {
+                s.temperature = temp;
+                s.n = 3;
+                s.max_tokens = 20;
+                s.seed = Some(5);
+                s.ignore_eos = true;
+            })])
+            .unwrap();
+        let mut gap = 0.0f32;
+        for c in &out {
+            let full: Vec<u32> = prompt.iter().chain(&c.token_ids).copied().collect();
+            let b = Batch::padded(&[&full]);
+            let (want, f32s) = (
+                bf16m.score(&b, temp).unwrap(),
+                f32m.score(&b, temp).unwrap(),
+            );
+            for (j, lp) in c.logprobs.iter().enumerate() {
+                let t = prompt.len() - 1 + j;
+                assert!(
+                    (lp - want.logp[t]).abs() < 1e-4,
+                    "sample {} token {j}: engine {lp} vs the rounded model {}",
+                    c.index,
+                    want.logp[t]
+                );
+                gap = gap.max((lp - f32s.logp[t]).abs());
+            }
+        }
+        assert!(
+            gap > 1e-3,
+            "bf16 weights gave the f32 model's log-probs (gap {gap})"
+        );
+    };
+    check(&engine, &m.params);
+    let new = perturbed(&m, 0.05);
+    engine
+        .update_weights_blocking(WeightSnapshot {
+            version: 1,
+            params: Arc::new(new.clone()),
+        })
+        .unwrap();
+    check(&engine, &new);
+}
+
 fn perturbed(m: &Model, scale: f32) -> learner::Params {
     let mut p = m.params.clone();
     for t in &mut p.tensors {

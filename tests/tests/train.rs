@@ -485,7 +485,7 @@ fn the_arith_recipe_shortened_lifts_held_out_accuracy_on_native_and_pjrt_engines
         ),
     )
     .unwrap();
-    // (engines, the learner's matmuls): the native learner in bf16 learns as in f32.
+    // (engines, the learner's matmuls and the rollout's weights): bf16 learns as f32 does.
     let mut runs = vec![("native", "f32"), ("native", "bf16")];
     if libtpu_sys::testing::cpu_plugin().is_some() {
         runs.push(("pjrt", "f32"));
@@ -501,6 +501,7 @@ fn the_arith_recipe_shortened_lifts_held_out_accuracy_on_native_and_pjrt_engines
                 .args(["-o", "stages.rl.trainer.save_freq=0"])
                 .args(["-o", &format!("pools.learner.engine={engine}")])
                 .args(["-o", &format!("pools.learner.precision={precision}")])
+                .args(["-o", &format!("pools.rollout.weights_dtype={precision}")])
                 .args(["-o", &format!("pools.rollout.engine={engine}")])
                 .arg("--run-dir")
                 .arg(dir.join(&name)),

@@ -17,7 +17,11 @@ use std::sync::Arc;
 #[serde(rename_all = "lowercase", tag = "kind")]
 pub enum EngineSpec {
     /// The native engine.
-    Native,
+    Native {
+        /// The number format of the weights it serves.
+        #[serde(default)]
+        weights_dtype: learner::params::WeightDtype,
+    },
     /// A PJRT plugin's device on the host that runs the actor.
     Pjrt {
         /// Which device.
@@ -124,8 +128,9 @@ impl Actor for RolloutActor {
                 tracing::info!(platform = client.platform(), "rollout engine on pjrt");
                 rollout::EngineSpec::Pjrt(client)
             }
-            EngineSpec::Native => rollout::EngineSpec::Native(NativeConfig {
+            EngineSpec::Native { weights_dtype } => rollout::EngineSpec::Native(NativeConfig {
                 kv_cache_bytes: self.start.kv_cache_bytes,
+                weights_dtype: *weights_dtype,
                 ..Default::default()
             }),
         };

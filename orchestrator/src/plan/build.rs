@@ -345,7 +345,7 @@ fn rollout(p: &schema::Pool, e: &Errs<'_>) -> Result<RolloutPlan, PlanError> {
     if p.precision.is_some() {
         return Err(e.at(
             "pools.rollout.precision",
-            "is for the learner pool (the native rollout engine decodes in f32; an external engine's dtype is its server's, see weights_dtype)",
+            "is for the learner pool (a rollout pool's weights are `weights_dtype`)",
         ));
     }
     let kv_cache_bytes = p.kv_cache_mib << 20;
@@ -451,9 +451,14 @@ fn rollout(p: &schema::Pool, e: &Errs<'_>) -> Result<RolloutPlan, PlanError> {
             placement: Placement::Local,
         });
     }
+    if p.engine == Engine::Pjrt && p.weights_dtype == Some(learner::params::WeightDtype::Bf16) {
+        return Err(e.at(
+            "pools.rollout.weights_dtype",
+            "`bf16` is for engine: native and external engines (the pjrt engine's programs are traced in f32)",
+        ));
+    }
     // Settings of external engines only.
     for (set, field) in [
-        (p.weights_dtype.is_some(), "weights_dtype"),
         (p.push_timeout_s.is_some(), "push_timeout_s"),
         (p.health_check_s.is_some(), "health_check_s"),
         (p.api_key_env.is_some(), "api_key_env"),
@@ -498,7 +503,10 @@ fn rollout(p: &schema::Pool, e: &Errs<'_>) -> Result<RolloutPlan, PlanError> {
                 ),
             ));
         }
-        _ => RolloutEngine::Native { kv_cache_bytes },
+        _ => RolloutEngine::Native {
+            kv_cache_bytes,
+            weights_dtype: p.weights_dtype.unwrap_or_default(),
+        },
     };
     Ok(RolloutPlan {
         count: p.count,

@@ -107,6 +107,8 @@ pub enum RolloutEngine {
     Native {
         /// KV-cache budget of the pool (shared by its local engines).
         kv_cache_bytes: usize,
+        /// The number format of the weights the engines serve.
+        weights_dtype: learner::params::WeightDtype,
     },
     /// A PJRT plugin's device.
     Pjrt {

@@ -171,9 +171,12 @@ pub struct Pool {
     /// process, a host gone — is out of service at once instead of at `timeout_s`. 0: never.
     #[serde(default)]
     pub health_check_s: Option<f64>,
-    /// The number format of the weight folders pushed to the engines: `f32` (default) or
-    /// `bf16` (half the bytes to write and reload; the push's probe expects the rounded
-    /// weights, so it stays exact).
+    /// The number format of the weights the engines serve: `f32` (default) or `bf16`. For
+    /// external engines, the pushed weight folders (half the bytes to write and reload; the
+    /// push's probe expects the rounded weights, so it stays exact); for the native engine, the
+    /// weights it holds (every weight rounded to bf16; decode steps stream bf16 matrices, half
+    /// the bytes — about twice the tokens/s at batch 1 — with activations, the KV cache and
+    /// log-probs in f32).
     #[serde(default)]
     pub weights_dtype: Option<learner::params::WeightDtype>,
     /// Largest |log-prob difference| allowed between an engine and the learner on the probe

@@ -320,7 +320,7 @@ fn bad_workflows_get_messages_that_say_where_and_why() {
         (
             "stages:\n",
             "pools: {rollout: {precision: bf16}}\nstages:\n",
-            "t.yaml: pools.rollout.precision: is for the learner pool (the native rollout engine decodes in f32; an external engine's dtype is its server's, see weights_dtype)",
+            "t.yaml: pools.rollout.precision: is for the learner pool (a rollout pool's weights are `weights_dtype`)",
         ),
         (
             "stages:\n",
@@ -359,8 +359,8 @@ fn bad_workflows_get_messages_that_say_where_and_why() {
         ),
         (
             "stages:\n",
-            "pools: {rollout: {weights_dtype: bf16}}\nstages:\n",
-            "t.yaml: pools.rollout.weights_dtype: is for external engines (engine: vllm, sglang or served), not `native`",
+            "pools: {rollout: {engine: pjrt, weights_dtype: bf16}}\nstages:\n",
+            "t.yaml: pools.rollout.weights_dtype: `bf16` is for engine: native and external engines (the pjrt engine's programs are traced in f32)",
         ),
         (
             "stages:\n",
@@ -434,6 +434,14 @@ fn overrides_apply_and_name_their_key() {
     assert_eq!(plan.stages[1].steps, 5);
     assert_eq!(plan.spec.stages[0].sft.lr, 0.01);
     assert_eq!(plan.learner.precision, Precision::F32);
+    let plan = parse(BASE, "t.yaml", &["pools.rollout.weights_dtype=bf16".into()]).unwrap();
+    assert!(matches!(
+        plan.rollout.engine,
+        RolloutEngine::Native {
+            weights_dtype: learner::params::WeightDtype::Bf16,
+            ..
+        }
+    ));
     for name in ["bf16", "bfloat16"] {
         let plan = parse(BASE, "t.yaml", &[format!("pools.learner.precision={name}")]).unwrap();
         assert_eq!(plan.learner.precision, Precision::Bf16, "{name}");

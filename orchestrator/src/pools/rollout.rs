@@ -188,7 +188,15 @@ impl RolloutPool {
                 this.update_weights(start.weights)?;
                 return Ok(this);
             }
-            RolloutEngine::Native { kv_cache_bytes } => (EngineSpec::Native, *kv_cache_bytes),
+            RolloutEngine::Native {
+                kv_cache_bytes,
+                weights_dtype,
+            } => (
+                EngineSpec::Native {
+                    weights_dtype: *weights_dtype,
+                },
+                *kv_cache_bytes,
+            ),
             RolloutEngine::Pjrt {
                 device,
                 plugin,
@@ -545,6 +553,7 @@ mod tests {
             count,
             engine: RolloutEngine::Native {
                 kv_cache_bytes: 8 << 20,
+                weights_dtype: Default::default(),
             },
             placement: Placement::Local,
         };

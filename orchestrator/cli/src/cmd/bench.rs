@@ -34,6 +34,9 @@ pub enum BenchCommand {
         /// Benchmark this checkpoint instead of the reference model.
         #[arg(long)]
         model: Option<PathBuf>,
+        /// Serve the weights as f32 or bf16 (decode steps stream half the bytes).
+        #[arg(long, value_enum, default_value_t = BenchPrecision::F32)]
+        weights_dtype: BenchPrecision,
         /// Print JSON.
         #[arg(long)]
         json: bool,
@@ -89,7 +92,11 @@ impl BenchCommand {
                 json,
             } => bench_actors(snapshot_mib, calls, in_flight, json),
             BenchCommand::Train(a) => bench_train(a),
-            BenchCommand::Generate { model, json } => bench_generate(model, json),
+            BenchCommand::Generate {
+                model,
+                weights_dtype,
+                json,
+            } => bench_generate(model, weights_dtype, json),
             BenchCommand::Engines {
                 model,
                 repeats,
@@ -127,7 +134,7 @@ pub enum BenchDevice {
     Tpu,
 }
 
-/// The native step's matmul arithmetic.
+/// A number format: the native step's matmul arithmetic, or the served weights'.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum BenchPrecision {
     F32,
@@ -294,19 +301,24 @@ fn bench_train(a: TrainBench) -> Result<()> {
     Ok(())
 }
 
-fn bench_generate(model: Option<PathBuf>, json: bool) -> Result<()> {
+fn bench_generate(model: Option<PathBuf>, dtype: BenchPrecision, json: bool) -> Result<()> {
     let model = match model {
         Some(dir) => Checkpoint::load(&dir)?.model,
         None => learner::Model::init(bench::reference_config(), 0),
     };
-    let r = rollout::bench::generate_bench(model, &[1, 16, 64]);
+    let dtype = match dtype {
+        BenchPrecision::F32 => learner::params::WeightDtype::F32,
+        BenchPrecision::Bf16 => learner::params::WeightDtype::Bf16,
+    };
+    let r = rollout::bench::generate_bench(model, &[1, 16, 64], dtype);
     if json {
         println!("{}", serde_json::to_string(&r)?);
         return Ok(());
     }
     println!(
-        "native generation, {:.1}M params, {} threads",
+        "native generation, {:.1}M params ({} weights), {} threads",
         r.params as f64 / 1e6,
+        dtype.hf_name(),
         r.threads
     );
     println!(
