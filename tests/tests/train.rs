@@ -448,16 +448,16 @@ fn the_arith_recipe_shortened_lifts_held_out_accuracy_on_native_and_pjrt_engines
     std::fs::create_dir_all(&dir).unwrap();
     let sft = dir.join("sft.yaml");
     std::fs::write(&sft, &recipe[..rl_at]).unwrap();
+    // The warm start is handed over where it still leaves room, found by its evaluations:
+    // where SFT's held-out accuracy jumps (0.09 → 0.63 between two evaluations on one CPU)
+    // moves with the CPU kind's summation order, so a fixed step would not be reproducible.
     run_ok(
         trellis()
             .arg("train")
             .arg(&sft)
-            .args([
-                "--quiet",
-                "-o",
-                "stages.warmup.trainer.eval_freq=0",
-                "--run-dir",
-            ])
+            .args(["--quiet", "-o", "stages.warmup.trainer.save_freq=50"])
+            .args(["-o", "stages.warmup.trainer.max_ckpt_to_keep=100"])
+            .arg("--run-dir")
             .arg(dir.join("sft")),
     );
     let acc = |run: &str, stage: &str| {
@@ -468,13 +468,13 @@ fn the_arith_recipe_shortened_lifts_held_out_accuracy_on_native_and_pjrt_engines
             .next_back()
             .unwrap()
     };
-    let warm = acc("sft", "warmup");
-    assert!(
-        warm < 0.9,
-        "the warm start must leave room to improve: {warm}"
-    );
-    let ck = dir.join("sft/checkpoints/warmup/step_000550");
-    assert!(ck.join("model.safetensors").exists());
+    let (step, warm) = metrics(&dir.join("sft"))
+        .iter()
+        .filter_map(|v| Some((v["step"].as_u64()?, v.get("eval/accuracy")?.as_f64()?)))
+        .rfind(|&(_, a)| a < 0.5)
+        .expect("an evaluation below 0.5 accuracy");
+    let ck = dir.join(format!("sft/checkpoints/warmup/step_{step:06}"));
+    assert!(ck.join("model.safetensors").exists(), "{}", ck.display());
     let rl = dir.join("rl.yaml");
     std::fs::write(
         &rl,
