@@ -5,14 +5,14 @@
 //! On CPUs with AVX512-BF16 the products run on `vdpbf16ps` (two bf16 products per f32 lane
 //! per instruction, twice the rate of f32 FMA): both operands are rounded while they are packed
 //! into panels of k-pairs ([`pack`]), and an `MR × 32` register tile walks the pairs
-//! ([`tile`]). Elsewhere the same numbers come from rounding the operands to bf16-valued f32
-//! and the f32 GEMM (a product of two bf16 values is exact in f32, so only the summation order
-//! differs). [`available`] says which path a machine takes.
+//! ([`tile`]). [`available`] says whether a machine has it; elsewhere the matmul module rounds
+//! the operands ([`round`]) into its f32 GEMM (a product of two bf16 values is exact in f32, so
+//! only the summation order differs).
 //!
-//! Owns the rounding rule ([`round`]) and the packed kernel. Never: chooses a precision (the
-//! caller's [`crate::matmul::Precision`] does), or keeps state between calls.
+//! Owns the bf16 number ([`Bf16`], [`round`]) and the packed kernel on strided operands. Never:
+//! chooses a precision or knows about transposes (the matmul module does), or keeps state
+//! between calls.
 
-use crate::matmul::Op;
 use rayon::prelude::*;
 
 /// A bf16 value as stored: the high half of an f32's bits.
@@ -76,114 +76,54 @@ const KCP: usize = 128;
 /// A panels per task (rows of C a task owns: `MB · MR`).
 const MB: usize = 8;
 
-/// `C[m,n] (+)= round(op(A)) · round(op(B))` in f32, over the rayon pool. Shapes as
-/// [`crate::matmul::matmul`] (already checked there).
-pub fn matmul(
-    m: usize,
+/// A right operand `B` (`[k,n]`, `B[p][j] = b[j·rs + p·cs]`, one of `rs`, `cs` 1) rounded and
+/// packed into k-pair panels for [`multiply_packed`]; only where [`available`].
+#[cfg(target_arch = "x86_64")]
+pub struct PackedB {
     k: usize,
     n: usize,
-    a: &[f32],
-    op_a: Op,
-    b: &[f32],
-    op_b: Op,
-    c: &mut [f32],
-    accumulate: bool,
-) {
-    Rhs::new(k, n, b, op_b).matmul(m, a, op_a, c, accumulate);
+    pairs: Vec<u32>,
 }
 
-/// The right operand `op(B)` (`[k,n]`) of bf16 products, rounded and laid out once, for a
-/// weight that several products share (every row chunk of the output head).
-pub struct Rhs {
-    k: usize,
-    n: usize,
-    form: Form,
-}
-
-enum Form {
-    /// Packed k-pairs for `vdpbf16ps`.
-    #[cfg(target_arch = "x86_64")]
-    Pairs(Vec<u32>),
-    /// bf16-valued f32 as given, for the f32 GEMM.
-    Rounded(Vec<f32>, Op),
-}
-
-impl Rhs {
-    /// `op(B)` of `k·n` values in `b` (`[k,n]` for `Op::N`, `[n,k]` for `Op::T`).
-    pub fn new(k: usize, n: usize, b: &[f32], op_b: Op) -> Self {
-        Self::on(available(), k, n, b, op_b)
+#[cfg(target_arch = "x86_64")]
+impl PackedB {
+    /// Packs `B`; `None` where the CPU has no AVX512-BF16 (or `k` is 0).
+    pub fn new(b: &[f32], k: usize, n: usize, rs: usize, cs: usize) -> Option<Self> {
+        (available() && k > 0).then(|| Self {
+            k,
+            n,
+            pairs: pack(&b[..k * n], n, k, rs, cs, NR),
+        })
     }
 
-    /// As [`Rhs::new`], on the hardware path or the emulation (the hardware's only where
-    /// [`available`]).
-    fn on(hardware: bool, k: usize, n: usize, b: &[f32], op_b: Op) -> Self {
-        assert!(
-            b.len() >= k * n,
-            "bf16 rhs: B has {} values, needs {}",
-            b.len(),
-            k * n
-        );
-        #[cfg(target_arch = "x86_64")]
-        if hardware && available() && k > 0 {
-            // B is packed as its transpose: rows j, inner p, B[p][j] = b[j·rs + p·cs].
-            let (rs, cs) = match op_b {
-                Op::N => (1, n),
-                Op::T => (k, 1),
-            };
-            let form = Form::Pairs(pack(&b[..k * n], n, k, rs, cs, NR));
-            return Self { k, n, form };
-        }
-        let _ = hardware;
-        let form = Form::Rounded(b[..k * n].iter().map(|&x| round(x)).collect(), op_b);
-        Self { k, n, form }
-    }
-
-    /// `C[m,n] (+)= round(op(A)) · self` (`A` `m·k` values, `C` `m·n`).
-    pub fn matmul(&self, m: usize, a: &[f32], op_a: Op, c: &mut [f32], accumulate: bool) {
+    /// `C[m,n] (+)= round(A) · B` with `A[i][p] = a[i·rs + p·cs]` (one of `rs`, `cs` 1), `C`
+    /// row-major `m·n`.
+    pub fn multiply(
+        &self,
+        m: usize,
+        a: &[f32],
+        rs: usize,
+        cs: usize,
+        c: &mut [f32],
+        accumulate: bool,
+    ) {
         let (k, n) = (self.k, self.n);
-        assert!(
-            a.len() >= m * k && c.len() >= m * n,
-            "bf16 matmul: A has {}, C {} values for {m}×{k}×{n}",
-            a.len(),
-            c.len()
-        );
         if m == 0 || n == 0 {
             return;
         }
-        if k == 0 {
-            if !accumulate {
-                c[..m * n].fill(0.0);
-            }
-            return;
-        }
-        match &self.form {
-            #[cfg(target_arch = "x86_64")]
-            Form::Pairs(bp) => {
-                let (rs, cs) = match op_a {
-                    Op::N => (k, 1),
-                    Op::T => (1, m),
-                };
-                let ap = pack(&a[..m * k], m, k, rs, cs, MR);
-                // SAFETY: `Pairs` exists only where the features were detected; the panels
-                // hold `m`/`n` padded rows of `ceil(k/2)` pairs, `c` holds `m·n` values.
-                unsafe { multiply(m, k.div_ceil(2), n, &ap, bp, &mut c[..m * n], accumulate) };
-            }
-            Form::Rounded(br, op_b) => {
-                let ar: Vec<f32> = a[..m * k].iter().map(|&x| round(x)).collect();
-                crate::matmul::matmul(
-                    m,
-                    k,
-                    n,
-                    &ar,
-                    op_a,
-                    br,
-                    *op_b,
-                    c,
-                    accumulate,
-                    crate::matmul::Par::Pool,
-                    crate::matmul::Precision::F32,
-                );
-            }
+        let ap = pack(&a[..m * k], m, k, rs, cs, MR);
+        // SAFETY: a `PackedB` exists only where the features were detected; the panels hold
+        // `m`/`n` padded rows of `ceil(k/2)` pairs, `c` holds `m·n` values.
+        unsafe {
+            multiply(
+                m,
+                k.div_ceil(2),
+                n,
+                &ap,
+                &self.pairs,
+                &mut c[..m * n],
+                accumulate,
+            );
         }
     }
 }
@@ -419,32 +359,6 @@ unsafe fn tile(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::testutil::randn;
-
-    /// f64 sums of the bf16-rounded operands: what an exact accumulator would give.
-    fn reference(m: usize, k: usize, n: usize, a: &[f32], ta: Op, b: &[f32], tb: Op) -> Vec<f64> {
-        let mut c = vec![0.0f64; m * n];
-        for i in 0..m {
-            for j in 0..n {
-                c[i * n + j] = (0..k)
-                    .map(|p| {
-                        let av = if ta == Op::N {
-                            a[i * k + p]
-                        } else {
-                            a[p * m + i]
-                        };
-                        let bv = if tb == Op::N {
-                            b[p * n + j]
-                        } else {
-                            b[j * k + p]
-                        };
-                        round(av) as f64 * round(bv) as f64
-                    })
-                    .sum();
-            }
-        }
-        c
-    }
 
     #[test]
     fn rounding_is_to_nearest_even_as_the_hardware_rounds() {
@@ -460,74 +374,8 @@ mod tests {
         ];
         for (x, want) in cases {
             assert_eq!(round(x).to_bits(), want.to_bits(), "round({x:e})");
+            assert_eq!(Bf16::from_f32(x).to_f32().to_bits(), want.to_bits());
         }
         assert!(round(f32::NAN).is_nan());
-    }
-
-    type Path = fn(usize, usize, usize, &[f32], Op, &[f32], Op, &mut [f32], bool);
-
-    /// The paths this machine can run: the emulation always, the hardware's where present.
-    fn paths() -> Vec<(&'static str, Path)> {
-        let mut v: Vec<(&'static str, Path)> =
-            vec![("emulated", |m, k, n, a, ta, b, tb, c, acc| {
-                Rhs::on(false, k, n, b, tb).matmul(m, a, ta, c, acc);
-            })];
-        if available() {
-            v.push(("vdpbf16ps", |m, k, n, a, ta, b, tb, c, acc| {
-                let rhs = Rhs::on(true, k, n, b, tb);
-                #[cfg(target_arch = "x86_64")]
-                assert!(matches!(rhs.form, Form::Pairs(_)));
-                rhs.matmul(m, a, ta, c, acc);
-            }));
-        }
-        v
-    }
-
-    /// Every transpose combination, shapes with ragged tiles, odd k, k over one block, and
-    /// accumulation, against f64 sums of the rounded operands: only f32 summation error remains
-    /// — on the hardware path and on the emulation.
-    #[test]
-    fn every_layout_matches_an_f64_reference_of_the_rounded_operands() {
-        for (name, matmul) in paths() {
-            for (m, k, n) in [(1, 1, 1), (13, 7, 33), (37, 301, 65), (96, 258, 31)] {
-                let a = randn(m * k, 3);
-                let b = randn(k * n, 4);
-                for ta in [Op::N, Op::T] {
-                    for tb in [Op::N, Op::T] {
-                        let want = reference(m, k, n, &a, ta, &b, tb);
-                        let mut c = vec![7.0f32; m * n];
-                        matmul(m, k, n, &a, ta, &b, tb, &mut c, false);
-                        let tol = 2e-6 * (k as f64).sqrt() * 8.0;
-                        for (i, (&got, &w)) in c.iter().zip(&want).enumerate() {
-                            assert!(
-                                (got as f64 - w).abs() <= tol * (1.0 + w.abs()),
-                                "{name} {m}x{k}x{n} {ta:?}{tb:?}[{i}]: {got} vs {w}"
-                            );
-                        }
-                        matmul(m, k, n, &a, ta, &b, tb, &mut c, true);
-                        for (i, (&got, &w)) in c.iter().zip(&want).enumerate() {
-                            assert!(
-                                (got as f64 - 2.0 * w).abs() <= 2.0 * tol * (1.0 + w.abs()),
-                                "{name} accumulate {m}x{k}x{n} {ta:?}{tb:?}[{i}]: {got} vs {}",
-                                2.0 * w
-                            );
-                        }
-                    }
-                }
-            }
-        }
-    }
-
-    /// The products really are bf16: an operand below bf16's resolution vanishes, as it does in
-    /// `torch.autocast`.
-    #[test]
-    fn operands_are_rounded_to_bf16() {
-        let a = [1.0 + 1.0 / 512.0, 1.0];
-        let b = [1.0, 1.0];
-        for (name, matmul) in paths() {
-            let mut c = [0.0f32];
-            matmul(1, 2, 1, &a, Op::N, &b, Op::N, &mut c, false);
-            assert_eq!(c[0], 2.0, "{name}");
-        }
     }
 }

@@ -11,7 +11,7 @@ use rayon::prelude::*;
 /// packed once for all of them for bf16.
 enum Weight<'a> {
     F32(&'a [f32], Op),
-    Bf16(crate::bf16::Rhs),
+    Bf16(crate::matmul::Rhs),
 }
 
 impl<'a> Weight<'a> {
@@ -19,7 +19,7 @@ impl<'a> Weight<'a> {
     fn new(w: &'a [f32], op: Op, k: usize, n: usize, precision: Precision) -> Self {
         match precision {
             Precision::F32 => Weight::F32(w, op),
-            Precision::Bf16 => Weight::Bf16(crate::bf16::Rhs::new(k, n, w, op)),
+            Precision::Bf16 => Weight::Bf16(crate::matmul::Rhs::new(k, n, w, op)),
         }
     }
 

@@ -76,7 +76,7 @@ pub fn matmul(
         m * n
     );
     if precision == Precision::Bf16 {
-        crate::bf16::matmul(m, k, n, a, op_a, b, op_b, c, accumulate);
+        Rhs::new(k, n, b, op_b).matmul(m, a, op_a, c, accumulate);
         return;
     }
     // A few rows times a weight matrix (decode): stream the weights once instead of packing them.
@@ -138,6 +138,108 @@ pub fn matmul_nt_many(
     for (b, c) in bs.iter().zip(cs.iter_mut()) {
         let n = b.len().checked_div(k).unwrap_or(0);
         matmul(m, k, n, a, Op::N, b, Op::T, c, false, Par::Pool, precision);
+    }
+}
+
+/// The right operand `op(B)` (`[k,n]`) of bf16 products ([`Precision::Bf16`]), rounded and laid
+/// out once, for a weight that several products share (every row chunk of the output head).
+pub struct Rhs {
+    k: usize,
+    n: usize,
+    form: Form,
+}
+
+enum Form {
+    /// Packed k-pairs for `vdpbf16ps`.
+    #[cfg(target_arch = "x86_64")]
+    Pairs(crate::bf16::PackedB),
+    /// bf16-valued f32 as given, for the f32 GEMM.
+    Rounded(Vec<f32>, Op),
+}
+
+impl Rhs {
+    /// `op(B)` of `k·n` values in `b` (`[k,n]` for `Op::N`, `[n,k]` for `Op::T`).
+    pub fn new(k: usize, n: usize, b: &[f32], op_b: Op) -> Self {
+        Self::on(true, k, n, b, op_b)
+    }
+
+    /// As [`Rhs::new`], on the hardware path where `hardware` and the CPU has it, else on the
+    /// emulation.
+    fn on(hardware: bool, k: usize, n: usize, b: &[f32], op_b: Op) -> Self {
+        assert!(
+            b.len() >= k * n,
+            "bf16 rhs: B has {} values, needs {}",
+            b.len(),
+            k * n
+        );
+        #[cfg(target_arch = "x86_64")]
+        if hardware {
+            // B is packed as its transpose: rows j, inner p, B[p][j] = b[j·rs + p·cs].
+            let (rs, cs) = match op_b {
+                Op::N => (1, n),
+                Op::T => (k, 1),
+            };
+            if let Some(p) = crate::bf16::PackedB::new(b, k, n, rs, cs) {
+                return Self {
+                    k,
+                    n,
+                    form: Form::Pairs(p),
+                };
+            }
+        }
+        let _ = hardware;
+        let rounded = b[..k * n].iter().map(|&x| crate::bf16::round(x)).collect();
+        Self {
+            k,
+            n,
+            form: Form::Rounded(rounded, op_b),
+        }
+    }
+
+    /// `C[m,n] (+)= round(op(A)) · self` (`A` `m·k` values, `C` `m·n`).
+    pub fn matmul(&self, m: usize, a: &[f32], op_a: Op, c: &mut [f32], accumulate: bool) {
+        let (k, n) = (self.k, self.n);
+        assert!(
+            a.len() >= m * k && c.len() >= m * n,
+            "bf16 matmul: A has {}, C {} values for {m}×{k}×{n}",
+            a.len(),
+            c.len()
+        );
+        if m == 0 || n == 0 {
+            return;
+        }
+        if k == 0 {
+            if !accumulate {
+                c[..m * n].fill(0.0);
+            }
+            return;
+        }
+        match &self.form {
+            #[cfg(target_arch = "x86_64")]
+            Form::Pairs(bp) => {
+                let (rs, cs) = match op_a {
+                    Op::N => (k, 1),
+                    Op::T => (1, m),
+                };
+                bp.multiply(m, a, rs, cs, c, accumulate);
+            }
+            Form::Rounded(br, op_b) => {
+                let ar: Vec<f32> = a[..m * k].iter().map(|&x| crate::bf16::round(x)).collect();
+                matmul(
+                    m,
+                    k,
+                    n,
+                    &ar,
+                    op_a,
+                    br,
+                    *op_b,
+                    c,
+                    accumulate,
+                    Par::Pool,
+                    Precision::F32,
+                );
+            }
+        }
     }
 }
 
@@ -265,6 +367,105 @@ mod tests {
                     .collect();
                 close(&c, &twice, 1e-4, "matmul accumulate");
             }
+        }
+    }
+    /// f64 sums of the bf16-rounded operands: what an exact accumulator would give.
+    fn rounded_reference(
+        m: usize,
+        k: usize,
+        n: usize,
+        a: &[f32],
+        ta: Op,
+        b: &[f32],
+        tb: Op,
+    ) -> Vec<f64> {
+        let r = crate::bf16::round;
+        let mut c = vec![0.0f64; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                c[i * n + j] = (0..k)
+                    .map(|p| {
+                        let av = if ta == Op::N {
+                            a[i * k + p]
+                        } else {
+                            a[p * m + i]
+                        };
+                        let bv = if tb == Op::N {
+                            b[p * n + j]
+                        } else {
+                            b[j * k + p]
+                        };
+                        r(av) as f64 * r(bv) as f64
+                    })
+                    .sum();
+            }
+        }
+        c
+    }
+
+    type Bf16Path = fn(usize, usize, usize, &[f32], Op, &[f32], Op, &mut [f32], bool);
+
+    /// The bf16 paths this machine can run: the emulation always, `vdpbf16ps` where present.
+    fn bf16_paths() -> Vec<(&'static str, Bf16Path)> {
+        let mut v: Vec<(&'static str, Bf16Path)> =
+            vec![("emulated", |m, k, n, a, ta, b, tb, c, acc| {
+                Rhs::on(false, k, n, b, tb).matmul(m, a, ta, c, acc);
+            })];
+        if crate::bf16::available() {
+            v.push(("vdpbf16ps", |m, k, n, a, ta, b, tb, c, acc| {
+                let rhs = Rhs::on(true, k, n, b, tb);
+                #[cfg(target_arch = "x86_64")]
+                assert!(matches!(rhs.form, Form::Pairs(_)));
+                rhs.matmul(m, a, ta, c, acc);
+            }));
+        }
+        v
+    }
+
+    /// bf16: every transpose combination, shapes with ragged tiles, odd k, k over one block,
+    /// and accumulation, against f64 sums of the rounded operands — only f32 summation error
+    /// remains — on the hardware path and on the emulation.
+    #[test]
+    fn bf16_layouts_match_an_f64_reference_of_the_rounded_operands() {
+        for (name, mm) in bf16_paths() {
+            for (m, k, n) in [(1, 1, 1), (13, 7, 33), (37, 301, 65), (96, 258, 31)] {
+                let a = randn(m * k, 3);
+                let b = randn(k * n, 4);
+                for ta in [Op::N, Op::T] {
+                    for tb in [Op::N, Op::T] {
+                        let want = rounded_reference(m, k, n, &a, ta, &b, tb);
+                        let tol = 2e-6 * (k as f64).sqrt() * 8.0;
+                        let mut c = vec![7.0f32; m * n];
+                        mm(m, k, n, &a, ta, &b, tb, &mut c, false);
+                        for (i, (&got, &w)) in c.iter().zip(&want).enumerate() {
+                            assert!(
+                                (got as f64 - w).abs() <= tol * (1.0 + w.abs()),
+                                "{name} {m}x{k}x{n} {ta:?}{tb:?}[{i}]: {got} vs {w}"
+                            );
+                        }
+                        mm(m, k, n, &a, ta, &b, tb, &mut c, true);
+                        for (i, (&got, &w)) in c.iter().zip(&want).enumerate() {
+                            assert!(
+                                (got as f64 - 2.0 * w).abs() <= 2.0 * tol * (1.0 + w.abs()),
+                                "{name} accumulate {m}x{k}x{n} {ta:?}{tb:?}[{i}]: {got}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// The products really are bf16: an operand below bf16's resolution vanishes, as it does
+    /// in `torch.autocast`.
+    #[test]
+    fn bf16_operands_are_rounded() {
+        let a = [1.0 + 1.0 / 512.0, 1.0];
+        let b = [1.0, 1.0];
+        for (name, mm) in bf16_paths() {
+            let mut c = [0.0f32];
+            mm(1, 2, 1, &a, Op::N, &b, Op::N, &mut c, false);
+            assert_eq!(c[0], 2.0, "{name}");
         }
     }
 }
