@@ -51,8 +51,10 @@ fn trace(
     specs: &[(String, Vec<usize>)],
     rows: usize,
     seq: usize,
+    precision: kernels::matmul::Precision,
 ) -> Trace {
     let mut g = Graph::new();
+    g.set_linear_precision(precision);
     let params: Vec<V> = specs.iter().map(|(_, s)| g.arg(Shape::f32(s))).collect();
     let n = rows * seq;
     let d = c.head_dim;
@@ -175,10 +177,13 @@ pub struct PjrtModel {
     grad: HashMap<(usize, usize), Executable>,
     adamw: Option<(Executable, [u32; 3])>,
     stats: Mutex<Stats>,
+    /// The arithmetic of the traced linear layers and head (the model's, when it was copied).
+    precision: kernels::matmul::Precision,
 }
 
 impl PjrtModel {
-    /// Copies `model`'s weights to the client's device.
+    /// Copies `model`'s weights to the client's device; its programs multiply in the model's
+    /// [`Model::precision`] where the native engine does (linear layers and the head).
     pub fn new(client: Client, model: &Model) -> Result<Self> {
         let c = model.config.clone();
         let (layout, specs) = Layout::new(&c);
@@ -205,6 +210,7 @@ impl PjrtModel {
             grad: HashMap::new(),
             adamw: None,
             stats: Mutex::new(Stats::default()),
+            precision: model.precision(),
         })
     }
 
@@ -312,7 +318,14 @@ impl PjrtModel {
             match cache.get(&(rows, seq)) {
                 Some(e) => e.clone(),
                 None => {
-                    let t = trace(&self.config, &self.layout, &self.specs, rows, seq);
+                    let t = trace(
+                        &self.config,
+                        &self.layout,
+                        &self.specs,
+                        rows,
+                        seq,
+                        self.precision,
+                    );
                     let text = t.g.emit(&[t.logp, t.entropy], &[]);
                     let e = Arc::new(self.compile(&text)?);
                     cache.insert((rows, seq), e.clone());
@@ -357,7 +370,14 @@ impl PjrtModel {
         let (rows, seq) = bucket(b.rows, b.seq);
         let np = self.params.len();
         if !self.grad.contains_key(&(rows, seq)) {
-            let mut t = trace(&self.config, &self.layout, &self.specs, rows, seq);
+            let mut t = trace(
+                &self.config,
+                &self.layout,
+                &self.specs,
+                rows,
+                seq,
+                self.precision,
+            );
             let n = rows * seq;
             let dl = t.g.arg(Shape::f32(&[n]));
             let de = t.g.arg(Shape::f32(&[n]));

@@ -227,6 +227,16 @@ fn llama_with_biases_and_rope_scaling_trains_as_the_native_engine() {
     ));
 }
 
+/// bf16 matmuls on the device (`stablehlo.convert` to bf16 before each linear layer's and the
+/// head's `dot_general`, f32 results; attention and RoPE stay f32) follow the native engine's
+/// `vdpbf16ps` products, gradients and steps included.
+#[test]
+fn bf16_matmuls_train_as_the_native_engine() {
+    let mut native = tiny("qwen2", json!({}));
+    native.set_precision(kernels::matmul::Precision::Bf16);
+    training_follows_the_native_engine(native);
+}
+
 #[test]
 fn bad_batches_are_refused_before_the_device() {
     let Some(c) = client() else { return };

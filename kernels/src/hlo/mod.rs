@@ -142,13 +142,15 @@ enum Op {
         dims: Vec<usize>,
         max: bool,
     },
-    /// `[B.., a0, a1] · [B.., b0, b1]` contracting one dim of each: result `[B.., a_free, b_free]`.
+    /// `[B.., a0, a1] · [B.., b0, b1]` contracting one dim of each: result `[B.., a_free, b_free]`;
+    /// `bf16`: both operands rounded to bf16, the result summed in f32.
     Dot {
         a: V,
         b: V,
         batch: usize,
         ca: usize,
         cb: usize,
+        bf16: bool,
     },
     Reshape(V),
     Transpose(V, Vec<usize>),
@@ -173,12 +175,28 @@ struct Node {
 pub struct Graph {
     nodes: Vec<Node>,
     args: Vec<V>,
+    /// The arithmetic of the model's matrix products ([`Graph::linear_dot`]).
+    linear: crate::matmul::Precision,
 }
 
 impl Graph {
     /// An empty graph.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// The arithmetic of the products [`Graph::linear_dot`] makes (linear layers and the output
+    /// head, as the native kernels' [`crate::matmul::Precision`]): for bf16, both operands
+    /// converted to bf16 and the result f32, and so for the gradients' products. Other dots
+    /// (attention, RoPE's rotation) stay f32, as in the native engine.
+    pub fn set_linear_precision(&mut self, p: crate::matmul::Precision) {
+        self.linear = p;
+    }
+
+    /// [`Graph::dot`] in the graph's linear precision.
+    pub fn linear_dot(&mut self, a: V, b: V, batch: usize, ca: usize, cb: usize) -> V {
+        let bf16 = self.linear == crate::matmul::Precision::Bf16;
+        self.dot_as(a, b, batch, ca, cb, bf16)
     }
 
     fn push(&mut self, op: Op, shape: Shape) -> V {
@@ -332,6 +350,10 @@ impl Graph {
     /// Batched matrix product contracting dim `ca` of `a` with dim `cb` of `b`; both have
     /// `batch` leading batch dims and two more. Result: `[batch.., a's other dim, b's other]`.
     pub fn dot(&mut self, a: V, b: V, batch: usize, ca: usize, cb: usize) -> V {
+        self.dot_as(a, b, batch, ca, cb, false)
+    }
+
+    fn dot_as(&mut self, a: V, b: V, batch: usize, ca: usize, cb: usize, bf16: bool) -> V {
         let (ad, bd) = (self.dims(a), self.dims(b));
         assert!(
             ad.len() == batch + 2 && bd.len() == batch + 2,
@@ -352,6 +374,7 @@ impl Graph {
                 batch,
                 ca,
                 cb,
+                bf16,
             },
             Shape::f32(&dims),
         )
@@ -566,18 +589,19 @@ impl Graph {
                 batch,
                 ca,
                 cb,
+                bf16,
             } => {
                 let fa = 2 * batch + 1 - ca;
                 let fb = 2 * batch + 1 - cb;
                 // dA: g [B, a_free, b_free] · b contracting b_free → [B, a_free, K]
-                let da = self.dot(g, b, batch, batch + 1, fb);
+                let da = self.dot_as(g, b, batch, batch + 1, fb, bf16);
                 let da = if ca == batch + 1 {
                     da
                 } else {
                     self.swap_last(da, batch)
                 };
                 // dB: a · g contracting a_free → [B, K, b_free]
-                let db = self.dot(a, g, batch, fa, batch);
+                let db = self.dot_as(a, g, batch, fa, batch, bf16);
                 let db = if cb == batch {
                     db
                 } else {
@@ -795,6 +819,7 @@ impl Graph {
                 batch,
                 ca,
                 cb,
+                bf16,
             } => {
                 let bd: Vec<usize> = (0..*batch).collect();
                 let batch_dims = if *batch == 0 {
@@ -805,14 +830,22 @@ impl Graph {
                         list(&bd)
                     )
                 };
+                let (mut ta, mut tb) = (ty(*a), ty(*b));
+                let (mut x, mut y) = (format!("%v{}", a.0), format!("%v{}", b.0));
                 // HIGHEST: f32 products in f32 (TPUs otherwise multiply f32 in bf16 passes).
+                let mut precision = "HIGHEST";
+                if *bf16 {
+                    let (ha, hb) = (ta.replace("xf32>", "xbf16>"), tb.replace("xf32>", "xbf16>"));
+                    let _ = writeln!(
+                        s,
+                        "  %ha{r} = \"stablehlo.convert\"({x}) : ({ta}) -> {ha}\n  %hb{r} = \"stablehlo.convert\"({y}) : ({tb}) -> {hb}"
+                    );
+                    (x, y, ta, tb) = (format!("%ha{r}"), format!("%hb{r}"), ha, hb);
+                    precision = "DEFAULT";
+                }
                 let _ = writeln!(
                     s,
-                    "  %v{r} = \"stablehlo.dot_general\"(%v{}, %v{}) {{dot_dimension_numbers = #stablehlo.dot<{batch_dims}lhs_contracting_dimensions = [{ca}], rhs_contracting_dimensions = [{cb}]>, precision_config = [#stablehlo<precision HIGHEST>, #stablehlo<precision HIGHEST>]}} : ({}, {}) -> {out}",
-                    a.0,
-                    b.0,
-                    ty(*a),
-                    ty(*b)
+                    "  %v{r} = \"stablehlo.dot_general\"({x}, {y}) {{dot_dimension_numbers = #stablehlo.dot<{batch_dims}lhs_contracting_dimensions = [{ca}], rhs_contracting_dimensions = [{cb}]>, precision_config = [#stablehlo<precision {precision}>, #stablehlo<precision {precision}>]}} : ({ta}, {tb}) -> {out}",
                 );
             }
             Op::Reshape(x) => {

@@ -6,9 +6,10 @@
 
 use super::{Cmp, Graph, Un, V};
 
-/// `x · Wᵀ (+ b)`: `x` is `[n, in]`, `w` is `[out, in]`, `b` is `[out]`.
+/// `x · Wᵀ (+ b)`: `x` is `[n, in]`, `w` is `[out, in]`, `b` is `[out]`; the product in the
+/// graph's linear precision.
 pub fn linear(g: &mut Graph, x: V, w: V, b: Option<V>) -> V {
-    let y = g.dot(x, w, 0, 1, 1);
+    let y = g.linear_dot(x, w, 0, 1, 1);
     match b {
         None => y,
         Some(b) => {
@@ -183,7 +184,7 @@ pub fn swiglu(g: &mut Graph, gate: V, up: V) -> V {
 /// `inv_t` an f32 scalar), their log-softmax, the log-prob of each `targets` (i32 `[n]`) and
 /// the entropy. Returns `(logp, entropy)`, `[n]` each.
 pub fn logprob_entropy(g: &mut Graph, x: V, w: V, targets: V, inv_t: V) -> (V, V) {
-    let logits = g.dot(x, w, 0, 1, 1);
+    let logits = g.linear_dot(x, w, 0, 1, 1);
     let dims = g.dims(logits);
     let it = g.broadcast(inv_t, &dims, &[]);
     let z = g.mul(logits, it);

@@ -232,6 +232,89 @@ fn swiglu_linear_and_embedding_match_the_kernels() {
     close(&out[4], &du, 1e-4, "swiglu d_up");
 }
 
+/// A linear layer traced in bf16 (operands converted to bf16, f32 results) and its gradients
+/// equal the bf16 kernel's products — and are not the f32 ones.
+#[test]
+fn a_bf16_linear_and_its_gradients_match_the_bf16_kernel() {
+    use crate::matmul::{Op, Par, Precision, matmul};
+    let Some(c) = client() else { return };
+    let (n, inp, out_dim) = (7, 37, 19);
+    let (x, w, dy) = (
+        randn(n * inp, 30),
+        randn(out_dim * inp, 31),
+        randn(n * out_dim, 32),
+    );
+    let mut g = Graph::new();
+    g.set_linear_precision(Precision::Bf16);
+    let xv = g.arg(Shape::f32(&[n, inp]));
+    let wv = g.arg(Shape::f32(&[out_dim, inp]));
+    let dyv = g.arg(Shape::f32(&[n, out_dim]));
+    let y = ops::linear(&mut g, xv, wv, None);
+    let d = g.vjp(&[(y, dyv)], &[xv, wv]);
+    let out = run(
+        &c,
+        &g,
+        &[y, d[0], d[1]],
+        &[In::F(&x), In::F(&w), In::F(&dy)],
+    );
+    let eager = |p: Precision| {
+        let mut ye = vec![0.0; n * out_dim];
+        matmul(
+            n,
+            inp,
+            out_dim,
+            &x,
+            Op::N,
+            &w,
+            Op::T,
+            &mut ye,
+            false,
+            Par::Pool,
+            p,
+        );
+        let mut dx = vec![0.0; n * inp];
+        matmul(
+            n,
+            out_dim,
+            inp,
+            &dy,
+            Op::N,
+            &w,
+            Op::N,
+            &mut dx,
+            false,
+            Par::Pool,
+            p,
+        );
+        let mut dw = vec![0.0; out_dim * inp];
+        matmul(
+            out_dim,
+            n,
+            inp,
+            &dy,
+            Op::T,
+            &x,
+            Op::N,
+            &mut dw,
+            false,
+            Par::Pool,
+            p,
+        );
+        [ye, dx, dw]
+    };
+    let [ye, dx, dw] = eager(Precision::Bf16);
+    close(&out[0], &ye, 1e-5, "bf16 linear y");
+    close(&out[1], &dx, 1e-5, "bf16 linear dx");
+    close(&out[2], &dw, 1e-5, "bf16 linear dw");
+    let [yf, ..] = eager(Precision::F32);
+    let gap = out[0]
+        .iter()
+        .zip(&yf)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max);
+    assert!(gap > 1e-3, "the traced product is f32's (gap {gap})");
+}
+
 #[test]
 fn the_head_matches_the_fused_kernel_at_a_temperature() {
     let Some(c) = client() else { return };

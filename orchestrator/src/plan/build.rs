@@ -4,7 +4,6 @@ use super::graph::{GraphSpec, UserNode as GraphNode, expand};
 use super::schema::{self, Engine, StageKind, Task, Workflow};
 use super::*;
 use crate::record::mlflow::MlflowTarget;
-use kernels::matmul::Precision;
 use learner::optim::ScheduleKind;
 use learner::rl::agg::LossAgg;
 use learner::rl::kl::Kl;
@@ -564,12 +563,6 @@ fn learner(p: &schema::Pool, e: &Errs<'_>) -> Result<LearnerPlan, PlanError> {
                     "`{}` cannot be placed: the pjrt learner trains in the driver process (placement: local); engine: native ranks run on agents",
                     placement_name(p.placement)
                 ),
-            ));
-        }
-        Engine::Pjrt if p.precision == Some(Precision::Bf16) => {
-            return Err(e.at(
-                "pools.learner.precision",
-                "`bf16` is the native learner's (the pjrt learner's programs are traced in f32)",
             ));
         }
         Engine::Pjrt => LearnerEngine::Pjrt {

@@ -196,7 +196,8 @@ pub struct Pool {
     /// true; false: every rank keeps all of them).
     #[serde(default)]
     pub shard_optimizer: Option<bool>,
-    /// The arithmetic of a native learner's matmuls (policy, critic and reference alike):
+    /// The arithmetic of the learner's matmuls (policy, critic and reference alike; native or
+    /// pjrt):
     /// `f32` (default), or `bf16` — operands rounded to bf16 and products summed in f32, as
     /// `torch.autocast(dtype=bfloat16)` runs a linear layer, with f32 master weights, optimiser
     /// moments, norms, softmax and loss; twice the f32 rate on CPUs with AVX512-BF16.

@@ -324,11 +324,6 @@ fn bad_workflows_get_messages_that_say_where_and_why() {
         ),
         (
             "stages:\n",
-            "pools: {learner: {engine: pjrt, precision: bf16}}\nstages:\n",
-            "t.yaml: pools.learner.precision: `bf16` is the native learner's (the pjrt learner's programs are traced in f32)",
-        ),
-        (
-            "stages:\n",
             "pools: {learner: {precision: fp8}}\nstages:\n",
             "t.yaml:6:30: pools.learner.precision: unknown variant `fp8` (did you mean `f32`?); expected one of f32, float32, fp32, bf16, bfloat16",
         ),
