@@ -104,6 +104,79 @@ fn causal_blocks(seq: usize) -> impl Iterator<Item = (usize, usize)> {
         .map(move |r0| (r0, (r0 + ROWS).min(seq)))
 }
 
+/// `S[r0..r1, 0..r1] = A[r0..r1] · B[0..r1]ᵀ` for every causal block: rows of `A` and `B` hold
+/// `d` values at strides `sa` and `sb`; `S` is `[t × t]` row-major.
+///
+/// # Safety
+/// `t` rows of `A` and `B` must be readable at those strides, `s` must hold `t·t` values, and
+/// none may alias `s`.
+unsafe fn causal_scores(
+    t: usize,
+    d: usize,
+    a: *const f32,
+    sa: isize,
+    b: *const f32,
+    sb: isize,
+    s: *mut f32,
+) {
+    for (r0, r1) in causal_blocks(t) {
+        // SAFETY: the caller's contract.
+        unsafe {
+            strided(
+                r1 - r0,
+                d,
+                r1,
+                a.offset(r0 as isize * sa),
+                sa,
+                1,
+                b,
+                1,
+                sb,
+                s.add(r0 * t),
+                t as isize,
+                false,
+                Par::Single,
+            );
+        }
+    }
+}
+
+/// `O[r0..r1] = P[r0..r1, 0..r1] · B[0..r1]` for every causal block: `P` is `[t × t]`
+/// row-major, rows of `B` and `O` hold `d` values at strides `sb` and `so`.
+///
+/// # Safety
+/// As [`causal_scores`], for `p`, `b` and `o`.
+unsafe fn causal_apply(
+    t: usize,
+    d: usize,
+    p: *const f32,
+    b: *const f32,
+    sb: isize,
+    o: *mut f32,
+    so: isize,
+) {
+    for (r0, r1) in causal_blocks(t) {
+        // SAFETY: the caller's contract.
+        unsafe {
+            strided(
+                r1 - r0,
+                r1,
+                d,
+                p.add(r0 * t),
+                t as isize,
+                1,
+                b,
+                sb,
+                1,
+                o.offset(r0 as isize * so),
+                so,
+                false,
+                Par::Single,
+            );
+        }
+    }
+}
+
 /// Forward. Writes `out` (`[batch·seq, heads·head_dim]`) and `lse` (`[batch, heads, seq]`).
 pub fn attention(
     sh: AttnShape,
@@ -142,42 +215,10 @@ pub fn attention(
                 let vp = v.as_ptr().add(row0 * nkv * d + g * d);
                 // Causal: rows r0..r1 see keys 0..r1 only, so the blocks above the diagonal
                 // are never computed (softmax_rows zeroes what lies past each row's diagonal).
-                for (r0, r1) in causal_blocks(t) {
-                    strided(
-                        r1 - r0,
-                        d,
-                        r1,
-                        qp.offset(r0 as isize * qs),
-                        qs,
-                        1,
-                        kp,
-                        1,
-                        kvs,
-                        s.as_mut_ptr().add(r0 * t),
-                        t as isize,
-                        false,
-                        Par::Single,
-                    );
-                }
+                causal_scores(t, d, qp, qs, kp, kvs, s.as_mut_ptr());
                 softmax_rows(s, t, seg, scale, lse_row, false);
                 let op = out_ptr.0.add(row0 * nh * d + h * d);
-                for (r0, r1) in causal_blocks(t) {
-                    strided(
-                        r1 - r0,
-                        r1,
-                        d,
-                        s.as_ptr().add(r0 * t),
-                        t as isize,
-                        1,
-                        vp,
-                        kvs,
-                        1,
-                        op.offset(r0 as isize * qs),
-                        qs,
-                        false,
-                        Par::Single,
-                    );
-                }
+                causal_apply(t, d, s.as_ptr(), vp, kvs, op, qs);
             }
         },
     );
@@ -235,42 +276,10 @@ pub fn attention_backward(
                     let kp = k.as_ptr().add(row0 * nkv * d + g * d);
                     let vp = v.as_ptr().add(row0 * nkv * d + g * d);
                     let dop = d_out.as_ptr().add(row0 * nh * d + h * d);
-                    for (r0, r1) in causal_blocks(t) {
-                        strided(
-                            r1 - r0,
-                            d,
-                            r1,
-                            qp.offset(r0 as isize * qs),
-                            qs,
-                            1,
-                            kp,
-                            1,
-                            kvs,
-                            p.as_mut_ptr().add(r0 * t),
-                            t as isize,
-                            false,
-                            Par::Single,
-                        );
-                    }
+                    causal_scores(t, d, qp, qs, kp, kvs, p.as_mut_ptr());
                     softmax_rows(p, t, seg, scale, lse_buf, true);
                     // dP = dO · Vᵀ, below the diagonal
-                    for (r0, r1) in causal_blocks(t) {
-                        strided(
-                            r1 - r0,
-                            d,
-                            r1,
-                            dop.offset(r0 as isize * qs),
-                            qs,
-                            1,
-                            vp,
-                            1,
-                            kvs,
-                            dp.as_mut_ptr().add(r0 * t),
-                            t as isize,
-                            false,
-                            Par::Single,
-                        );
-                    }
+                    causal_scores(t, d, dop, qs, vp, kvs, dp.as_mut_ptr());
                     for i in 0..t {
                         let (pr, dr) = (&p[i * t..=i * t + i], &mut dp[i * t..(i + 1) * t]);
                         for (x, &pv) in dr.iter_mut().zip(pr) {
@@ -280,23 +289,7 @@ pub fn attention_backward(
                     }
                     // dQ = dS · K
                     let dqp = dq_p.0.add(row0 * nh * d + h * d);
-                    for (r0, r1) in causal_blocks(t) {
-                        strided(
-                            r1 - r0,
-                            r1,
-                            d,
-                            dp.as_ptr().add(r0 * t),
-                            t as isize,
-                            1,
-                            kp,
-                            kvs,
-                            1,
-                            dqp.offset(r0 as isize * qs),
-                            qs,
-                            false,
-                            Par::Single,
-                        );
-                    }
+                    causal_apply(t, d, dp.as_ptr(), kp, kvs, dqp, qs);
                     // dK (+)= dSᵀ · Q and dV (+)= Pᵀ · dO: keys c0..c1 are seen by rows c0..t.
                     let dkp = dk_p.0.add(row0 * nkv * d + g * d);
                     let dvp = dv_p.0.add(row0 * nkv * d + g * d);
