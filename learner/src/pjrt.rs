@@ -214,6 +214,18 @@ impl PjrtModel {
         })
     }
 
+    /// The forward of a `rows × seq` bucket, traced for this model's shapes and precision.
+    fn trace(&self, rows: usize, seq: usize) -> Trace {
+        trace(
+            &self.config,
+            &self.layout,
+            &self.specs,
+            rows,
+            seq,
+            self.precision,
+        )
+    }
+
     /// The platform the plugin runs on (`cpu`, `tpu`, `cuda`).
     pub fn platform(&self) -> &str {
         self.client.platform()
@@ -318,14 +330,7 @@ impl PjrtModel {
             match cache.get(&(rows, seq)) {
                 Some(e) => e.clone(),
                 None => {
-                    let t = trace(
-                        &self.config,
-                        &self.layout,
-                        &self.specs,
-                        rows,
-                        seq,
-                        self.precision,
-                    );
+                    let t = self.trace(rows, seq);
                     let text = t.g.emit(&[t.logp, t.entropy], &[]);
                     let e = Arc::new(self.compile(&text)?);
                     cache.insert((rows, seq), e.clone());
@@ -370,14 +375,7 @@ impl PjrtModel {
         let (rows, seq) = bucket(b.rows, b.seq);
         let np = self.params.len();
         if !self.grad.contains_key(&(rows, seq)) {
-            let mut t = trace(
-                &self.config,
-                &self.layout,
-                &self.specs,
-                rows,
-                seq,
-                self.precision,
-            );
+            let mut t = self.trace(rows, seq);
             let n = rows * seq;
             let dl = t.g.arg(Shape::f32(&[n]));
             let de = t.g.arg(Shape::f32(&[n]));

@@ -17,11 +17,16 @@ struct Reference {
 }
 
 impl Reference {
+    /// `reference.*`: the f32 references.
     fn load() -> Self {
-        let json =
-            serde_json::from_str(&std::fs::read_to_string(data().join("reference.json")).unwrap())
-                .unwrap();
-        let bytes = std::fs::read(data().join("reference.safetensors")).unwrap();
+        Self::named("reference")
+    }
+
+    /// `<stem>.json` and `<stem>.safetensors` of the fixture.
+    fn named(stem: &str) -> Self {
+        let read = |ext: &str| std::fs::read(data().join(format!("{stem}.{ext}"))).unwrap();
+        let json = serde_json::from_slice(&read("json")).unwrap();
+        let bytes = read("safetensors");
         Self { json, bytes }
     }
     fn tensor(&self, name: &str) -> Vec<f32> {
@@ -285,17 +290,6 @@ fn micro_batch_accumulation_equals_one_batch() {
     }
 }
 
-/// `reference-bf16.*`: the same model under `torch.autocast(dtype=bfloat16)` (`make_bf16.py`).
-fn bf16_reference() -> (Value, Vec<u8>) {
-    let json =
-        serde_json::from_str(&std::fs::read_to_string(data().join("reference-bf16.json")).unwrap())
-            .unwrap();
-    (
-        json,
-        std::fs::read(data().join("reference-bf16.safetensors")).unwrap(),
-    )
-}
-
 /// Largest |a − b| over the largest |b|.
 fn rel_worst(a: &[f32], b: &[f32]) -> f32 {
     let scale = b.iter().map(|v| v.abs()).fold(0.0f32, f32::max);
@@ -315,8 +309,8 @@ fn rel_worst(a: &[f32], b: &[f32]) -> f32 {
 #[test]
 fn bf16_matmuls_match_pytorch_autocast() {
     let (mut ckpt, r) = (model(), Reference::load());
-    let (json, bytes) = bf16_reference();
-    let torch = Reference { json, bytes };
+    // `reference-bf16.*`: the same model under `torch.autocast(dtype=bfloat16)` (`make_bf16.py`).
+    let torch = Reference::named("reference-bf16");
     let ids = &r.ids("input_ids")[0];
     let batch = Batch::padded(&[ids]);
     let f32_logits = ckpt.model.logits(&batch).unwrap();
