@@ -109,6 +109,12 @@ impl Token {
         constant_time_eq(given.as_bytes(), self.secret.as_bytes())
     }
 
+    /// The secret itself, for handing to a process of the same user over a private channel
+    /// (a borrowing head's loan); never for logs.
+    pub(crate) fn secret(&self) -> &str {
+        &self.secret
+    }
+
     /// Whether `other` is the same token (constant time).
     pub fn matches_token(&self, other: &Token) -> bool {
         self.matches(&other.secret)

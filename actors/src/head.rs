@@ -5,8 +5,13 @@
 //! `heartbeat_timeout` or its call stream breaks, and every actor on it is reported dead to its
 //! supervisor, which restarts it on an agent that can take it.
 //!
+//! A head can also *borrow* another process's agents ([`lend`]): a server's job in a process of
+//! its own reaches the server's agents directly while the server keeps the accounts.
+//!
 //! Owns: agent membership, resource accounting, death notices, remote spawning. Does not own:
 //! what actors compute, job state (the orchestrator's), or the job API (served beside this one).
+
+pub mod lend;
 
 use crate::actor::{Actor, ActorRef, Incarnation, Link, SpawnOptions, Starter, supervise};
 use crate::auth::Token;
@@ -56,7 +61,7 @@ impl Default for HeadConfig {
 }
 
 /// A registered agent.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct AgentInfo {
     pub id: String,
     pub name: String,
@@ -88,6 +93,12 @@ struct Inner {
     /// Tells this head's actor ids from those of an earlier head the same agents served (a
     /// restarted server).
     epoch: String,
+    /// Actors that borrowing heads placed on this head's agents, and their deaths not yet told.
+    lent: Mutex<lend::Ledger>,
+    /// Where a borrowing head gets its agents and room (`None`: agents register with this head).
+    lender: Option<Arc<dyn lend::Lender>>,
+    /// The runtime the head's tasks run on (for work started from threads outside it).
+    runtime: tokio::runtime::Handle,
 }
 
 /// The head's handle; cheap to clone.
@@ -148,6 +159,23 @@ impl Head {
     /// routes (calls without the cluster token are refused). Must be called inside a tokio
     /// runtime: it starts the heartbeat-expiry task.
     pub fn new(address: SocketAddr, token: Token, config: HeadConfig) -> (Head, Routes) {
+        let head = Head::start(address, token, config, None);
+        let service = InterceptedService::new(
+            HeadServer::new(Service(Arc::downgrade(&head.inner))),
+            head.inner.token.guard(),
+        );
+        (head, Routes::new(service))
+    }
+
+    /// A head without a service of its own: agents come from registrations (a service the
+    /// caller serves) or, with `lender`, from another process's head. Starts the task that
+    /// declares silent agents lost.
+    fn start(
+        address: SocketAddr,
+        token: Token,
+        config: HeadConfig,
+        lender: Option<Arc<dyn lend::Lender>>,
+    ) -> Head {
         let (stop, mut stopped) = watch::channel(false);
         let inner = Arc::new(Inner {
             config,
@@ -165,11 +193,10 @@ impl Head {
                     .map_or(0, |d| d.as_millis());
                 format!("{:x}.{:x}", std::process::id(), ms)
             },
+            lent: Mutex::default(),
+            lender,
+            runtime: tokio::runtime::Handle::current(),
         });
-        let service = InterceptedService::new(
-            HeadServer::new(Service(Arc::downgrade(&inner))),
-            inner.token.guard(),
-        );
         let weak = Arc::downgrade(&inner);
         tokio::spawn(async move {
             loop {
@@ -183,7 +210,7 @@ impl Head {
                 }
             }
         });
-        (Head { inner, address }, Routes::new(service))
+        Head { inner, address }
     }
 
     /// Where agents reach this head.
@@ -198,6 +225,19 @@ impl Head {
             .map(|e| e.info.clone())
             .collect();
         v.sort_by(|a, b| a.name.cmp(&b.name));
+        v
+    }
+
+    /// The live agents, by name, each with what no actor holds.
+    pub fn rooms(&self) -> Vec<lend::AgentRoom> {
+        let mut v: Vec<lend::AgentRoom> = lock(&self.inner.agents)
+            .values()
+            .map(|e| lend::AgentRoom {
+                info: e.info.clone(),
+                free: e.free,
+            })
+            .collect();
+        v.sort_by(|a, b| a.info.name.cmp(&b.info.name));
         v
     }
 
@@ -423,6 +463,14 @@ impl Head {
             entry.actors.insert(actor_id.clone(), demand.clone());
             entry.conn.clone()
         };
+        // A borrowed agent's room is the lender's to give: other jobs use the same agents.
+        if let Err(message) = self.inner.reserve(agent, &actor_id, &demand).await {
+            self.inner.release(agent, &actor_id);
+            return Err(ActorError::Agent {
+                agent: conn.name.clone(),
+                message,
+            });
+        }
         let (tx, death) = oneshot::channel();
         lock(&self.inner.deaths).insert(actor_id.clone(), tx);
         let request = SpawnRequest {
@@ -438,15 +486,17 @@ impl Head {
             }
             Err(e) => {
                 self.inner.release(agent, &actor_id);
+                self.inner.unreserve(agent, &actor_id);
                 lock(&self.inner.deaths).remove(&actor_id);
                 Err(e)
             }
         }
     }
 
-    /// Stops serving; with `agents`, also tells every agent to stop its actors and exit.
+    /// Stops serving; with `agents`, also tells every agent to stop its actors and exit (never
+    /// a borrowed head's: they are the lender's).
     pub async fn shutdown(&self, agents: bool) {
-        if agents {
+        if agents && self.inner.lender.is_none() {
             let conns: Vec<Arc<AgentConn>> = lock(&self.inner.agents)
                 .values()
                 .map(|e| e.conn.clone())
@@ -464,6 +514,41 @@ impl Head {
 }
 
 impl Inner {
+    /// Opens this head's connection to agent `id` (its call stream): the agent is declared lost
+    /// when the stream ends, and an actor a call found dead is released and reported.
+    async fn connect(
+        self: &Arc<Self>,
+        id: &str,
+        name: &str,
+        address: &str,
+        same_host: bool,
+    ) -> Result<Arc<AgentConn>, String> {
+        let (weak, weak_too) = (Arc::downgrade(self), Arc::downgrade(self));
+        let (lost_id, agent_id) = (id.to_string(), id.to_string());
+        let lost = move |reason: String| {
+            if let Some(inner) = weak.upgrade() {
+                inner.declare_lost(&lost_id, &reason);
+            }
+        };
+        let actor_died = move |actor: &str, reason: String| {
+            if let Some(inner) = weak_too.upgrade() {
+                inner.release(&agent_id, actor);
+                inner.notify_death(actor, reason);
+            }
+        };
+        AgentConn::connect(
+            name,
+            address,
+            &self.token,
+            self.config.agent_tls_ca.as_deref(),
+            same_host,
+            self.config.wire.clone(),
+            lost,
+            actor_died,
+        )
+        .await
+    }
+
     fn release(&self, agent: &str, actor_id: &str) {
         if let Some(entry) = lock(&self.agents).get_mut(agent)
             && let Some(demand) = entry.actors.remove(actor_id)
@@ -475,8 +560,12 @@ impl Inner {
     }
 
     fn notify_death(&self, actor_id: &str, reason: String) {
-        if let Some(tx) = lock(&self.deaths).remove(actor_id) {
-            let _ = tx.send(reason);
+        match lock(&self.deaths).remove(actor_id) {
+            Some(tx) => {
+                let _ = tx.send(reason);
+            }
+            // Not this head's: perhaps a borrower's, told at its next poll.
+            None => lock(&self.lent).died(actor_id, reason),
         }
     }
 
@@ -552,36 +641,15 @@ impl HeadRpc for Service {
         let n = inner.next_agent.fetch_add(1, Ordering::Relaxed);
         let id = format!("{}#{n}", r.name);
         let same_host = r.host_id == inner.host_id;
-        let (weak, weak_too) = (Arc::downgrade(&inner), Arc::downgrade(&inner));
-        let (lost_id, agent_id) = (id.clone(), id.clone());
-        let lost = move |reason: String| {
-            if let Some(inner) = weak.upgrade() {
-                inner.declare_lost(&lost_id, &reason);
-            }
-        };
-        let actor_died = move |actor: &str, reason: String| {
-            if let Some(inner) = weak_too.upgrade() {
-                inner.release(&agent_id, actor);
-                inner.notify_death(actor, reason);
-            }
-        };
-        let conn = AgentConn::connect(
-            &r.name,
-            &r.address,
-            &inner.token,
-            inner.config.agent_tls_ca.as_deref(),
-            same_host,
-            inner.config.wire.clone(),
-            lost,
-            actor_died,
-        )
-        .await
-        .map_err(|e| {
-            Status::unavailable(format!(
-                "the head cannot reach agent `{}` back: {e}",
-                r.name
-            ))
-        })?;
+        let conn = inner
+            .connect(&id, &r.name, &r.address, same_host)
+            .await
+            .map_err(|e| {
+                Status::unavailable(format!(
+                    "the head cannot reach agent `{}` back: {e}",
+                    r.name
+                ))
+            })?;
         let previous: Vec<String> = lock(&inner.agents)
             .values()
             .filter(|e| e.info.name == r.name)
@@ -858,6 +926,138 @@ mod tests {
             e.to_string().contains("died 3 times") && e.to_string().contains("panicked: drill"),
             "{e}"
         );
+        head.shutdown(true).await;
+    }
+
+    /// A borrower in this process whose lender is the head itself (in a server, the job's pipes
+    /// carry the same calls).
+    struct Direct(Head, &'static str);
+
+    impl lend::Lender for Direct {
+        fn poll(&self) -> Result<lend::Lent, String> {
+            Ok(self.0.lend(self.1))
+        }
+        fn reserve(&self, agent: &str, actor_id: &str, demand: &Demand) -> Result<(), String> {
+            self.0.lend_room(self.1, agent, actor_id, demand)
+        }
+        fn release(&self, agent: &str, actor_id: &str) -> Result<(), String> {
+            self.0.lend_release(agent, actor_id);
+            Ok(())
+        }
+    }
+
+    fn free_cpus(head: &Head) -> Vec<(String, u32)> {
+        head.rooms()
+            .into_iter()
+            .map(|a| (a.info.name, a.free.get(Device::Cpu)))
+            .collect()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_borrowing_head_spawns_on_the_lenders_agents_within_their_room_and_its_end_frees_it()
+    {
+        let (head, token) = loopback_head().await;
+        let (stop_a, task_a) = agent(&head, "a", &token);
+        let (_stop_b, _task_b) = agent(&head, "b", &token);
+        head.wait_for_agents(2, Duration::from_secs(10))
+            .await
+            .expect("both register");
+        let job = Head::borrow(&head.loan(), Arc::new(Direct(head.clone(), "job-1")))
+            .await
+            .expect("borrows");
+        assert_eq!(
+            job.agents(),
+            head.agents(),
+            "the lender's agents, as they are"
+        );
+        assert_eq!(job.address(), head.address());
+
+        let pool = PoolSpec {
+            name: "ping".into(),
+            kind: "ping".into(),
+            actors: 2,
+            device: Device::Cpu,
+            per_actor: 1,
+            strategy: Strategy::Spread,
+            labels: BTreeMap::new(),
+            colocate: None,
+        };
+        let options = SpawnOptions {
+            restart: RestartPolicy {
+                max_restarts: 2,
+                backoff: Duration::from_millis(10),
+                ..Default::default()
+            },
+            ..SpawnOptions::default()
+        };
+        let refs = job
+            .spawn_pool::<Ping>(&pool, |_| (), options.clone())
+            .await
+            .expect("placed on borrowed agents");
+        for r in &refs {
+            let answer = r
+                .call(PingRequest::Echo("hi".into()))
+                .await
+                .expect("answers");
+            assert_eq!(answer, PingResponse::Echo("hi".into()));
+            r.load_weights(snapshot(3, 100)).await.expect("pushed");
+        }
+        // The lender accounts for the borrower's actors, so another job cannot take their room.
+        assert_eq!(free_cpus(&head), [("a".into(), 1), ("b".into(), 1)]);
+        let other = Head::borrow(&head.loan(), Arc::new(Direct(head.clone(), "job-2")))
+            .await
+            .expect("borrows");
+        let e = other
+            .spawn_pool::<Ping>(
+                &PoolSpec {
+                    actors: 3,
+                    ..pool.clone()
+                },
+                |_| (),
+                options.clone(),
+            )
+            .await
+            .unwrap_err();
+        assert!(e.to_string().contains("2 of 3 placed"), "{e}");
+
+        // The lender loses agent `a`: the borrower's actor there comes back on `b`.
+        let on_a = refs
+            .iter()
+            .find(|r| r.location() == "a")
+            .expect("one on a")
+            .clone();
+        drop(stop_a);
+        task_a.await.expect("joins").expect("agent a stops cleanly");
+        let answer = until_up(&on_a, PingRequest::Echo("back".into()))
+            .await
+            .expect("restarted on b");
+        assert_eq!(answer, PingResponse::Echo("back".into()));
+        assert_eq!(on_a.location(), "b");
+        let t0 = Instant::now();
+        while free_cpus(&head) != [("b".to_string(), 0)] {
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "{:?}",
+                free_cpus(&head)
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+
+        // The borrower's process ends without a word (here: its head simply goes quiet): the
+        // lender stops what it left and frees the room.
+        job.shutdown(false).await;
+        assert_eq!(head.end_loan("job-1"), 2);
+        let t0 = Instant::now();
+        while free_cpus(&head) != [("b".to_string(), 2)] {
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "{:?}",
+                free_cpus(&head)
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(head.end_loan("job-1"), 0, "nothing left to stop");
+        drop(refs);
         head.shutdown(true).await;
     }
 

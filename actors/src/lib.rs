@@ -28,6 +28,7 @@ pub use actor::{
 pub use agent::{AgentError, AgentOptions};
 pub use auth::{Bearer, Guard, Token, TokenError, presented};
 pub use error::{ActorError, CallError};
+pub use head::lend::{AgentRoom, Lender, Lent, Loan};
 pub use head::{AgentInfo, Head, HeadConfig};
 pub use placement::{Demand, Device, PoolSpec, Resources, Strategy};
 pub use registry::Registry;

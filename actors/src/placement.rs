@@ -175,7 +175,7 @@ pub struct PoolSpec {
 }
 
 /// What one actor needs; pools place many, restarts place one.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Demand {
     pub kind: String,
     pub devices: BTreeMap<Device, u32>,

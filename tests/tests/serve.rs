@@ -943,13 +943,34 @@ fn users_see_and_change_only_their_own_jobs_and_the_agents_token_runs_none() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// What no job holds of each agent's CPUs, as `trellis agents --json` says.
+fn free_cpus(server: &Server) -> Vec<(String, u64)> {
+    let out = run_ok(&mut server.cli(&["agents", "--json"]));
+    String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let a: Value = serde_json::from_str(l).unwrap();
+            (
+                a["name"].as_str().unwrap().to_string(),
+                a["free"]["cpu"].as_u64().unwrap(),
+            )
+        })
+        .collect()
+}
+
+/// Both jobs' engines run on one agent, each job in a process of its own that borrows the
+/// server's agent: one process aborts; it fails alone, the server frees what it held on the
+/// agent, and it resumes there.
 #[test]
 fn a_job_whose_process_aborts_fails_alone_and_resumes_from_its_checkpoint() {
     let dir = scratch("isolated");
     let server = Server::start(&dir.join("data"), &["--max-running", "2"]);
+    let _agent = agent(&server, "a1");
     let long = [
         "stages.rl.trainer.steps=300",
         "stages.rl.trainer.save_freq=10",
+        "pools.rollout.placement=spread",
     ];
     let a = submit(&server, &long);
     let b = submit(&server, &long);
@@ -967,6 +988,11 @@ fn a_job_whose_process_aborts_fails_alone_and_resumes_from_its_checkpoint() {
     });
     assert_eq!(server.job(a)["state"], "running", "both jobs run at once");
     assert_ne!(pid(a), pid(b));
+    for id in [a, b] {
+        assert!(log(id).contains("rollout pool: a1"), "{}", log(id));
+    }
+    // Each job holds one of the agent's two CPUs.
+    assert_eq!(free_cpus(&server), [("a1".to_string(), 0)]);
     // Job b's process aborts (as a C++ CHECK in a plugin would).
     // SAFETY: signalling a process of the test's own server.
     unsafe { libc::kill(pid(b), libc::SIGABRT) };
@@ -982,6 +1008,17 @@ fn a_job_whose_process_aborts_fails_alone_and_resumes_from_its_checkpoint() {
     );
     // The server and the other job go on.
     server.wait_for(a, "succeeded", |j| j["state"] == "succeeded");
+    // Nothing of either job holds the agent any more: the server stopped the engine the aborted
+    // process left behind.
+    let t0 = Instant::now();
+    while free_cpus(&server) != [("a1".to_string(), 2)] {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "the agent's CPUs never came back: {:?}",
+            free_cpus(&server)
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
     // Job b continues from its last checkpoint and ends as the undisturbed job a (the same
     // workflow and seed): no step lost or doubled.
     run_ok(&mut server.cli(&["resume", &b.to_string()]));

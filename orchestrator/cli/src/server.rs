@@ -77,7 +77,13 @@ impl JobProcesses {
     /// process group of its own (a terminal's Ctrl-C reaches the server, which stops its jobs
     /// itself) that dies with the server (`PR_SET_PDEATHSIG`: a server killed with -9 takes its
     /// jobs' processes with it, and its restart continues them).
-    fn command(&self, id: u64, dir: &Path, store: &Path) -> std::process::Command {
+    fn command(
+        &self,
+        id: u64,
+        dir: &Path,
+        store: &Path,
+        agent_wait: Duration,
+    ) -> std::process::Command {
         use std::os::unix::process::CommandExt;
         // This very binary, even if its file was replaced or deleted since the server started
         // (an upgrade in place): a job's process speaks the server's version of the protocol.
@@ -86,7 +92,9 @@ impl JobProcesses {
             .args(["job-worker", "--job", &id.to_string(), "--run-dir"])
             .arg(dir)
             .arg("--store")
-            .arg(store);
+            .arg(store)
+            .arg("--agent-wait")
+            .arg(agent_wait.as_secs_f64().to_string());
         // SAFETY: only async-signal-safe calls between fork and exec.
         unsafe {
             cmd.pre_exec(|| {
@@ -228,8 +236,9 @@ pub async fn serve(
         ..HeadConfig::default()
     };
     let (head, routes) = Head::new(address, agent_token.clone(), config);
+    let agent_wait = opts.agent_wait;
     let worker = opts.job_processes.clone().map(|p| {
-        Box::new(move |id: u64, dir: &Path, store: &Path| p.command(id, dir, store))
+        Box::new(move |id: u64, dir: &Path, store: &Path| p.command(id, dir, store, agent_wait))
             as orchestrator::jobs::queue::WorkerCommand
     });
     let jobs = Queue::new(
@@ -541,7 +550,7 @@ impl JobService for Api {
             agents: self
                 .0
                 .head()
-                .agents()
+                .rooms()
                 .into_iter()
                 .map(cluster_agent)
                 .collect(),
@@ -549,7 +558,8 @@ impl JobService for Api {
     }
 }
 
-fn cluster_agent(a: actors::AgentInfo) -> pb::ClusterAgent {
+fn cluster_agent(room: actors::AgentRoom) -> pb::ClusterAgent {
+    let a = room.info;
     pb::ClusterAgent {
         id: a.id,
         name: a.name,
@@ -557,6 +567,7 @@ fn cluster_agent(a: actors::AgentInfo) -> pb::ClusterAgent {
         resources: Some(a.resources.into()),
         labels: a.labels.into_iter().collect(),
         kinds: a.kinds,
+        free: Some(room.free.into()),
     }
 }
 

@@ -1,8 +1,8 @@
 //! A server's job queue: jobs submitted as workflows wait in the store, and run `max_running` at
-//! a time through the one lifecycle ([`super::run::execute`]): a job whose pools are all local
-//! in a process of its own when the server gives a [`WorkerCommand`] ([`super::worker`]: a job
-//! that aborts or is killed fails alone), a job with pools on the server's agents on a thread of
-//! the server (its pools need the server's head). Cancel, resume and shutdown move jobs between
+//! a time through the one lifecycle ([`super::run::execute`]): each in a process of its own when
+//! the server gives a [`WorkerCommand`] ([`super::worker`]: a job that aborts or is killed fails
+//! alone; one with pools on the server's agents borrows them from the server's head), else on a
+//! thread of the server. Cancel, resume and shutdown move jobs between
 //! states only while holding the queue's one table of running jobs, so a job never runs twice.
 //!
 //! Restart safety: a job is marked running in the store before it starts; a queue that finds
@@ -13,7 +13,7 @@
 //! server does), or deletes a job's files.
 
 use super::run::{self, RunOptions, StopFlag, StopReason};
-use crate::plan::{Placement, Plan, PlanError};
+use crate::plan::{Plan, PlanError};
 use crate::pools::{Cluster, ClusterHead, lock};
 use crate::record::Recorder;
 use crate::store::{Job, JobState, Store, StoreError};
@@ -260,13 +260,8 @@ impl Queue {
         });
         let state = match planned {
             Ok(plan) => match &self.worker {
-                Some(worker)
-                    if plan.rollout.placement == Placement::Local
-                        && plan.learner.placement == Placement::Local =>
-                {
-                    self.run_in_process(id, &dir, worker, control)
-                }
-                _ => {
+                Some(worker) => self.run_in_process(id, &dir, worker, control),
+                None => {
                     let opts = RunOptions {
                         cluster: Some(Cluster {
                             head: ClusterHead::Shared(self.head.clone()),
@@ -349,12 +344,23 @@ impl Queue {
                 }
             })
         };
-        let served = super::worker::serve(&self.store, std::io::BufReader::new(from), to);
+        let lending = super::worker::Lending {
+            head: &self.head,
+            borrower: format!("job {id}"),
+        };
+        let served = super::worker::serve(
+            &self.store,
+            Some(&lending),
+            std::io::BufReader::new(from),
+            to,
+        );
         if let Err(e) = served {
             tracing::warn!(job = id, "the job's process: {e}");
             let _ = child.kill();
         }
         let status = child.wait();
+        // Whatever the job left on agents (it was killed, or its pools never stopped) goes.
+        self.head.end_loan(&lending.borrower);
         ended.store(true, Ordering::SeqCst);
         let _ = forward.join();
         let state = self.store.job(id).map(|j| j.state);

@@ -1,7 +1,7 @@
-//! Jobs in child processes: a server runs each job whose pools are all in its own process in a
-//! process of its own (the same binary's `job-worker`), so a job that aborts, panics or is
-//! killed by the OOM killer fails alone — the server and the other jobs go on, and the job can
-//! be resumed from its last checkpoint like any failed job.
+//! Jobs in child processes: a server runs each job in a process of its own (the same binary's
+//! `job-worker`), so a job that aborts, panics or is killed by the OOM killer fails alone — the
+//! server and the other jobs go on, and the job can be resumed from its last checkpoint like any
+//! failed job.
 //!
 //! The server keeps the one store. The child reaches its job's record through [`Remote`], a
 //! [`JobStore`] whose every call is one JSON line to the server and one JSON line back, over
@@ -11,10 +11,17 @@
 //! for a job on a thread. A job the child leaves without an ending (killed, aborted) is failed by
 //! the server, naming the signal or exit status.
 //!
+//! The server also keeps the one head its agents register with. A job with pools on agents
+//! borrows them ([`actors::head::lend`]): [`Remote`] is also the child's [`Lender`] — the
+//! server's agents, room and death notices over the same pipes — while spawns, calls and weight
+//! pushes go from the child to the agents directly. When the child ends, the server stops what
+//! it left on the agents.
+//!
 //! Owns: the protocol between the server and a job's process, both ends. Does not own: starting
 //! the process (the queue, with the binary's command) or how a job runs (`run`).
 
 use crate::store::{CheckpointRecord, Job, JobState, JobStore, Progress, Store, StoreError};
+use actors::{Demand, Head, Lender, Lent, Loan};
 use serde::{Deserialize, Serialize};
 use std::io::{BufRead, Write};
 use std::path::{Path, PathBuf};
@@ -57,6 +64,25 @@ enum Request {
         id: u64,
         progress: Progress,
     },
+    /// What the child's head needs to borrow the server's agents.
+    Loan,
+    /// The server's live agents and the child's actors' deaths since the last poll.
+    Agents,
+    Reserve {
+        agent: String,
+        actor_id: String,
+        demand: Demand,
+    },
+    Release {
+        agent: String,
+        actor_id: String,
+    },
+}
+
+/// The server's head, lent to one job's process (`borrower` names the job in its ledger).
+pub struct Lending<'a> {
+    pub head: &'a Head,
+    pub borrower: String,
 }
 
 /// The answer: the call's result as JSON, or the store's error.
@@ -69,13 +95,19 @@ enum Reply {
     Err(String),
 }
 
-/// Answers a job process's calls (JSON lines from `from`, answers to `to`) against `store`
-/// until the process closes its end. Returns the I/O error that ended it early, if any.
-pub fn serve(store: &Store, from: impl BufRead, mut to: impl Write) -> std::io::Result<()> {
+/// Answers a job process's calls (JSON lines from `from`, answers to `to`) against `store` and,
+/// with `lending`, the server's head, until the process closes its end. Returns the I/O error
+/// that ended it early, if any.
+pub fn serve(
+    store: &Store,
+    lending: Option<&Lending<'_>>,
+    from: impl BufRead,
+    mut to: impl Write,
+) -> std::io::Result<()> {
     for line in from.lines() {
         let line = line?;
         let reply = match serde_json::from_str::<Request>(&line) {
-            Ok(request) => answer(store, request),
+            Ok(request) => answer(store, lending, request),
             Err(e) => Reply::Err(format!("unreadable call from the job's process: {e}")),
         };
         let mut text = serde_json::to_string(&reply)
@@ -87,7 +119,7 @@ pub fn serve(store: &Store, from: impl BufRead, mut to: impl Write) -> std::io::
     Ok(())
 }
 
-fn answer(store: &Store, request: Request) -> Reply {
+fn answer(store: &Store, lending: Option<&Lending<'_>>, request: Request) -> Reply {
     fn ok<T: Serialize>(r: Result<T, StoreError>) -> Reply {
         match r.map(|v| serde_json::to_value(v)) {
             Ok(Ok(v)) => Reply::Ok(v),
@@ -110,7 +142,37 @@ fn answer(store: &Store, request: Request) -> Reply {
             keep,
         } => ok(store.checkpoint(id, &progress, &record, keep)),
         Request::Rewind { id, progress } => ok(JobStore::rewind(store, id, &progress)),
+        Request::Loan => lend(lending, |l| encode(l.head.loan())),
+        Request::Agents => lend(lending, |l| encode(l.head.lend(&l.borrower))),
+        Request::Reserve {
+            agent,
+            actor_id,
+            demand,
+        } => lend(lending, |l| {
+            l.head.lend_room(&l.borrower, &agent, &actor_id, &demand)?;
+            Ok(serde_json::Value::Null)
+        }),
+        Request::Release { agent, actor_id } => lend(lending, |l| {
+            l.head.lend_release(&agent, &actor_id);
+            Ok(serde_json::Value::Null)
+        }),
     }
+}
+
+/// Answers a call to the server's head, which only a job with a lending server may make.
+fn lend(
+    lending: Option<&Lending<'_>>,
+    f: impl FnOnce(&Lending<'_>) -> Result<serde_json::Value, String>,
+) -> Reply {
+    match lending.map(f) {
+        Some(Ok(v)) => Reply::Ok(v),
+        Some(Err(e)) => Reply::Err(e),
+        None => Reply::Err("this server lends no agents to its jobs".into()),
+    }
+}
+
+fn encode<T: Serialize>(v: T) -> Result<serde_json::Value, String> {
+    serde_json::to_value(v).map_err(|e| format!("cannot encode the answer: {e}"))
 }
 
 /// The store of a server, as its job's process sees it: each call one round trip over the
@@ -164,6 +226,38 @@ impl Remote {
             Ok(Reply::Err(msg)) => Err(self.err(msg)),
             Err(e) => Err(self.err(format!("an unreadable answer: {e}"))),
         }
+    }
+}
+
+impl Remote {
+    /// What this process's head needs to borrow the server's agents.
+    pub fn loan(&self) -> Result<Loan, StoreError> {
+        self.call(&Request::Loan)
+    }
+}
+
+/// The server's head, as a job's process borrows it.
+impl Lender for Remote {
+    fn poll(&self) -> Result<Lent, String> {
+        self.call(&Request::Agents).map_err(|e| e.to_string())
+    }
+    fn reserve(&self, agent: &str, actor_id: &str, demand: &Demand) -> Result<(), String> {
+        self.call(&Request::Reserve {
+            agent: agent.into(),
+            actor_id: actor_id.into(),
+            demand: demand.clone(),
+        })
+        .map_err(|e| match e {
+            StoreError::Remote { msg, .. } => msg,
+            other => other.to_string(),
+        })
+    }
+    fn release(&self, agent: &str, actor_id: &str) -> Result<(), String> {
+        self.call(&Request::Release {
+            agent: agent.into(),
+            actor_id: actor_id.into(),
+        })
+        .map_err(|e| e.to_string())
     }
 }
 
@@ -264,7 +358,9 @@ mod tests {
         let (answers_r, answers_w) = std::io::pipe().unwrap();
         let server = {
             let store = store.clone();
-            std::thread::spawn(move || serve(&store, std::io::BufReader::new(calls_r), answers_w))
+            std::thread::spawn(move || {
+                serve(&store, None, std::io::BufReader::new(calls_r), answers_w)
+            })
         };
         let remote = Remote::new(
             store.path().to_path_buf(),

@@ -207,22 +207,27 @@ impl AgentsArgs {
         }
         for a in &info.agents {
             let r = a.resources.unwrap_or_default();
+            let free = a.free.unwrap_or_default();
             let mut labels: Vec<String> =
                 a.labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
             labels.sort();
             if json {
                 let v = serde_json::json!({"id": a.id, "name": a.name, "address": a.address,
                     "cpu": r.cpu, "gpu": r.gpu, "tpu": r.tpu, "memory_bytes": r.memory_bytes,
-                    "labels": a.labels, "kinds": a.kinds});
+                    "labels": a.labels, "kinds": a.kinds,
+                    "free": {"cpu": free.cpu, "gpu": free.gpu, "tpu": free.tpu}});
                 println!("{v}");
             } else {
                 println!(
-                    "{:<20} {:<28} cpu={} gpu={} tpu={}  {}",
+                    "{:<20} {:<28} cpu={} gpu={} tpu={} (free: cpu={} gpu={} tpu={})  {}",
                     a.name,
                     a.address,
                     r.cpu,
                     r.gpu,
                     r.tpu,
+                    free.cpu,
+                    free.gpu,
+                    free.tpu,
                     labels.join(",")
                 );
             }

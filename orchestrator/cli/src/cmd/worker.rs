@@ -1,17 +1,23 @@
 //! `trellis job-worker` (hidden): one job of a server in a process of its own
 //! ([`orchestrator::jobs::worker`]). The server starts it with pipes on stdin and stdout, which
-//! carry the job's calls to the server's store; it stops on SIGUSR1 (cancel) or SIGTERM (stop,
-//! staying pending), each after the current step with a checkpoint.
+//! carry the job's calls to the server's store and, for a job with pools on agents, to the
+//! server's head, whose agents this process borrows; it stops on SIGUSR1 (cancel) or SIGTERM
+//! (stop, staying pending), each after the current step with a checkpoint.
 
 use crate::progress::PlotSink;
+use actors::{Head, Lender};
 use anyhow::{Context, Result};
 use orchestrator::jobs::run::{self, RunOptions};
 use orchestrator::jobs::worker::Remote;
 use orchestrator::jobs::{StopReason, request_stop};
+use orchestrator::plan::Placement;
+use orchestrator::pools::{Cluster, ClusterHead};
 use orchestrator::store::{JobState, JobStore};
 use std::fs::File;
 use std::os::fd::FromRawFd;
 use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
 
 /// `trellis job-worker`'s arguments (given by the server).
 #[derive(Debug, clap::Args)]
@@ -25,6 +31,9 @@ pub struct WorkerArgs {
     /// The server's store file (for messages).
     #[arg(long)]
     store: PathBuf,
+    /// Seconds to wait for agents with room (the server's `--agent-wait`).
+    #[arg(long, default_value_t = 0.0)]
+    agent_wait: f64,
 }
 
 impl WorkerArgs {
@@ -32,9 +41,9 @@ impl WorkerArgs {
         let (from, to) = take_stdio()?;
         stop_on_server_signals();
         let id = self.job;
-        let remote = Remote::new(self.store, std::io::BufReader::new(from), to);
+        let remote = Arc::new(Remote::new(self.store, std::io::BufReader::new(from), to));
         let job = remote.job(id)?;
-        let plan = match run::replan(&remote, &job) {
+        let plan = match run::replan(&*remote, &job) {
             Ok(plan) => plan,
             Err(e) => {
                 let why = e.to_string();
@@ -43,15 +52,41 @@ impl WorkerArgs {
                 return Ok(());
             }
         };
+        // Pools on agents: the server's agents, borrowed by a head in this process (its tasks on
+        // a runtime of their own that lives as long as the job).
+        let on_agents = plan.rollout.placement != Placement::Local
+            || plan.learner.placement != Placement::Local;
+        let borrowed = if on_agents {
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(1)
+                .thread_name("job-head")
+                .enable_all()
+                .build()
+                .context("cannot start the head's runtime")?;
+            let loan = remote.loan()?;
+            let lender: Arc<dyn Lender> = remote.clone();
+            let head = rt
+                .block_on(Head::borrow(&loan, lender))
+                .map_err(|e| anyhow::anyhow!("cannot borrow the server's agents: {e}"))?;
+            Some((rt, head))
+        } else {
+            None
+        };
         let opts = RunOptions {
-            cluster: None,
+            cluster: borrowed.as_ref().map(|(_, head)| Cluster {
+                head: ClusterHead::Shared(head.clone()),
+                wait: Duration::from_secs_f64(self.agent_wait.max(0.0)),
+            }),
             stop: None,
             log_to_store: true,
             resume_hint: Some(format!("trellis resume {id}")),
             sinks: vec![Box::new(PlotSink::new(self.run_dir.clone()))],
         };
         // The lifecycle records the ending in the server's store; nothing more to say here.
-        let _ = run::execute(&plan, &self.run_dir, &remote, id, None, opts);
+        let _ = run::execute(&plan, &self.run_dir, &*remote, id, None, opts);
+        if let Some((rt, head)) = borrowed {
+            rt.block_on(head.shutdown(false));
+        }
         Ok(())
     }
 }

@@ -190,7 +190,7 @@ class ClusterInfo(_message.Message):
     def __init__(self, version: _Optional[str] = ..., time_ms: _Optional[int] = ..., protocol_version: _Optional[int] = ..., agents: _Optional[_Iterable[_Union[ClusterAgent, _Mapping]]] = ...) -> None: ...
 
 class ClusterAgent(_message.Message):
-    __slots__ = ("id", "name", "address", "resources", "labels", "kinds")
+    __slots__ = ("id", "name", "address", "resources", "labels", "kinds", "free")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -204,10 +204,12 @@ class ClusterAgent(_message.Message):
     RESOURCES_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
     KINDS_FIELD_NUMBER: _ClassVar[int]
+    FREE_FIELD_NUMBER: _ClassVar[int]
     id: str
     name: str
     address: str
     resources: _agent_pb2.Resources
     labels: _containers.ScalarMap[str, str]
     kinds: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., address: _Optional[str] = ..., resources: _Optional[_Union[_agent_pb2.Resources, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., kinds: _Optional[_Iterable[str]] = ...) -> None: ...
+    free: _agent_pb2.Resources
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., address: _Optional[str] = ..., resources: _Optional[_Union[_agent_pb2.Resources, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., kinds: _Optional[_Iterable[str]] = ..., free: _Optional[_Union[_agent_pb2.Resources, _Mapping]] = ...) -> None: ...
