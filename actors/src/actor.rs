@@ -429,8 +429,13 @@ pub(crate) struct Incarnation<A: Actor> {
 }
 
 /// Starts incarnation number `n` (0 first); restarts pass the same closure larger `n`.
-pub(crate) type Starter<A> =
-    Arc<dyn Fn(u32) -> BoxFuture<'static, Result<Incarnation<A>, ActorError>> + Send + Sync>;
+/// Starts incarnation `n`; gives up waiting (for room, say) once `stopping` says the actor was
+/// stopped ([`stop_requested`]).
+pub(crate) type Starter<A> = Arc<
+    dyn Fn(u32, watch::Receiver<bool>) -> BoxFuture<'static, Result<Incarnation<A>, ActorError>>
+        + Send
+        + Sync,
+>;
 
 /// Starts the first incarnation with `starter` and supervises it; fails if it cannot start.
 pub(crate) async fn supervise<A: Actor>(
@@ -438,10 +443,10 @@ pub(crate) async fn supervise<A: Actor>(
     starter: Starter<A>,
     options: SpawnOptions<A>,
 ) -> Result<ActorRef<A>, ActorError> {
-    let first = starter(0).await?;
+    let (control_tx, control_rx) = watch::channel(false);
+    let first = starter(0, control_rx.clone()).await?;
     let name: Arc<str> = Arc::from(name);
     let (link_tx, link_rx) = watch::channel(first.link);
-    let (control_tx, control_rx) = watch::channel(false);
     tokio::spawn(supervisor_loop(
         name.clone(),
         link_tx,
@@ -502,9 +507,28 @@ async fn supervisor_loop<A: Actor>(
         }
         tracing::warn!(actor = %name, %reason, restart = deaths, max, "actor died; restarting");
         link_tx.send_replace(Link::Restarting);
-        tokio::time::sleep(options.restart.delay(deaths)).await;
+        let stopped = tokio::select! {
+            _ = tokio::time::sleep(options.restart.delay(deaths)) => false,
+            _ = wait_for_stop(&mut control) => true,
+        };
         incarnation += 1;
-        match starter(incarnation).await {
+        let started = match stopped {
+            true => None,
+            false => Some(starter(incarnation, control.clone()).await),
+        };
+        // Stopped while it restarted (a restart may wait minutes for room): whatever came up
+        // goes down again, and nothing restarts it.
+        if stop_requested(&control) {
+            if let Some(Ok(next)) = started {
+                next.link.stop().await;
+            }
+            link_tx.send_replace(Link::Down(ActorError::Stopped {
+                actor: name.to_string(),
+            }));
+            return;
+        }
+        let Some(started) = started else { continue };
+        match started {
             Ok(next) => {
                 if let Some(hook) = &options.on_restart {
                     let pinned = ActorRef::pinned(name.clone(), next.link.clone());
@@ -523,7 +547,13 @@ async fn supervisor_loop<A: Actor>(
     }
 }
 
-async fn wait_for_stop(control: &mut watch::Receiver<bool>) {
+/// Whether the actor was stopped: asked to, or every handle dropped.
+pub(crate) fn stop_requested(control: &watch::Receiver<bool>) -> bool {
+    *control.borrow() || control.has_changed().is_err()
+}
+
+/// Returns once the actor was stopped ([`stop_requested`]).
+pub(crate) async fn wait_for_stop(control: &mut watch::Receiver<bool>) {
     loop {
         if *control.borrow_and_update() {
             return;
@@ -548,7 +578,7 @@ pub async fn spawn_local<A: Actor>(
 ) -> Result<ActorRef<A>, ActorError> {
     let mailbox = options.mailbox;
     let actor_name = name.to_string();
-    let starter: Starter<A> = Arc::new(move |_n| {
+    let starter: Starter<A> = Arc::new(move |_n, _stopping| {
         let config = config.clone();
         let actor_name = actor_name.clone();
         Box::pin(async move {

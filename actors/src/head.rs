@@ -13,7 +13,10 @@
 
 pub mod lend;
 
-use crate::actor::{Actor, ActorRef, Incarnation, Link, SpawnOptions, Starter, supervise};
+use crate::actor::{
+    Actor, ActorRef, Incarnation, Link, SpawnOptions, Starter, stop_requested, supervise,
+    wait_for_stop,
+};
 use crate::auth::Token;
 use crate::error::ActorError;
 use crate::lock;
@@ -60,6 +63,18 @@ impl Default for HeadConfig {
     }
 }
 
+/// How long a start may wait for room, and the actor's stop, which ends the wait.
+pub(crate) struct RoomWait {
+    pub wait: Duration,
+    pub stopping: watch::Receiver<bool>,
+}
+
+impl RoomWait {
+    fn stopped(&self) -> bool {
+        stop_requested(&self.stopping)
+    }
+}
+
 /// A registered agent.
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct AgentInfo {
@@ -78,6 +93,22 @@ struct AgentEntry {
     conn: Arc<AgentConn>,
     free: Resources,
     actors: HashMap<String, Demand>,
+}
+
+impl AgentEntry {
+    /// What no actor holds: the agent's resources less every actor's demand, never below
+    /// zero (a head's own spawns may hold more than there is for a moment — a pool started
+    /// while stopped actors still hold their room — and a count kept by taking and giving
+    /// would then drift).
+    fn recount(&mut self) {
+        let mut free = self.info.resources;
+        for held in self.actors.values() {
+            for (&d, &n) in &held.devices {
+                free.take(d, n);
+            }
+        }
+        self.free = free;
+    }
 }
 
 struct Inner {
@@ -297,6 +328,7 @@ impl Head {
         name: &str,
         demand: &Demand,
         wait: Duration,
+        mut stopping: watch::Receiver<bool>,
     ) -> Result<String, ActorError> {
         let what = format!("actor `{name}`");
         let mut changes = self.inner.membership.subscribe();
@@ -326,6 +358,9 @@ impl Head {
                             }
                         }
                         _ = tokio::time::sleep(nap) => {}
+                        _ = wait_for_stop(&mut stopping) => {
+                            return Err(ActorError::Stopped { actor: name.to_string() });
+                        }
                     }
                 }
             }
@@ -407,7 +442,7 @@ impl Head {
         // an earlier job (same name) or an earlier head never names this one.
         let serial = self.inner.next_actor.fetch_add(1, Ordering::Relaxed);
         let place_wait = options.restart.place_wait;
-        let starter: Starter<A> = Arc::new(move |n| {
+        let starter: Starter<A> = Arc::new(move |n, stopping| {
             let (head, demand, config, name) = (
                 head.clone(),
                 demand.clone(),
@@ -423,17 +458,22 @@ impl Head {
                     }
                     // A restart waits for room: the agent that died may be coming back, or
                     // another joining; only a start that fails counts as a death.
-                    None => head.pick_waiting(&name, &demand, place_wait).await?,
+                    None => {
+                        head.pick_waiting(&name, &demand, place_wait, stopping.clone())
+                            .await?
+                    }
                 };
-                let (remote, death) = head
-                    .start_remote(
-                        &agent,
-                        format!("{name}#{n}@{}.{serial}", head.inner.epoch),
-                        config,
-                        mailbox,
-                        demand,
-                    )
-                    .await?;
+                let request = SpawnRequest {
+                    actor_id: format!("{name}#{n}@{}.{serial}", head.inner.epoch),
+                    kind: demand.kind.clone(),
+                    config,
+                    mailbox,
+                };
+                let waiting = RoomWait {
+                    wait: place_wait,
+                    stopping,
+                };
+                let (remote, death) = head.start_remote(&agent, request, demand, &waiting).await?;
                 Ok(Incarnation {
                     link: Link::Remote(remote),
                     death,
@@ -446,25 +486,30 @@ impl Head {
     async fn start_remote(
         &self,
         agent: &str,
-        actor_id: String,
-        config: Bytes,
-        mailbox: u32,
+        request: SpawnRequest,
         demand: Demand,
+        waiting: &RoomWait,
     ) -> Result<(RemoteActor, oneshot::Receiver<String>), ActorError> {
+        let actor_id = request.actor_id.clone();
         let conn = {
             let mut agents = lock(&self.inner.agents);
             let entry = agents.get_mut(agent).ok_or_else(|| ActorError::Agent {
                 agent: agent.to_string(),
                 message: "is no longer registered".into(),
             })?;
-            for (&d, &n) in &demand.devices {
-                entry.free.take(d, n);
-            }
             entry.actors.insert(actor_id.clone(), demand.clone());
+            match self.inner.lender {
+                None => entry.recount(),
+                Some(_) => {
+                    for (&d, &n) in &demand.devices {
+                        entry.free.take(d, n);
+                    }
+                }
+            }
             entry.conn.clone()
         };
         // A borrowed agent's room is the lender's to give: other jobs use the same agents.
-        if let Err(message) = self.inner.reserve(agent, &actor_id, &demand).await {
+        if let Err(message) = self.inner.reserve(agent, &actor_id, &demand, waiting).await {
             self.inner.release(agent, &actor_id);
             return Err(ActorError::Agent {
                 agent: conn.name.clone(),
@@ -473,12 +518,6 @@ impl Head {
         }
         let (tx, death) = oneshot::channel();
         lock(&self.inner.deaths).insert(actor_id.clone(), tx);
-        let request = SpawnRequest {
-            actor_id: actor_id.clone(),
-            kind: demand.kind.clone(),
-            config,
-            mailbox,
-        };
         match conn.spawn(request).await {
             Ok(()) => {
                 tracing::info!(actor = %actor_id, agent = %conn.name, "spawned");
@@ -553,8 +592,14 @@ impl Inner {
         if let Some(entry) = lock(&self.agents).get_mut(agent)
             && let Some(demand) = entry.actors.remove(actor_id)
         {
-            for (&d, &n) in &demand.devices {
-                entry.free.give(d, n);
+            match self.lender {
+                None => entry.recount(),
+                // A borrower's room is the lender's count, polled, less what it took since.
+                Some(_) => {
+                    for (&d, &n) in &demand.devices {
+                        entry.free.give(d, n);
+                    }
+                }
             }
         }
     }
@@ -1019,6 +1064,16 @@ mod tests {
             .await
             .unwrap_err();
         assert!(e.to_string().contains("2 of 3 placed"), "{e}");
+        // At the lender, whatever a borrower's view: room another job holds is refused; room
+        // the asking job's own actors hold is that job's to judge.
+        let a = head.agents()[0].id.clone();
+        let both = Demand::new("ping", Device::Cpu, 2);
+        let e = head.lend_room("job-2", &a, "x", &both).unwrap_err();
+        assert!(e.contains("cpu 1 free, 2 wanted"), "{e}");
+        head.lend_room("job-1", &a, "y", &both)
+            .expect("its own actor's room");
+        head.lend_release(&a, "y");
+        assert_eq!(free_cpus(&head), [("a".into(), 1), ("b".into(), 1)]);
 
         // The lender loses agent `a`: the borrower's actor there comes back on `b`.
         let on_a = refs

@@ -14,7 +14,7 @@
 //! the two processes (the orchestrator's job protocol carries a [`Loan`], [`Lent`] and the
 //! calls) or supervision (the borrower's actors restart as any head's do).
 
-use super::{AgentEntry, AgentInfo, Head, HeadConfig, Inner};
+use super::{AgentEntry, AgentInfo, Head, HeadConfig, Inner, RoomWait};
 use crate::auth::Token;
 use crate::lock;
 use crate::placement::{self, Demand, Offer, Resources};
@@ -124,8 +124,11 @@ impl Head {
         }
     }
 
-    /// Takes room on `agent` for `borrower`'s actor `actor_id`, as a spawn of this head's own
-    /// would; the actor is then the borrower's until it dies or the loan ends.
+    /// Takes room on `agent` for `borrower`'s actor `actor_id`; the actor is then the
+    /// borrower's until it dies or the loan ends. Room another job holds is refused; room the
+    /// borrower's own actors hold is the borrower's to judge (its placement did), as a head's
+    /// own spawns are — an actor it is stopping (its pools restarting after a lost rank, say)
+    /// may hold it until its agent reports it ended.
     pub fn lend_room(
         &self,
         borrower: &str,
@@ -137,20 +140,27 @@ impl Head {
         let entry = agents
             .get_mut(agent)
             .ok_or_else(|| format!("agent `{agent}` is no longer registered"))?;
+        let mut ledger = lock(&self.inner.lent);
+        let mut free = entry.free;
+        for (id, held) in &entry.actors {
+            if ledger.owner.get(id).is_some_and(|b| b == borrower) {
+                for (&d, &n) in &held.devices {
+                    free.give(d, n);
+                }
+            }
+        }
         let offer = Offer {
             id: entry.info.id.clone(),
             name: entry.info.name.clone(),
-            free: entry.free,
+            free,
             labels: entry.info.labels.clone(),
             kinds: entry.info.kinds.clone(),
         };
         placement::pick(&format!("actor `{actor_id}`"), demand, &[offer])
             .map_err(|e| e.to_string())?;
-        for (&d, &n) in &demand.devices {
-            entry.free.take(d, n);
-        }
         entry.actors.insert(actor_id.to_string(), demand.clone());
-        lock(&self.inner.lent)
+        entry.recount();
+        ledger
             .owner
             .insert(actor_id.to_string(), borrower.to_string());
         Ok(())
@@ -254,20 +264,50 @@ impl Head {
 }
 
 impl Inner {
-    /// A borrowing head takes room from its lender (else there is nothing to take).
+    /// A borrowing head takes room from its lender (else there is nothing to take). The room
+    /// this head sees trails the lender's by a poll, and the lender's trails the agents' by a
+    /// heartbeat (an actor stopped a moment ago — an earlier incarnation of one of this job's,
+    /// say — still holds its room there), so a refusal is asked again after a fresh poll, for
+    /// up to the actor's wait for room (as a restart waits for it) and at least a heartbeat
+    /// timeout, unless the actor is stopped meanwhile; what is refused then is refused.
     pub(super) async fn reserve(
-        &self,
+        self: &Arc<Self>,
         agent: &str,
         actor_id: &str,
         demand: &Demand,
+        waiting: &RoomWait,
     ) -> Result<(), String> {
         let Some(lender) = self.lender.clone() else {
             return Ok(());
         };
-        let (agent, actor_id, demand) = (agent.to_string(), actor_id.to_string(), demand.clone());
-        tokio::task::spawn_blocking(move || lender.reserve(&agent, &actor_id, &demand))
-            .await
-            .map_err(|e| format!("the reservation did not finish: {e}"))?
+        let wait = waiting.wait;
+        let deadline = Instant::now() + wait.max(self.config.heartbeat_timeout);
+        let mut told = false;
+        loop {
+            let (lender, agent, id, demand) = (
+                lender.clone(),
+                agent.to_string(),
+                actor_id.to_string(),
+                demand.clone(),
+            );
+            let refused = tokio::task::spawn_blocking(move || lender.reserve(&agent, &id, &demand))
+                .await
+                .map_err(|e| format!("the reservation did not finish: {e}"))?;
+            match refused {
+                Ok(()) => return Ok(()),
+                Err(e) if Instant::now() >= deadline || waiting.stopped() => return Err(e),
+                Err(e) => {
+                    if !told {
+                        tracing::info!(actor = actor_id, "waits up to {wait:.0?} for room: {e}");
+                        told = true;
+                    }
+                    tokio::time::sleep(self.config.heartbeat_interval / 2).await;
+                    if let Err(e) = self.poll_lender().await {
+                        tracing::warn!("cannot ask the server for its agents: {e}");
+                    }
+                }
+            }
+        }
     }
 
     /// A borrowing head gives back what it reserved for an actor that did not start.

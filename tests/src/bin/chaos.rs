@@ -144,7 +144,14 @@ impl Cluster {
 
     fn head(dir: &Path, data: &Path, listen: &str) -> Result<(Killed, String), Error> {
         let mut child = trellis()
-            .args(["--log", "warn", "serve", "--listen", listen, "--data-dir"])
+            .args([
+                "--log",
+                "warn,actors=info,orchestrator::jobs=info",
+                "serve",
+                "--listen",
+                listen,
+                "--data-dir",
+            ])
             .arg(data)
             .args(["--agent-wait", "120"])
             .stdout(Stdio::piped())
