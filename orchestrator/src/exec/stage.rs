@@ -107,6 +107,7 @@ impl<'a> Executor<'a> {
                 _ => return Err(ExecError::Internal("a stage without its state".into())),
             };
             let freq = stage.eval_freq;
+            let mut reached = false;
             if (freq > 0 && step % freq == 0) || step == total {
                 let ev = eval::evaluate(stage, &self.prompts, &*self.roles.rollouts)?;
                 ev.write_samples(self.job.dir, &stage.id, step)?;
@@ -115,6 +116,7 @@ impl<'a> Executor<'a> {
                 self.summary
                     .eval_accuracy
                     .insert(stage.id.clone(), ev.accuracy);
+                reached = stage.stop_at_accuracy.is_some_and(|t| ev.accuracy >= t);
             }
             self.job.records.row(&stage.id, step, &m)?;
             self.summary.steps_run += 1;
@@ -133,6 +135,19 @@ impl<'a> Executor<'a> {
                 let critic = rl.as_ref().and_then(|r| r.critic.as_deref());
                 self.checkpoint(stage, step, true, critic)?;
             }
+            if reached && step < total {
+                let text = format!(
+                    "[{}] held-out accuracy {:.3} reached stop_at_accuracy {} at step {step}: the stage ends here",
+                    stage.id,
+                    m.get("eval/accuracy").copied().unwrap_or_default(),
+                    stage.stop_at_accuracy.unwrap_or_default(),
+                );
+                self.job.records.event(Event::Note {
+                    text: &text,
+                    always: false,
+                })?;
+                return self.finish_stage_at(stage, step);
+            }
             if stop {
                 return Err(ExecError::Stopped {
                     stage: stage.id.clone(),
@@ -144,8 +159,13 @@ impl<'a> Executor<'a> {
     }
 
     fn finish_stage(&mut self, stage: &StagePlan) -> Result<(), ExecError> {
+        self.finish_stage_at(stage, stage.steps)
+    }
+
+    /// Records `stage` complete after `step` (its last, or the one that reached its target).
+    fn finish_stage_at(&mut self, stage: &StagePlan, step: u64) -> Result<(), ExecError> {
         self.state.completed.push(stage.id.clone());
-        self.checkpoint(stage, stage.steps, false, None)
+        self.checkpoint(stage, step, false, None)
     }
 
     /// The RL stage's state: the policy's optimiser (restored from `checkpoint` when resuming

@@ -1012,6 +1012,20 @@ fn stage(
             format!("must be 0 (greedy) or a positive temperature, got {t}"),
         ));
     }
+    if let Some(target) = s.trainer.stop_at_accuracy {
+        let why = if s.kind == StageKind::Eval {
+            Some("is for a stage that trains (an eval stage has no steps to stop)".to_string())
+        } else if !(target > 0.0 && target <= 1.0) {
+            Some(format!("must be an accuracy in (0, 1], got {target}"))
+        } else if s.trainer.eval_freq == 0 {
+            Some("needs `trainer.eval_freq` above 0: the stage checks it at each evaluation".into())
+        } else {
+            None
+        };
+        if let Some(why) = why {
+            return Err(e.at(at("trainer.stop_at_accuracy"), why));
+        }
+    }
     if s.trainer.max_ckpt_to_keep == 0 {
         return Err(e.at(
             at("trainer.max_ckpt_to_keep"),
@@ -1077,6 +1091,7 @@ fn stage(
         reward,
         scores_episodes,
         eval_freq: s.trainer.eval_freq,
+        stop_at_accuracy: s.trainer.stop_at_accuracy,
         save_freq: s.trainer.save_freq,
         save_dtype: s.trainer.save_dtype,
         keep: s.trainer.max_ckpt_to_keep,

@@ -216,6 +216,8 @@ pub struct StagePlan {
     pub steps: u64,
     /// Evaluate every this many steps (0: only at the end).
     pub eval_freq: u64,
+    /// The stage ends at the first evaluation at or above this held-out accuracy.
+    pub stop_at_accuracy: Option<f64>,
     /// Checkpoint every this many steps (0: only at the end).
     pub save_freq: u64,
     /// Checkpoints kept.

@@ -579,6 +579,10 @@ pub struct Trainer {
     pub total_epochs: Option<f64>,
     /// Evaluate every this many steps (0: only at the end).
     pub eval_freq: u64,
+    /// End the stage at the first evaluation whose held-out accuracy reaches this (`steps`
+    /// stays the most it runs): a warm start handed over at a level, not after a step count
+    /// whose level moves with the machine.
+    pub stop_at_accuracy: Option<f64>,
     /// Checkpoint every this many steps (0: only at the end).
     pub save_freq: u64,
     /// `sync` (generate, then train, each step) or `async` (generation of later steps overlaps
@@ -615,6 +619,7 @@ impl Default for Trainer {
             steps: 100,
             total_epochs: None,
             eval_freq: 0,
+            stop_at_accuracy: None,
             save_freq: 0,
             mode: Mode::Sync,
             max_staleness: 1,

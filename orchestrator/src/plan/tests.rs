@@ -80,17 +80,17 @@ fn bad_workflows_get_messages_that_say_where_and_why() {
         (
             "trainer: {steps: 2}\n  - id: final",
             "trainer: {steps: 2, test_freq: 1}\n  - id: final",
-            "t.yaml:18:25: stages[1].trainer: unknown field `test_freq`: VeRL's `trainer.test_freq` is `eval_freq` in a stage's `trainer`; expected one of steps, total_epochs, eval_freq, save_freq, mode, max_staleness, stale_samples, max_ckpt_to_keep, save_dtype, log_generations, eval_temperature, log_rollouts",
+            "t.yaml:18:25: stages[1].trainer: unknown field `test_freq`: VeRL's `trainer.test_freq` is `eval_freq` in a stage's `trainer`; expected one of steps, total_epochs, eval_freq, stop_at_accuracy, save_freq, mode, max_staleness, stale_samples, max_ckpt_to_keep, save_dtype, log_generations, eval_temperature, log_rollouts",
         ),
         (
             "trainer: {steps: 2}\n  - id: final",
             "trainer: {steps: 2, log_val_generations: 4}\n  - id: final",
-            "t.yaml:18:25: stages[1].trainer: unknown field `log_val_generations`: VeRL's `trainer.log_val_generations` is `log_generations` in a stage's `trainer`; expected one of steps, total_epochs, eval_freq, save_freq, mode, max_staleness, stale_samples, max_ckpt_to_keep, save_dtype, log_generations, eval_temperature, log_rollouts",
+            "t.yaml:18:25: stages[1].trainer: unknown field `log_val_generations`: VeRL's `trainer.log_val_generations` is `log_generations` in a stage's `trainer`; expected one of steps, total_epochs, eval_freq, stop_at_accuracy, save_freq, mode, max_staleness, stale_samples, max_ckpt_to_keep, save_dtype, log_generations, eval_temperature, log_rollouts",
         ),
         (
             "trainer: {steps: 2}\n  - id: final",
             "trainer: {total_training_steps: 2}\n  - id: final",
-            "t.yaml:18:15: stages[1].trainer: unknown field `total_training_steps`: VeRL's `trainer.total_training_steps` is `steps` in a stage's `trainer`; expected one of steps, total_epochs, eval_freq, save_freq, mode, max_staleness, stale_samples, max_ckpt_to_keep, save_dtype, log_generations, eval_temperature, log_rollouts",
+            "t.yaml:18:15: stages[1].trainer: unknown field `total_training_steps`: VeRL's `trainer.total_training_steps` is `steps` in a stage's `trainer`; expected one of steps, total_epochs, eval_freq, stop_at_accuracy, save_freq, mode, max_staleness, stale_samples, max_ckpt_to_keep, save_dtype, log_generations, eval_temperature, log_rollouts",
         ),
         (
             "kind: sft",
@@ -194,6 +194,21 @@ fn bad_workflows_get_messages_that_say_where_and_why() {
             "trainer: {steps: 2}\n  - id: rl",
             "trainer: {steps: 2, max_ckpt_to_keep: 0}\n  - id: rl",
             "t.yaml: stages[0].trainer.max_ckpt_to_keep: is 0: at least the latest checkpoint is kept (resuming needs it)",
+        ),
+        (
+            "trainer: {steps: 2}\n  - id: rl",
+            "trainer: {steps: 2, stop_at_accuracy: 0.5}\n  - id: rl",
+            "t.yaml: stages[0].trainer.stop_at_accuracy: needs `trainer.eval_freq` above 0: the stage checks it at each evaluation",
+        ),
+        (
+            "trainer: {steps: 2}\n  - id: rl",
+            "trainer: {steps: 2, eval_freq: 1, stop_at_accuracy: 50}\n  - id: rl",
+            "t.yaml: stages[0].trainer.stop_at_accuracy: must be an accuracy in (0, 1], got 50",
+        ),
+        (
+            "kind: eval\n    after: [rl]",
+            "kind: eval\n    after: [rl]\n    trainer: {eval_freq: 1, stop_at_accuracy: 0.5}",
+            "t.yaml: stages[2].trainer.stop_at_accuracy: is for a stage that trains (an eval stage has no steps to stop)",
         ),
         (
             "data: {task: arith, digits: 1, eval_size: 4}\n    sft",
