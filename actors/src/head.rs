@@ -806,6 +806,20 @@ mod tests {
     }
 
     /// A head on a free loopback port with a fresh token.
+    /// Two ping actors, one per agent.
+    fn ping_pool() -> PoolSpec {
+        PoolSpec {
+            name: "ping".into(),
+            kind: "ping".into(),
+            actors: 2,
+            device: Device::Cpu,
+            per_actor: 1,
+            strategy: Strategy::Spread,
+            labels: BTreeMap::new(),
+            colocate: None,
+        }
+    }
+
     async fn loopback_head() -> (Head, Token) {
         let token = Token::generate().expect("urandom");
         let head = Head::serve(
@@ -866,16 +880,7 @@ mod tests {
         );
         assert_eq!(agents[0].kinds, ["ping"]);
 
-        let pool = PoolSpec {
-            name: "ping".into(),
-            kind: "ping".into(),
-            actors: 2,
-            device: Device::Cpu,
-            per_actor: 1,
-            strategy: Strategy::Spread,
-            labels: BTreeMap::new(),
-            colocate: None,
-        };
+        let pool = ping_pool();
         let restart = RestartPolicy {
             max_restarts: 2,
             backoff: Duration::from_millis(10),
@@ -1017,16 +1022,7 @@ mod tests {
         );
         assert_eq!(job.address(), head.address());
 
-        let pool = PoolSpec {
-            name: "ping".into(),
-            kind: "ping".into(),
-            actors: 2,
-            device: Device::Cpu,
-            per_actor: 1,
-            strategy: Strategy::Spread,
-            labels: BTreeMap::new(),
-            colocate: None,
-        };
+        let pool = ping_pool();
         let options = SpawnOptions {
             restart: RestartPolicy {
                 max_restarts: 2,
