@@ -428,9 +428,8 @@ pub(crate) struct Incarnation<A: Actor> {
     pub death: oneshot::Receiver<String>,
 }
 
-/// Starts incarnation number `n` (0 first); restarts pass the same closure larger `n`.
-/// Starts incarnation `n`; gives up waiting (for room, say) once `stopping` says the actor was
-/// stopped ([`stop_requested`]).
+/// Starts incarnation number `n` (0 first); restarts pass the same closure larger `n`. It gives
+/// up waiting (for room, say) once `stopping` says the actor was stopped ([`stop_requested`]).
 pub(crate) type Starter<A> = Arc<
     dyn Fn(u32, watch::Receiver<bool>) -> BoxFuture<'static, Result<Incarnation<A>, ActorError>>
         + Send
@@ -507,27 +506,29 @@ async fn supervisor_loop<A: Actor>(
         }
         tracing::warn!(actor = %name, %reason, restart = deaths, max, "actor died; restarting");
         link_tx.send_replace(Link::Restarting);
-        let stopped = tokio::select! {
-            _ = tokio::time::sleep(options.restart.delay(deaths)) => false,
-            _ = wait_for_stop(&mut control) => true,
+        // Stopped while it restarted (a restart may wait minutes for room): nothing restarts
+        // it, and whatever came up goes down again.
+        let stopped = || {
+            Link::Down(ActorError::Stopped {
+                actor: name.to_string(),
+            })
         };
+        tokio::select! {
+            _ = tokio::time::sleep(options.restart.delay(deaths)) => {}
+            _ = wait_for_stop(&mut control) => {
+                link_tx.send_replace(stopped());
+                return;
+            }
+        }
         incarnation += 1;
-        let started = match stopped {
-            true => None,
-            false => Some(starter(incarnation, control.clone()).await),
-        };
-        // Stopped while it restarted (a restart may wait minutes for room): whatever came up
-        // goes down again, and nothing restarts it.
+        let started = starter(incarnation, control.clone()).await;
         if stop_requested(&control) {
-            if let Some(Ok(next)) = started {
+            if let Ok(next) = started {
                 next.link.stop().await;
             }
-            link_tx.send_replace(Link::Down(ActorError::Stopped {
-                actor: name.to_string(),
-            }));
+            link_tx.send_replace(stopped());
             return;
         }
-        let Some(started) = started else { continue };
         match started {
             Ok(next) => {
                 if let Some(hook) = &options.on_restart {

@@ -251,12 +251,7 @@ impl Head {
 
     /// The live agents, by name.
     pub fn agents(&self) -> Vec<AgentInfo> {
-        let mut v: Vec<AgentInfo> = lock(&self.inner.agents)
-            .values()
-            .map(|e| e.info.clone())
-            .collect();
-        v.sort_by(|a, b| a.name.cmp(&b.name));
-        v
+        self.rooms().into_iter().map(|r| r.info).collect()
     }
 
     /// The live agents, by name, each with what no actor holds.
