@@ -998,6 +998,20 @@ mod tests {
             .collect()
     }
 
+    /// Waits (up to 10 s) until the lender's agents have `want` CPUs free.
+    async fn until_free(head: &Head, want: &[(&str, u32)]) {
+        let want: Vec<(String, u32)> = want.iter().map(|&(a, n)| (a.to_string(), n)).collect();
+        let t0 = Instant::now();
+        while free_cpus(head) != want {
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "{:?}",
+                free_cpus(head)
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_borrowing_head_spawns_on_the_lenders_agents_within_their_room_and_its_end_frees_it()
     {
@@ -1079,29 +1093,13 @@ mod tests {
             .expect("restarted on b");
         assert_eq!(answer, PingResponse::Echo("back".into()));
         assert_eq!(on_a.location(), "b");
-        let t0 = Instant::now();
-        while free_cpus(&head) != [("b".to_string(), 0)] {
-            assert!(
-                t0.elapsed() < Duration::from_secs(10),
-                "{:?}",
-                free_cpus(&head)
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        until_free(&head, &[("b", 0)]).await;
 
         // The borrower's process ends without a word (here: its head simply goes quiet): the
         // lender stops what it left and frees the room.
         job.shutdown(false).await;
         assert_eq!(head.end_loan("job-1"), 2);
-        let t0 = Instant::now();
-        while free_cpus(&head) != [("b".to_string(), 2)] {
-            assert!(
-                t0.elapsed() < Duration::from_secs(10),
-                "{:?}",
-                free_cpus(&head)
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        until_free(&head, &[("b", 2)]).await;
         assert_eq!(head.end_loan("job-1"), 0, "nothing left to stop");
         drop(refs);
         head.shutdown(true).await;
