@@ -301,28 +301,46 @@ mod tests {
     use super::*;
     use crate::testutil::{close, randn};
 
-    fn naive(m: usize, k: usize, n: usize, a: &[f32], ta: Op, b: &[f32], tb: Op) -> Vec<f32> {
-        let mut c = vec![0.0f32; m * n];
+    /// f64 sums of `each(a) · each(b)` over the operands' layouts: the references below.
+    #[allow(clippy::too_many_arguments)]
+    fn exact(
+        m: usize,
+        k: usize,
+        n: usize,
+        a: &[f32],
+        ta: Op,
+        b: &[f32],
+        tb: Op,
+        each: fn(f32) -> f32,
+    ) -> Vec<f64> {
+        let mut c = vec![0.0f64; m * n];
         for i in 0..m {
             for j in 0..n {
-                let mut s = 0.0f64;
-                for p in 0..k {
-                    let av = if ta == Op::N {
-                        a[i * k + p]
-                    } else {
-                        a[p * m + i]
-                    };
-                    let bv = if tb == Op::N {
-                        b[p * n + j]
-                    } else {
-                        b[j * k + p]
-                    };
-                    s += av as f64 * bv as f64;
-                }
-                c[i * n + j] = s as f32;
+                c[i * n + j] = (0..k)
+                    .map(|p| {
+                        let av = if ta == Op::N {
+                            a[i * k + p]
+                        } else {
+                            a[p * m + i]
+                        };
+                        let bv = if tb == Op::N {
+                            b[p * n + j]
+                        } else {
+                            b[j * k + p]
+                        };
+                        each(av) as f64 * each(bv) as f64
+                    })
+                    .sum();
             }
         }
         c
+    }
+
+    fn naive(m: usize, k: usize, n: usize, a: &[f32], ta: Op, b: &[f32], tb: Op) -> Vec<f32> {
+        exact(m, k, n, a, ta, b, tb, |x| x)
+            .into_iter()
+            .map(|x| x as f32)
+            .collect()
     }
 
     #[test]
@@ -379,28 +397,7 @@ mod tests {
         b: &[f32],
         tb: Op,
     ) -> Vec<f64> {
-        let r = crate::bf16::round;
-        let mut c = vec![0.0f64; m * n];
-        for i in 0..m {
-            for j in 0..n {
-                c[i * n + j] = (0..k)
-                    .map(|p| {
-                        let av = if ta == Op::N {
-                            a[i * k + p]
-                        } else {
-                            a[p * m + i]
-                        };
-                        let bv = if tb == Op::N {
-                            b[p * n + j]
-                        } else {
-                            b[j * k + p]
-                        };
-                        r(av) as f64 * r(bv) as f64
-                    })
-                    .sum();
-            }
-        }
-        c
+        exact(m, k, n, a, ta, b, tb, crate::bf16::round)
     }
 
     type Bf16Path = fn(usize, usize, usize, &[f32], Op, &[f32], Op, &mut [f32], bool);
