@@ -801,6 +801,22 @@ mod tests {
     }
 
     /// A head on a free loopback port with a fresh token.
+    /// Stops agent `a` and returns the actor of `refs` that was on it.
+    async fn lose_a(
+        refs: &[crate::ActorRef<Ping>],
+        stop_a: oneshot::Sender<()>,
+        task_a: tokio::task::JoinHandle<Result<(), agent::AgentError>>,
+    ) -> crate::ActorRef<Ping> {
+        let on_a = refs
+            .iter()
+            .find(|r| r.location() == "a")
+            .expect("one on a")
+            .clone();
+        drop(stop_a);
+        task_a.await.expect("joins").expect("agent a stops cleanly");
+        on_a
+    }
+
     /// Two ping actors, one per agent.
     fn ping_pool() -> PoolSpec {
         PoolSpec {
@@ -932,13 +948,7 @@ mod tests {
         assert!(e.to_string().contains("2 of 3 placed"), "{e}");
 
         // Lose agent `a`: its actor comes back on `b` with the weights re-pushed by the hook.
-        let on_a = refs
-            .iter()
-            .find(|r| r.location() == "a")
-            .expect("one on a")
-            .clone();
-        drop(stop_a);
-        task_a.await.expect("joins").expect("agent a stops cleanly");
+        let on_a = lose_a(&refs, stop_a, task_a).await;
         let t0 = Instant::now();
         let answer = until_up(&on_a, PingRequest::Weights)
             .await
@@ -1081,13 +1091,7 @@ mod tests {
         assert_eq!(free_cpus(&head), [("a".into(), 1), ("b".into(), 1)]);
 
         // The lender loses agent `a`: the borrower's actor there comes back on `b`.
-        let on_a = refs
-            .iter()
-            .find(|r| r.location() == "a")
-            .expect("one on a")
-            .clone();
-        drop(stop_a);
-        task_a.await.expect("joins").expect("agent a stops cleanly");
+        let on_a = lose_a(&refs, stop_a, task_a).await;
         let answer = until_up(&on_a, PingRequest::Echo("back".into()))
             .await
             .expect("restarted on b");
