@@ -245,6 +245,24 @@ impl<A: Actor> ActorRef<A> {
         }
     }
 
+    /// The host its agent is reached at (from the agent's advertised URL); `None` in this
+    /// process, or while it has no incarnation.
+    pub fn agent_host(&self) -> Option<String> {
+        match &*self.link.borrow() {
+            Link::Remote(r) => {
+                let url = r.agent_address();
+                let rest = url.split_once("://").map_or(url, |(_, r)| r);
+                let authority = rest.split('/').next().unwrap_or(rest);
+                let host = match authority.rsplit_once(':') {
+                    Some((h, port)) if port.bytes().all(|b| b.is_ascii_digit()) => h,
+                    _ => authority,
+                };
+                Some(host.trim_start_matches('[').trim_end_matches(']').to_string())
+            }
+            _ => None,
+        }
+    }
+
     /// Sends one request and waits for its answer. A call made while the actor restarts waits
     /// for the new incarnation; a call in flight when it dies fails with [`ActorError::Died`].
     pub async fn call(&self, request: A::Request) -> Result<A::Response, ActorError> {

@@ -110,8 +110,8 @@ impl Token {
     }
 
     /// The secret itself, for handing to a process of the same user over a private channel
-    /// (a borrowing head's loan); never for logs.
-    pub(crate) fn secret(&self) -> &str {
+    /// (a borrowing head's loan, a learner group's key); never for logs.
+    pub fn secret(&self) -> &str {
         &self.secret
     }
 

@@ -6,6 +6,8 @@
 //! that died by their [`RestartPolicy`], running a hook (to re-push weights) before a restarted
 //! actor takes calls. Weight snapshots move in checksummed buckets: by `Arc` in-process, through
 //! shared memory to agents on the same host, by gRPC streaming across hosts ([`snapshot`]).
+//! The ranks of a group exchange values among themselves for their collectives — shared memory
+//! on a host, TCP streams across ([`exchange`]).
 //! Every head ↔ agent call carries the cluster token ([`Token`]).
 //!
 //! Never: interprets what an actor computes; it moves messages and bytes and watches liveness.
@@ -16,6 +18,7 @@ mod auth;
 pub mod bench;
 pub mod builtin;
 mod error;
+pub mod exchange;
 pub mod head;
 pub mod placement;
 mod registry;

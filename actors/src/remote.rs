@@ -75,6 +75,8 @@ pub(crate) const MAX_FRAME: u32 = 1 << 20;
 /// A live connection to one agent.
 pub(crate) struct AgentConn {
     pub name: String,
+    /// The URL it is reached at.
+    pub address: String,
     client: Client,
     /// The same connection, for calls made with a codec of our own.
     service: InterceptedService<Channel, Bearer>,
@@ -168,6 +170,7 @@ impl AgentConn {
         });
         Ok(Arc::new(AgentConn {
             name: name.to_string(),
+            address: address.to_string(),
             client,
             service,
             frames,
@@ -388,6 +391,10 @@ pub(crate) struct RemoteActor {
 impl RemoteActor {
     pub(crate) fn agent_name(&self) -> &str {
         &self.conn.name
+    }
+
+    pub(crate) fn agent_address(&self) -> &str {
+        &self.conn.address
     }
 
     pub(crate) async fn stop(&self) {

@@ -614,6 +614,15 @@ fn remove_dead_processes_files(dir: &Path) {
     }
 }
 
+/// Whether `p` names a file [`ShmRegion::create`] makes: directly under [`SHM_DIR`], with
+/// Trellis's prefix (the only files a receiver opens by a path it was sent).
+pub(crate) fn is_region(p: &Path) -> bool {
+    p.parent() == Some(Path::new(SHM_DIR))
+        && p.file_name()
+            .and_then(|n| n.to_str())
+            .is_some_and(|n| n.starts_with(SHM_PREFIX))
+}
+
 /// A shared-memory file a sender writes snapshots into (pages are allocated once, not per
 /// push); removed when dropped.
 pub struct ShmRegion {
@@ -681,6 +690,16 @@ impl ShmRegion {
     /// The file's path.
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// The region's bytes, for a writer that lays them out itself.
+    pub(crate) fn bytes_mut(&mut self) -> &mut [u8] {
+        &mut self.map
+    }
+
+    /// The region's bytes.
+    pub(crate) fn bytes(&self) -> &[u8] {
+        &self.map
     }
 
     /// Writes `snapshot` at the start of the region, buckets copied and checksummed in
@@ -803,12 +822,7 @@ pub fn read_shm(
         actor: actor.to_string(),
         message,
     };
-    let p = Path::new(path);
-    let named_ok = p.parent() == Some(Path::new(SHM_DIR))
-        && p.file_name()
-            .and_then(|n| n.to_str())
-            .is_some_and(|n| n.starts_with(SHM_PREFIX));
-    if !named_ok {
+    if !is_region(Path::new(path)) {
         return Err(bad(format!(
             "refusing to read {path}: not a Trellis snapshot under {SHM_DIR}"
         )));

@@ -126,18 +126,25 @@ pub fn unflatten_into(p: &mut Params, flat: &[f32]) -> Result<()> {
 /// The values `offset..offset + len` of `p`, as [`flatten`] lays them out (a slice of a model
 /// too large for one message).
 pub fn read_range(p: &Params, offset: usize, len: usize) -> Result<Vec<f32>> {
-    check_range(p, offset, len)?;
-    let mut out = Vec::with_capacity(len);
+    let mut out = vec![0.0; len];
+    read_into(p, offset, &mut out)?;
+    Ok(out)
+}
+
+/// Copies the values `offset..offset + out.len()` of `p` (as [`flatten`] lays them out) into
+/// `out`.
+pub fn read_into(p: &Params, offset: usize, out: &mut [f32]) -> Result<()> {
+    check_range(p, offset, out.len())?;
     let mut at = 0;
     for t in &p.tensors {
         let n = t.data.len();
-        let (lo, hi) = (offset.max(at), (offset + len).min(at + n));
+        let (lo, hi) = (offset.max(at), (offset + out.len()).min(at + n));
         if lo < hi {
-            out.extend_from_slice(&t.data[lo - at..hi - at]);
+            out[lo - offset..hi - offset].copy_from_slice(&t.data[lo - at..hi - at]);
         }
         at += n;
     }
-    Ok(out)
+    Ok(())
 }
 
 /// Overwrites the values `offset..offset + values.len()` of `p`.

@@ -376,6 +376,8 @@ pub struct RankRoles {
     pub device: crate::plan::Device,
     /// ZeRO-1.
     pub shard_optimizer: bool,
+    /// How the ranks sum their gradients.
+    pub allreduce: crate::plan::AllReduce,
     /// The arithmetic of the ranks' matmuls.
     pub precision: Precision,
 }
@@ -412,6 +414,7 @@ impl RoleMaker for RankRoles {
             },
             assets: Vec::new(),
             shard_optimizer: self.shard_optimizer,
+            allreduce: self.allreduce,
             precision: self.precision,
             role: crate::kinds::learner::RankRole::Critic,
         })?;

@@ -1440,7 +1440,8 @@ fn from_arithmetic(key: &str) -> bool {
 
 /// `pools.learner.count: N` trains the policy on N data-parallel learner actors: each
 /// mini-batch cut into N shares with the whole mini-batch's normalisers, the ranks' gradients
-/// summed, one optimiser decision on every rank. So the run is the one-learner run up to the
+/// summed (by the ranks among themselves — through shared memory or over TCP streams — or by
+/// the driver), one optimiser decision on every rank. So the run is the one-learner run up to the
 /// rounding of another summation order, which a whole run carries from step to step — with the
 /// optimiser's state sharded across the ranks (ZeRO-1) or replicated on each: the same
 /// sampled tokens, rewards and accuracies; GRPO's losses within 1e-5 (its gradient norm, the
@@ -1462,9 +1463,17 @@ fn learner_ranks_train_as_one_learner_and_resume_from_their_checkpoints() {
             .args(["-o", &format!("pools.learner.count={ranks}")]);
         cmd
     };
-    // ZeRO-1 (the default) and replicated optimiser state alike.
+    // ZeRO-1 (the default) and replicated optimiser state alike; the ranks summing through
+    // shared memory (the default on one host), over TCP streams, or the driver summing.
     let replicas = ["-o", "pools.learner.shard_optimizer=false"];
-    let grpo_ranks = [(2, &[][..]), (3, &[][..]), (2, &replicas[..])];
+    let streams = ["-o", "pools.learner.allreduce=streams"];
+    let driver = ["-o", "pools.learner.allreduce=driver"];
+    let grpo_ranks = [
+        (2, &[][..]),
+        (3, &streams[..]),
+        (2, &replicas[..]),
+        (2, &driver[..]),
+    ];
     for (algo, args, ranks, loss_tol) in [
         ("grpo", &[][..], &grpo_ranks[..], 1e-5),
         ("ppo", &PPO[..], &grpo_ranks[..1], 1e-2),

@@ -186,7 +186,8 @@ fn kill_in_rl(dir: &Path, train: &mut Killed, victim: &mut Killed) {
 
 /// Pools that cannot be placed together are refused before anything starts. The policy's
 /// learner ranks on two agents (`pools.learner.placement: spread`) train as the same ranks in
-/// the process do, bit for bit; kill -9 of an agent holding a rank mid-RL is
+/// the process do, bit for bit — summing over TCP streams between the agents as through shared
+/// memory; kill -9 of an agent holding a rank mid-RL is
 /// found within the step, and the job continues by itself from its last checkpoint with new
 /// ranks — on the agent that is left — to the undisturbed run's metrics; so does a frozen one,
 /// within its heartbeat timeout.
@@ -253,7 +254,9 @@ fn learner_ranks_on_two_agents_train_as_in_process_ones_and_recover_from_a_kille
     assert!(!said.contains("spawned"), "nothing started: {said}");
     drop(only);
 
-    let (mut train, url, lines) = train_on_agents(&dir, &token, &args);
+    // Over TCP streams between the agents, as ranks on two hosts sum.
+    let streams = [&args[..], &["-o", "pools.learner.allreduce=streams"]].concat();
+    let (mut train, url, lines) = train_on_agents(&dir, &token, &streams);
     let _a1 = agent(&url, &token, "a1");
     let _a2 = agent(&url, &token, "a2");
     let said = wait_ok(&mut train, &lines);
@@ -317,8 +320,9 @@ fn learner_ranks_on_two_agents_train_as_in_process_ones_and_recover_from_a_kille
 }
 
 /// `trellis bench learners` as a user runs it: one engine, then the ranks as actors in the
-/// process (replicated optimiser state, then ZeRO-1) and on agents it starts, each with a step
-/// time, an all-reduce rate and the optimiser state a rank keeps.
+/// process (replicated optimiser state, then ZeRO-1) and on agents it starts (the driver
+/// summing, then the ranks over streams and through shared memory), each with a step time, an
+/// all-reduce rate and the optimiser state a rank keeps.
 #[test]
 fn bench_learners_times_ranks_in_the_process_and_on_agents() {
     let out = run_ok(trellis().args([
@@ -329,21 +333,25 @@ fn bench_learners_times_ranks_in_the_process_and_on_agents() {
     assert_eq!(b["ranks"], 2, "{b}");
     assert!(b["one_engine_step_s"].as_f64().unwrap() > 0.0, "{b}");
     let runs = b["runs"].as_array().unwrap();
-    let places: Vec<(&str, bool)> = runs
+    let places: Vec<(&str, bool, &str)> = runs
         .iter()
         .map(|r| {
             (
                 r["placement"].as_str().unwrap(),
                 r["sharded"].as_bool().unwrap(),
+                r["allreduce"].as_str().unwrap(),
             )
         })
         .collect();
+    let (here, agents) = ("actors in this process", "agents on this host");
     assert_eq!(
         places,
         [
-            ("actors in this process", false),
-            ("actors in this process", true),
-            ("agents on this host", true)
+            (here, false, "ranks"),
+            (here, true, "ranks"),
+            (agents, true, "driver"),
+            (agents, true, "streams"),
+            (agents, true, "ranks")
         ]
     );
     // ZeRO-1 halves a rank's optimiser state (its shard is at most one value longer).

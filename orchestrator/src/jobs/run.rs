@@ -620,6 +620,7 @@ fn run(
             weights,
             assets,
             shard_optimizer: plan.learner.shard_optimizer,
+            allreduce: plan.learner.allreduce,
             precision: plan.learner.precision,
             role: RankRole::Policy,
         })
@@ -663,6 +664,7 @@ fn run(
                 placement: plan.learner.placement,
                 device: plan.learner.device,
                 shard_optimizer: plan.learner.shard_optimizer,
+            allreduce: plan.learner.allreduce,
                 precision: plan.learner.precision,
             })
         } else {

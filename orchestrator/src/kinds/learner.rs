@@ -1,18 +1,24 @@
 //! The `learner` actor kind: one data-parallel rank of the policy — a training engine with its
 //! optimiser — in this process or on an agent. It computes the gradient of its share of each
-//! mini-batch ([`learner::algo::dp::gradient`]), hands it out and takes the ranks' sum back in
-//! slices that fit one message, and applies the sum with its optimiser; the driver's
-//! learner pool (`pools::learner`) makes the ranks one policy.
+//! mini-batch ([`learner::algo::dp::gradient`]), the ranks sum their gradients, and each applies
+//! the sum with its optimiser; the driver's learner pool (`pools::learner`) makes the ranks one
+//! policy.
+//!
+//! The ranks sum among themselves ([`actors::exchange`]): each publishes its gradient in its
+//! outbox, sums its shard of everyone's (reduce-scatter) and reads the others' summed shards
+//! (all-gather) — the driver only says when each phase begins. (Or, with `allreduce: driver`,
+//! the driver reads and writes the ranks' slots in slices that fit one message.)
 //!
 //! With ZeRO-1 a rank keeps the optimiser's moments of one contiguous shard of the model's flat
-//! values and updates only those (given the whole gradient's norm); the driver hands each rank
-//! the others' updated shards.
+//! values and updates only those (given the whole gradient's norm); then each reads the others'
+//! updated shards from their outboxes (or the driver hands them out).
 //!
 //! A rank counts the optimiser steps it has applied, and every request says how many the
 //! driver expects: a rank that restarted (its weights back to the pool's first ones, its
 //! optimiser gone) refuses instead of training from the wrong weights.
 
-use actors::{Actor, CallError};
+use actors::exchange::{Group, Member, Outbox, OutboxAddress, Reach};
+use actors::{Actor, CallError, Token};
 use kernels::tensor::WeightSnapshot;
 use learner::algo::TokenRows;
 use learner::algo::dp::{Outcome, Work};
@@ -133,6 +139,35 @@ pub enum LearnerOp {
     },
     /// The optimiser's calls and applied updates.
     Counters,
+    /// Opens the rank's outbox for a group whose members present `key`.
+    Open {
+        /// The group's key.
+        key: String,
+    },
+    /// Joins the group whose outboxes `members` are (this rank's at `rank`), owning
+    /// `shards[rank]` of the model's flat values.
+    Join {
+        /// The group's key.
+        key: String,
+        /// This rank's place.
+        rank: usize,
+        /// Every rank's (offset, length).
+        shards: Vec<(usize, usize)>,
+        /// Every rank's outbox.
+        members: Vec<Member>,
+        /// How ranks reach each other's outboxes.
+        reach: Reach,
+    },
+    /// Reduce-scatter of the gradients (published by the last [`LearnerOp::Gradient`]): sums
+    /// this rank's shard of every rank's into its summed gradients; answers
+    /// [`LearnerResponse::Reduced`].
+    Reduce,
+    /// All-gather: the other ranks' shards of `slot` from their outboxes — the summed
+    /// gradients after a [`LearnerOp::Reduce`], or (ZeRO-1) the weights after a step.
+    Gather {
+        /// [`Slot::Gradient`] or [`Slot::Weights`].
+        slot: Slot,
+    },
 }
 
 /// What a learner rank answers.
@@ -146,6 +181,16 @@ pub enum LearnerResponse {
     Outcome(Outcome),
     /// A step's report.
     Report(StepReport),
+    /// Where the rank's outbox is.
+    Opened(OutboxAddress),
+    /// A reduce-scatter's result.
+    Reduced {
+        /// The squared norm of the rank's summed shard.
+        squares: f64,
+        /// Seconds the rank spent publishing its gradient in its outbox (part of the
+        /// all-reduce, done at the end of the gradient's call).
+        publish_s: f64,
+    },
     /// The optimiser's calls and applied updates, and the values each of its moments holds.
     Counters {
         /// Optimiser calls.
@@ -164,6 +209,22 @@ struct Rank {
     /// ZeRO-1: the first flat value of the rank's shard.
     shard_offset: Option<usize>,
     steps: u64,
+    /// The group the rank sums with: its outbox between `Open` and `Join`, then the group.
+    exchange: Exchange,
+    /// Seconds its last gradient's publication took.
+    published_s: f64,
+}
+
+/// A rank's part in its group's exchange.
+#[derive(Default)]
+enum Exchange {
+    /// None (one rank, or the driver sums).
+    #[default]
+    None,
+    /// Its outbox is open; the others' are not known yet.
+    Open(Outbox),
+    /// Joined.
+    Joined(Box<Group>),
 }
 
 /// What a rank trains.
@@ -215,6 +276,13 @@ impl Trainee {
             Trainee::Critic { critic, .. } => {
                 critic.with_all(|all| wire::read_range(all, offset, len))
             }
+        }
+    }
+
+    fn weights_into(&mut self, offset: usize, out: &mut [f32]) -> Result<()> {
+        match self {
+            Trainee::Policy(e) => wire::read_into(&e.model()?.params, offset, out),
+            Trainee::Critic { critic, .. } => critic.with_all(|all| wire::read_into(all, offset, out)),
         }
     }
 
@@ -369,11 +437,19 @@ impl Actor for LearnerActor {
                 }
             }
         };
+        // A rank's group outlives new weights.
+        let exchange = self
+            .rank
+            .take()
+            .map(|r| r.exchange)
+            .unwrap_or_default();
         self.rank = Some(Rank {
             trainee,
             opt: None,
             shard_offset: None,
             steps: 0,
+            exchange,
+            published_s: 0.0,
         });
         Ok(())
     }
@@ -442,7 +518,15 @@ impl Rank {
             }
             LearnerOp::Gradient(work) => {
                 self.optimizer()?;
-                LearnerResponse::Outcome(self.trainee.gradient(&work).map_err(fatal)?)
+                let outcome = self.trainee.gradient(&work).map_err(fatal)?;
+                // Published for the group's reduce-scatter.
+                if let Exchange::Joined(group) = &mut self.exchange {
+                    let started = std::time::Instant::now();
+                    let grads = self.trainee.gradients_mut().map_err(fatal)?;
+                    wire::read_into(grads, 0, group.outbox_mut()).map_err(fatal)?;
+                    self.published_s = started.elapsed().as_secs_f64();
+                }
+                LearnerResponse::Outcome(outcome)
             }
             LearnerOp::Read { slot, offset, len } => {
                 let values = match slot {
@@ -485,6 +569,19 @@ impl Rank {
                 };
                 let report = self.trainee.step(opt, shard).map_err(fatal)?;
                 self.steps += 1;
+                // ZeRO-1 in a group: the updated shard, published for the others' all-gather.
+                if let (Exchange::Joined(group), Some(offset)) =
+                    (&mut self.exchange, self.shard_offset)
+                {
+                    let (a, l) = group.shard();
+                    if a != offset {
+                        return Err(CallError::fatal(format!(
+                            "this rank's optimiser shard starts at {offset} and its group shard at {a}"
+                        )));
+                    }
+                    let out = &mut group.outbox_mut()[a..a + l];
+                    self.trainee.weights_into(a, out).map_err(fatal)?;
+                }
                 LearnerResponse::Report(report)
             }
             LearnerOp::Counters => {
@@ -494,6 +591,65 @@ impl Rank {
                     applied: opt.applied,
                     moments: opt.moment_len(),
                 }
+            }
+            LearnerOp::Open { key } => {
+                let key = Token::new(&key).map_err(|e| CallError::fatal(e.to_string()))?;
+                let values = self.trainee.numel().map_err(fatal)?;
+                let outbox = Outbox::open(values, &key).map_err(CallError::from)?;
+                let address = outbox.address().clone();
+                self.exchange = Exchange::Open(outbox);
+                LearnerResponse::Opened(address)
+            }
+            LearnerOp::Join {
+                key,
+                rank,
+                shards,
+                members,
+                reach,
+            } => {
+                let Exchange::Open(outbox) = std::mem::take(&mut self.exchange) else {
+                    return Err(CallError::fatal("a rank joins a group after opening its outbox"));
+                };
+                let key = Token::new(&key).map_err(|e| CallError::fatal(e.to_string()))?;
+                let group = Group::join(outbox, rank, shards, &members, &key, reach)?;
+                self.exchange = Exchange::Joined(Box::new(group));
+                LearnerResponse::Done
+            }
+            LearnerOp::Reduce => {
+                let Exchange::Joined(group) = &mut self.exchange else {
+                    return Err(no_group());
+                };
+                let grads = self.trainee.gradients_mut().map_err(fatal)?;
+                let mut squares = 0.0f64;
+                group.reduce_scatter(|at, sum| {
+                    squares += kernels::optim::global_norm([sum]).powi(2);
+                    wire::write_range(grads, at, sum).map_err(fatal)
+                })?;
+                LearnerResponse::Reduced {
+                    squares,
+                    publish_s: self.published_s,
+                }
+            }
+            LearnerOp::Gather { slot } => {
+                let Exchange::Joined(group) = &mut self.exchange else {
+                    return Err(no_group());
+                };
+                match slot {
+                    Slot::Gradient => {
+                        let grads = self.trainee.gradients_mut().map_err(fatal)?;
+                        group.all_gather(|at, v| wire::write_range(grads, at, v).map_err(fatal))?;
+                    }
+                    Slot::Weights if self.shard_offset.is_some() => {
+                        let trainee = &mut self.trainee;
+                        group.all_gather(|at, v| trainee.write_weights(at, v).map_err(fatal))?;
+                    }
+                    slot => {
+                        return Err(CallError::fatal(format!(
+                            "a group gathers the summed gradients, or a ZeRO-1 rank's weights, not {slot:?}"
+                        )));
+                    }
+                }
+                LearnerResponse::Done
             }
         })
     }
@@ -545,6 +701,10 @@ fn unframe(bytes: &[u8]) -> Result<(&[u8], Vec<f32>), String> {
     let header = bytes.get(4..end).ok_or_else(bad)?;
     let values = wire::from_le(&bytes[end..]).ok_or_else(bad)?;
     Ok((header, values))
+}
+
+fn no_group() -> CallError {
+    CallError::fatal("this rank has joined no group (Open and Join first)")
 }
 
 fn no_stage() -> CallError {

@@ -341,6 +341,12 @@ fn rollout(p: &schema::Pool, e: &Errs<'_>) -> Result<RolloutPlan, PlanError> {
             "is for the learner pool (its ranks' optimiser state)",
         ));
     }
+    if p.allreduce.is_some() {
+        return Err(e.at(
+            "pools.rollout.allreduce",
+            "is for the learner pool (how its ranks sum their gradients)",
+        ));
+    }
     if p.precision.is_some() {
         return Err(e.at(
             "pools.rollout.precision",
@@ -582,6 +588,7 @@ fn learner(p: &schema::Pool, e: &Errs<'_>) -> Result<LearnerPlan, PlanError> {
     Ok(LearnerPlan {
         engine,
         shard_optimizer: p.shard_optimizer.unwrap_or(true),
+        allreduce: p.allreduce.unwrap_or_default(),
         precision: p.precision.unwrap_or_default(),
         count: p.count,
         placement: placement(p.placement),

@@ -21,7 +21,7 @@ mod tests;
 pub use error::PlanError;
 pub use graph::{Artifact, Op, StepGraph};
 pub use prompts::{PromptError, Prompts};
-pub use schema::{Device, Workflow};
+pub use schema::{AllReduce, Device, Workflow};
 
 use actors::Strategy;
 use learner::ModelConfig;
@@ -173,6 +173,8 @@ pub struct LearnerPlan {
     /// ZeRO-1 over several ranks: each keeps and updates the optimiser state of 1/N of the
     /// model.
     pub shard_optimizer: bool,
+    /// How several ranks sum their gradients.
+    pub allreduce: AllReduce,
     /// The arithmetic of the native learner's matmuls (policy, critic, reference).
     pub precision: kernels::matmul::Precision,
 }

@@ -108,6 +108,22 @@ impl Engine {
     }
 }
 
+/// How a learner pool's ranks sum their gradients.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AllReduce {
+    /// Among themselves: through shared memory between ranks on one host, over TCP streams
+    /// (authenticated by a key per pool, not encrypted — as NCCL's and gloo's) between hosts.
+    #[default]
+    Ranks,
+    /// Among themselves, over TCP streams always (ranks on one host that do not share its
+    /// `/dev/shm`, as containers).
+    Streams,
+    /// Through the driver, as actor calls (over TLS when the cluster's agents serve it): for
+    /// networks where gradients must not travel unencrypted; several times slower.
+    Driver,
+}
+
 /// Where a pool's actors run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -196,6 +212,12 @@ pub struct Pool {
     /// true; false: every rank keeps all of them).
     #[serde(default)]
     pub shard_optimizer: Option<bool>,
+    /// Learner pools of several ranks: how the ranks sum their gradients — `ranks` (default:
+    /// among themselves, shared memory on a host and TCP streams across), `streams` (among
+    /// themselves over TCP always) or `driver` (through the driver's actor calls, TLS when the
+    /// cluster has it).
+    #[serde(default)]
+    pub allreduce: Option<AllReduce>,
     /// The arithmetic of the learner's matmuls (policy, critic and reference alike; native or
     /// pjrt):
     /// `f32` (default), or `bf16` — operands rounded to bf16 and products summed in f32, as
@@ -224,6 +246,7 @@ impl Default for Pool {
             plugin: None,
             kv_cache_mib: default_kv_cache_mib(),
             shard_optimizer: None,
+            allreduce: None,
             precision: None,
         }
     }

@@ -334,6 +334,16 @@ fn bad_workflows_get_messages_that_say_where_and_why() {
         ),
         (
             "stages:\n",
+            "pools: {rollout: {allreduce: ranks}}\nstages:\n",
+            "t.yaml: pools.rollout.allreduce: is for the learner pool (how its ranks sum their gradients)",
+        ),
+        (
+            "stages:\n",
+            "pools: {learner: {count: 2, allreduce: ring}}\nstages:\n",
+            "t.yaml:6:40: pools.learner.allreduce: unknown variant `ring`, expected one of ranks, streams, driver",
+        ),
+        (
+            "stages:\n",
             "pools: {rollout: {precision: bf16}}\nstages:\n",
             "t.yaml: pools.rollout.precision: is for the learner pool (a rollout pool's weights are `weights_dtype`)",
         ),

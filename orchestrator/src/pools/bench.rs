@@ -2,13 +2,14 @@
 //! process, then on `ranks` learner actors in this process and on as many `trellis agent`
 //! processes on this host, in the same run — each rank's step time against the one engine's,
 //! the all-reduce's rate and share of the step, and the optimiser state a rank keeps with and
-//! without ZeRO-1.
+//! without ZeRO-1. On the agents the all-reduce runs each way: through the driver, over TCP
+//! streams between the ranks (as across hosts), and through shared memory between them.
 //!
 //! Owns: the benchmark's set-up and figures. Never: prints (the binary does).
 
 use super::learner::{LearnerPool, LearnerStart};
 use super::{Cluster, ClusterHead, PoolError};
-use crate::plan::{Device, Placement};
+use crate::plan::{AllReduce, Device, Placement};
 use actors::{Head, HeadConfig, Strategy, Token};
 use kernels::tensor::WeightSnapshot;
 use learner::algo::TokenRows;
@@ -49,6 +50,8 @@ pub struct RankFigures {
     pub placement: String,
     /// ZeRO-1: each rank kept the optimiser state of its shard only.
     pub sharded: bool,
+    /// How the ranks summed their gradients.
+    pub allreduce: AllReduce,
     /// Optimiser state one rank kept (the largest shard's, with ZeRO-1).
     pub optimizer_bytes_per_rank: usize,
     /// Median seconds of one update.
@@ -78,7 +81,7 @@ pub struct LearnerBench {
     /// Median seconds of one update on one engine in this process.
     pub one_engine_step_s: f64,
     /// The ranks as actors in this process without and with ZeRO-1, then on agents on this
-    /// host with it.
+    /// host with it, summing through the driver, over streams and through shared memory.
     pub runs: Vec<RankFigures>,
 }
 
@@ -188,14 +191,13 @@ pub fn run(o: &LearnerBenchOptions) -> Result<LearnerBench, PoolError> {
         head: ClusterHead::Shared(head.clone()),
         wait: Duration::from_secs(60),
     };
-    for (name, placement, sharded) in [
-        ("actors in this process", Placement::Local, false),
-        ("actors in this process", Placement::Local, true),
-        (
-            "agents on this host",
-            Placement::Agents(Strategy::Spread),
-            true,
-        ),
+    let agents_here = Placement::Agents(Strategy::Spread);
+    for (name, placement, sharded, allreduce) in [
+        ("actors in this process", Placement::Local, false, AllReduce::Ranks),
+        ("actors in this process", Placement::Local, true, AllReduce::Ranks),
+        ("agents on this host", agents_here, true, AllReduce::Driver),
+        ("agents on this host", agents_here, true, AllReduce::Streams),
+        ("agents on this host", agents_here, true, AllReduce::Ranks),
     ] {
         let mut note = |_: &str| {};
         let mut pool = LearnerPool::start(LearnerStart {
@@ -209,6 +211,7 @@ pub fn run(o: &LearnerBenchOptions) -> Result<LearnerBench, PoolError> {
             weights: weights.clone(),
             assets: Vec::new(),
             shard_optimizer: sharded,
+            allreduce,
             precision: kernels::matmul::Precision::F32,
             role: crate::kinds::learner::RankRole::Policy,
         })?;
@@ -226,6 +229,7 @@ pub fn run(o: &LearnerBenchOptions) -> Result<LearnerBench, PoolError> {
         runs.push(RankFigures {
             placement: name.into(),
             sharded,
+            allreduce,
             optimizer_bytes_per_rank: pool.optimizer_bytes_per_rank()?,
             step_s,
             allreduce_s,

@@ -1,11 +1,15 @@
 //! The learner pool: the policy as `count` data-parallel ranks ([`LearnerActor`]s), in this
 //! process or on agents, behind the same `roles::Policy` role as a local engine. Each optimiser step
 //! is computed by every rank on its share of the mini-batch
-//! ([`learner::algo::policy::update_ranks`]); the pool sums the ranks' gradients, slice by
-//! slice, in rank order, hands every rank the sum, and has each apply it — one decision
-//! everywhere, checked: ranks whose reports differ fail the step. Log-probs are scored by every
-//! rank on its share of the rows. With ZeRO-1 each rank keeps and updates the optimiser state of
-//! its shard of the model, and the pool hands every rank the others' updated shards. Weights are
+//! ([`learner::algo::policy::update_ranks`]); the ranks sum their gradients in rank order and
+//! each applies the sum — one decision everywhere, checked: ranks whose reports differ fail the
+//! step. The sum is the ranks' own (`allreduce: ranks`, the default): they form a group
+//! ([`actors::exchange`]) when the pool starts, and the pool only starts each phase — reduce-
+//! scatter, all-gather — on every rank and waits for all, so no gradient byte passes through
+//! this process. With `allreduce: driver` the pool reads every rank's gradient, slice by slice,
+//! sums it and hands the sum back. Log-probs are scored by every rank on its share of the rows.
+//! With ZeRO-1 each rank keeps and updates the optimiser state of its shard of the model, and
+//! every rank then reads the others' updated shards (or the pool hands them out). Weights are
 //! read from all ranks at once (they hold the same ones) for snapshots and checkpoints, the
 //! optimiser's state from the ranks that keep it, and both are written back when a stage
 //! resumes from a checkpoint.
@@ -19,7 +23,8 @@ use super::{Cluster, PoolError, lock};
 use crate::kinds::learner::{
     LearnerActor, LearnerConfig, LearnerOp, LearnerRequest, LearnerResponse, RankRole, Slot,
 };
-use crate::plan::{Device, Placement};
+use crate::plan::{AllReduce, Device, Placement};
+use actors::exchange::{Member, Reach};
 use kernels::tensor::WeightSnapshot;
 use learner::algo::TokenRows;
 use learner::algo::dp::{Outcome, Ranks, Work, split};
@@ -65,6 +70,8 @@ pub struct LearnerStart<'a> {
     pub assets: Vec<(String, Vec<u8>)>,
     /// ZeRO-1: each of several ranks keeps and updates the optimiser state of 1/N of the model.
     pub shard_optimizer: bool,
+    /// How several ranks sum their gradients.
+    pub allreduce: AllReduce,
     /// The arithmetic of the ranks' matmuls.
     pub precision: kernels::matmul::Precision,
     /// The policy, or PPO's critic (its weights: the trunk's tensors, then the value head's).
@@ -90,6 +97,8 @@ pub struct LearnerPool {
     reducing: std::time::Duration,
     /// ZeRO-1: each rank's (offset, length) of the model's flat values.
     shards: Option<Vec<(usize, usize)>>,
+    /// The ranks sum among themselves (they joined a group when the pool started).
+    grouped: bool,
 }
 
 impl LearnerPool {
@@ -103,12 +112,13 @@ impl LearnerPool {
             .build()
             .map_err(|e| PoolError::Runtime(format!("cannot start the actor runtime: {e}")))?;
         let layout = start.weights.params.zeros_like();
-        let shards = (start.shard_optimizer && start.count > 1).then(|| {
-            split(0, layout.numel(), start.count)
-                .into_iter()
-                .map(|(a, b)| (a, b - a))
-                .collect()
-        });
+        // Each rank's (offset, length): the values whose sum it makes in a group, whose
+        // optimiser state it keeps with ZeRO-1.
+        let split: Vec<(usize, usize)> = split(0, layout.numel(), start.count)
+            .into_iter()
+            .map(|(a, b)| (a, b - a))
+            .collect();
+        let shards = (start.shard_optimizer && start.count > 1).then(|| split.clone());
         let model = start.config.to_hf_json();
         let (role, precision) = (start.role, start.precision);
         let config = move |_: usize| LearnerConfig {
@@ -135,7 +145,7 @@ impl LearnerPool {
             },
             start.weights,
         ))?;
-        Ok(Self {
+        let mut me = Self {
             rt,
             pool: Some(pool),
             config: start.config.clone(),
@@ -146,7 +156,52 @@ impl LearnerPool {
             restarted,
             reducing: std::time::Duration::ZERO,
             shards,
-        })
+            grouped: false,
+        };
+        let reach = match start.allreduce {
+            AllReduce::Ranks => Some(Reach::Auto),
+            AllReduce::Streams => Some(Reach::Streams),
+            AllReduce::Driver => None,
+        };
+        if let Some(reach) = reach.filter(|_| start.count > 1) {
+            me.form_group(split, reach)?;
+        }
+        Ok(me)
+    }
+
+    /// Has the ranks form a group that sums among itself: each opens its outbox, then joins
+    /// with everyone's addresses (and the host its agent is reached at), rank `i` owning
+    /// `shards[i]`.
+    fn form_group(&mut self, shards: Vec<(usize, usize)>, reach: Reach) -> Result<()> {
+        let key = actors::Token::generate().map_err(|e| PoolError::Runtime(e.to_string()))?;
+        let secret = key.secret().to_string();
+        let opened = self.on_all(|| LearnerOp::Open {
+            key: secret.clone(),
+        })?;
+        let members = opened
+            .into_iter()
+            .zip(self.ranks())
+            .map(|(o, rank)| match o {
+                LearnerResponse::Opened(outbox) => Ok(Member {
+                    outbox,
+                    reach: rank.agent_host().unwrap_or_else(|| "127.0.0.1".into()),
+                }),
+                _ => Err(out_of_turn()),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        self.on_ranks(
+            (0..members.len())
+                .map(|rank| LearnerOp::Join {
+                    key: secret.clone(),
+                    rank,
+                    shards: shards.clone(),
+                    members: members.clone(),
+                    reach,
+                })
+                .collect(),
+        )?;
+        self.grouped = true;
+        Ok(())
     }
 
     /// Seconds spent so far summing the ranks' gradients and handing every rank the sum (the
@@ -337,6 +392,9 @@ impl Ranks for LearnerPool {
     }
 
     fn step(&mut self) -> Result<StepReport> {
+        if self.grouped {
+            return self.step_in_group();
+        }
         // The all-reduce, slice by slice: every rank's slice, summed in rank order (the same
         // sum whatever order the answers came in), written back to every rank — with ZeRO-1
         // only to the rank whose shard it is, and its square added to the global norm's.
@@ -398,28 +456,7 @@ impl Ranks for LearnerPool {
         }
         self.reducing += started.elapsed();
         let norm = self.shards.as_ref().map(|_| sum_sq.sqrt());
-        let reports = self.on_all(|| LearnerOp::Step { norm })?;
-        self.steps += 1;
-        let mut reports = reports.into_iter().map(|r| match r {
-            LearnerResponse::Report(r) => Ok(r),
-            _ => Err(out_of_turn()),
-        });
-        let first = reports
-            .next()
-            .ok_or(PoolError::Runtime("a learner pool without ranks".into()))??;
-        for (i, r) in reports.enumerate() {
-            let r = r?;
-            if r.grad_norm.to_bits() != first.grad_norm.to_bits()
-                || r.lr != first.lr
-                || r.skipped != first.skipped
-            {
-                return Err(learner::Error::Ranks(format!(
-                    "rank {} stepped with {r:?} and rank 0 with {first:?}: their weights no longer agree",
-                    i + 1
-                ))
-                .into());
-            }
-        }
+        let first = self.apply(norm)?;
         // ZeRO-1's all-gather: every rank's updated shard to the others.
         if let Some(shards) = self.shards.clone() {
             let started = std::time::Instant::now();
@@ -449,6 +486,77 @@ impl Ranks for LearnerPool {
                 }
             }
             self.reducing += started.elapsed();
+        }
+        Ok(first)
+    }
+}
+
+impl LearnerPool {
+    /// A step whose sum the ranks make among themselves: reduce-scatter; then the summed
+    /// shards to every rank and a whole step each, or (ZeRO-1) a step of each rank's shard
+    /// with the global norm and every rank's updated shard to the others. Each phase runs on
+    /// every rank at once and ends when all have answered: a rank reads another's outbox only
+    /// in a phase after the one that wrote it.
+    fn step_in_group(&mut self) -> Result<StepReport> {
+        let started = std::time::Instant::now();
+        let (mut squares, mut publish) = (Vec::new(), 0.0f64);
+        for r in self.on_all(|| LearnerOp::Reduce)? {
+            match r {
+                LearnerResponse::Reduced { squares: s, publish_s } => {
+                    squares.push(s);
+                    publish = publish.max(publish_s);
+                }
+                _ => return Err(out_of_turn()),
+            }
+        }
+        // The ranks' publications (at the end of their gradients' calls) count too.
+        self.reducing += std::time::Duration::from_secs_f64(publish);
+        let norm = match self.shards {
+            None => {
+                self.on_all(|| LearnerOp::Gather {
+                    slot: Slot::Gradient,
+                })?;
+                None
+            }
+            // The shards' squares added in rank order, as every rank would.
+            Some(_) => Some(squares.iter().sum::<f64>().sqrt()),
+        };
+        self.reducing += started.elapsed();
+        let report = self.apply(norm)?;
+        if self.shards.is_some() {
+            let started = std::time::Instant::now();
+            self.on_all(|| LearnerOp::Gather {
+                slot: Slot::Weights,
+            })?;
+            self.reducing += started.elapsed();
+        }
+        Ok(report)
+    }
+
+    /// Every rank applies its summed gradients (with `norm`: its ZeRO-1 shard); their reports
+    /// must agree.
+    fn apply(&mut self, norm: Option<f64>) -> Result<StepReport> {
+        let reports = self.on_all(|| LearnerOp::Step { norm })?;
+        self.steps += 1;
+        let mut reports = reports.into_iter().map(|r| match r {
+            LearnerResponse::Report(r) => Ok(r),
+            _ => Err(out_of_turn()),
+        });
+        let first = reports
+            .next()
+            .ok_or(PoolError::Runtime("a learner pool without ranks".into()))??;
+        for (i, r) in reports.enumerate() {
+            let r = r?;
+            if r.grad_norm.to_bits() != first.grad_norm.to_bits()
+                || r.lr != first.lr
+                || r.skipped != first.skipped
+            {
+                return Err(learner::Error::Ranks(format!(
+                    "rank {} stepped with {r:?} and rank 0 with {first:?}: their weights no longer agree",
+                    i + 1
+                ))
+                .into());
+            }
         }
         Ok(first)
     }

@@ -436,8 +436,13 @@ fn bench_learners(
         b.one_engine_step_s
     );
     for r in &b.runs {
+        let sum = match r.allreduce {
+            orchestrator::plan::AllReduce::Ranks => "ranks sum",
+            orchestrator::plan::AllReduce::Streams => "streams",
+            orchestrator::plan::AllReduce::Driver => "driver sums",
+        };
         println!(
-            "  {ranks} ranks, {:<23} {:<8} step {:.3} s ({:.2}× one engine), all-reduce {:.3} s = {:.2} GB/s, {:.0}% of the step; optimiser state {:.0} MB a rank",
+            "  {ranks} ranks, {:<23} {:<8} {sum:<11} step {:.3} s ({:.2}× one engine), all-reduce {:.3} s = {:.2} GB/s, {:.0}% of the step; optimiser state {:.0} MB a rank",
             r.placement,
             if r.sharded { "ZeRO-1" } else { "replicas" },
             r.step_s,
