@@ -202,6 +202,17 @@ impl<A: Actor> Link<A> {
     }
 }
 
+/// The host of a URL (`https://[::1]:7071/x` → `::1`).
+fn url_host(url: &str) -> &str {
+    let rest = url.split_once("://").map_or(url, |(_, r)| r);
+    let authority = rest.split('/').next().unwrap_or(rest);
+    let host = match authority.rsplit_once(':') {
+        Some((h, port)) if !h.is_empty() && port.bytes().all(|b| b.is_ascii_digit()) => h,
+        _ => authority,
+    };
+    host.trim_start_matches('[').trim_end_matches(']')
+}
+
 /// A handle to an actor, local or remote; cheap to clone. When every handle is dropped the actor
 /// is stopped.
 pub struct ActorRef<A: Actor> {
@@ -249,16 +260,7 @@ impl<A: Actor> ActorRef<A> {
     /// process, or while it has no incarnation.
     pub fn agent_host(&self) -> Option<String> {
         match &*self.link.borrow() {
-            Link::Remote(r) => {
-                let url = r.agent_address();
-                let rest = url.split_once("://").map_or(url, |(_, r)| r);
-                let authority = rest.split('/').next().unwrap_or(rest);
-                let host = match authority.rsplit_once(':') {
-                    Some((h, port)) if port.bytes().all(|b| b.is_ascii_digit()) => h,
-                    _ => authority,
-                };
-                Some(host.trim_start_matches('[').trim_end_matches(']').to_string())
-            }
+            Link::Remote(r) => Some(url_host(r.agent_address()).to_string()),
             _ => None,
         }
     }
@@ -614,6 +616,20 @@ pub async fn spawn_local<A: Actor>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_agents_host_is_its_urls() {
+        for (url, host) in [
+            ("http://10.0.0.5:7071", "10.0.0.5"),
+            ("https://node-3.cluster:443/", "node-3.cluster"),
+            ("http://[fd00::1]:7071", "fd00::1"),
+            ("http://[::1]", "::1"),
+            ("localhost:80", "localhost"),
+            ("http://host", "host"),
+        ] {
+            assert_eq!(url_host(url), host, "{url}");
+        }
+    }
     use crate::builtin::{Ping, PingRequest, PingResponse};
     use std::sync::atomic::{AtomicU32, Ordering};
 

@@ -78,7 +78,7 @@ pub enum Reach {
 }
 
 /// Where a rank's outbox is: its host (as [`crate::head::host_id`] says), its file, and the
-/// port its server listens on (on every interface).
+/// port its server listens on.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct OutboxAddress {
     /// The host's id.
@@ -109,12 +109,14 @@ pub struct Outbox {
 }
 
 impl Outbox {
-    /// Makes an outbox of `values` zeros, served to clients that present `key`.
-    pub fn open(values: usize, key: &Token) -> Result<Outbox> {
+    /// Makes an outbox of `values` zeros, served on `host` (the address other hosts reach
+    /// this one at; every interface when it is not this host's own, as behind a NAT) to
+    /// clients that present `key`.
+    pub fn open(values: usize, key: &Token, host: &str) -> Result<Outbox> {
         let io = |source| ExchangeError::Outbox { values, source };
         let region = ShmRegion::create((values * 4) as u64).map_err(io)?;
         let view = map(region.path()).map_err(io)?;
-        let server = Server::start(Arc::new(view), values, key.clone()).map_err(io)?;
+        let server = Server::start(Arc::new(view), values, key.clone(), host).map_err(io)?;
         let address = OutboxAddress {
             host: crate::head::host_id(),
             path: region.path().to_string_lossy().into_owned(),
@@ -155,14 +157,14 @@ fn map(path: &Path) -> std::io::Result<Mmap> {
 
 /// The f32 values of a page-aligned mapping's bytes.
 fn floats(bytes: &[u8]) -> &[f32] {
-    assert!(bytes.as_ptr().cast::<f32>().is_aligned() && bytes.len() % 4 == 0);
+    assert!(bytes.as_ptr().cast::<f32>().is_aligned() && bytes.len().is_multiple_of(4));
     // SAFETY: aligned (checked), whole values (checked), and every bit pattern is an f32.
     unsafe { std::slice::from_raw_parts(bytes.as_ptr().cast(), bytes.len() / 4) }
 }
 
 /// The f32 values of a page-aligned mapping's bytes, to write.
 fn floats_mut(bytes: &mut [u8]) -> &mut [f32] {
-    assert!(bytes.as_ptr().cast::<f32>().is_aligned() && bytes.len() % 4 == 0);
+    assert!(bytes.as_ptr().cast::<f32>().is_aligned() && bytes.len().is_multiple_of(4));
     // SAFETY: as `floats`, and the borrow is exclusive.
     unsafe { std::slice::from_raw_parts_mut(bytes.as_mut_ptr().cast(), bytes.len() / 4) }
 }
@@ -170,16 +172,27 @@ fn floats_mut(bytes: &mut [u8]) -> &mut [f32] {
 /// An outbox's server: a thread accepting connections, a thread for each.
 struct Server {
     port: u16,
+    wake: SocketAddr,
     stop: Arc<AtomicBool>,
     streams: Arc<Mutex<Vec<TcpStream>>>,
     acceptor: Option<JoinHandle<()>>,
 }
 
 impl Server {
-    fn start(view: Arc<Mmap>, values: usize, key: Token) -> std::io::Result<Server> {
-        // Every IPv4 interface (IPv6 where the host has no IPv4).
-        let listener = TcpListener::bind("0.0.0.0:0").or_else(|_| TcpListener::bind("[::]:0"))?;
-        let port = listener.local_addr()?.port();
+    fn start(view: Arc<Mmap>, values: usize, key: Token, host: &str) -> std::io::Result<Server> {
+        let host = host.trim_start_matches('[').trim_end_matches(']');
+        let listener = TcpListener::bind((host, 0)).or_else(|e| {
+            tracing::debug!("an outbox serves every interface: {host} is not this host's ({e})");
+            TcpListener::bind("0.0.0.0:0").or_else(|_| TcpListener::bind("[::]:0"))
+        })?;
+        let local = listener.local_addr()?;
+        let port = local.port();
+        // Where the acceptor is woken from when the server stops.
+        let wake = match local.ip() {
+            ip if ip.is_unspecified() && ip.is_ipv4() => SocketAddr::from(([127, 0, 0, 1], port)),
+            ip if ip.is_unspecified() => SocketAddr::from((std::net::Ipv6Addr::LOCALHOST, port)),
+            _ => local,
+        };
         let stop = Arc::new(AtomicBool::new(false));
         let streams: Arc<Mutex<Vec<TcpStream>>> = Arc::default();
         let (stopping, open) = (stop.clone(), streams.clone());
@@ -206,6 +219,7 @@ impl Server {
             })?;
         Ok(Server {
             port,
+            wake,
             stop,
             streams,
             acceptor: Some(acceptor),
@@ -217,10 +231,7 @@ impl Drop for Server {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::SeqCst);
         // Wakes the acceptor, which then sees the flag.
-        let _ = TcpStream::connect_timeout(
-            &SocketAddr::from(([127, 0, 0, 1], self.port)),
-            Duration::from_secs(1),
-        );
+        let _ = TcpStream::connect_timeout(&self.wake, Duration::from_secs(1));
         if let Some(a) = self.acceptor.take() {
             let _ = a.join();
         }
@@ -281,7 +292,13 @@ enum Peer {
 
 impl Peer {
     /// Reaches `member`'s outbox of at least `values` values as rank `rank`.
-    fn connect(rank: usize, member: &Member, values: usize, key: &Token, how: Reach) -> Result<Peer> {
+    fn connect(
+        rank: usize,
+        member: &Member,
+        values: usize,
+        key: &Token,
+        how: Reach,
+    ) -> Result<Peer> {
         let a = &member.outbox;
         if how == Reach::Auto && a.host == crate::head::host_id() {
             let fail = |message: String| ExchangeError::Peer {
@@ -298,11 +315,7 @@ impl Peer {
                 ))
             })?;
             if view.len() < 4 * values {
-                return Err(fail(format!(
-                    "{} bytes, {} wanted",
-                    view.len(),
-                    4 * values
-                )));
+                return Err(fail(format!("{} bytes, {} wanted", view.len(), 4 * values)));
             }
             return Ok(Peer::Mapped(view));
         }
@@ -419,7 +432,9 @@ impl Group {
         how: Reach,
     ) -> Result<Group> {
         let values = outbox.values;
-        let tiles = shards.iter().try_fold(0usize, |at, &(a, l)| (a == at).then_some(a + l));
+        let tiles = shards
+            .iter()
+            .try_fold(0usize, |at, &(a, l)| (a == at).then_some(a + l));
         if members.len() != shards.len() || rank >= shards.len() || tiles != Some(values) {
             return Err(ExchangeError::Group(format!(
                 "rank {rank} of {} members with shards {shards:?} of {values} values",
@@ -553,7 +568,9 @@ mod tests {
     /// `n` ranks' groups over `values` values, joined on threads (as ranks would, at once).
     fn groups(n: usize, values: usize, how: Reach) -> Vec<Group> {
         let key = Token::generate().unwrap();
-        let outboxes: Vec<_> = (0..n).map(|_| Outbox::open(values, &key).unwrap()).collect();
+        let outboxes: Vec<_> = (0..n)
+            .map(|_| Outbox::open(values, &key, "127.0.0.1").unwrap())
+            .collect();
         let members: Vec<_> = outboxes
             .iter()
             .map(|o| Member {
@@ -563,7 +580,12 @@ mod tests {
             .collect();
         let per = values.div_ceil(n);
         let shards: Vec<_> = (0..n)
-            .map(|i| ((i * per).min(values), per.min(values - (i * per).min(values))))
+            .map(|i| {
+                (
+                    (i * per).min(values),
+                    per.min(values - (i * per).min(values)),
+                )
+            })
             .collect();
         outboxes
             .into_iter()
@@ -589,11 +611,16 @@ mod tests {
     fn an_all_reduce_equals_the_rank_order_sum_bit_for_bit_mapped_and_streamed() {
         // Values that make the order of a sum matter; a size with a partial last piece.
         let values = 2 * CHUNK + 12_345;
-        let value = |r: usize, i: usize| ((i * 7919 + r * 104_729) % 10_007) as f32 * 1e-3 + (r as f32 * 1e7);
+        let value = |r: usize, i: usize| {
+            ((i * 7919 + r * 104_729) % 10_007) as f32 * 1e-3 + (r as f32 * 1e7)
+        };
         for (n, how) in [(2, Reach::Auto), (3, Reach::Auto), (3, Reach::Streams)] {
             let mut gs = groups(n, values, how);
             phase(&mut gs, |r, g| {
-                g.outbox_mut().iter_mut().enumerate().for_each(|(i, v)| *v = value(r, i));
+                g.outbox_mut()
+                    .iter_mut()
+                    .enumerate()
+                    .for_each(|(i, v)| *v = value(r, i));
             });
             let mine = phase(&mut gs, |_, g| {
                 let mut out = vec![0.0f32; values];
@@ -630,7 +657,7 @@ mod tests {
     #[test]
     fn a_client_without_the_groups_key_is_refused_and_a_bad_group_is_named() {
         let key = Token::generate().unwrap();
-        let outbox = Outbox::open(16, &key).unwrap();
+        let outbox = Outbox::open(16, &key, "127.0.0.1").unwrap();
         let member = Member {
             outbox: outbox.address().clone(),
             reach: "127.0.0.1".into(),
@@ -644,10 +671,17 @@ mod tests {
         let mut p = Peer::connect(0, &member, 16, &key, Reach::Streams).unwrap();
         let e = p.read(0, 10, 7, &mut Vec::new()).unwrap_err().to_string();
         assert!(e.contains("refused values 10..17"), "{e}");
-        let e = Group::join(outbox, 0, vec![(0, 8), (9, 7)], &[member.clone(), member], &key, Reach::Auto)
-            .err()
-            .unwrap()
-            .to_string();
+        let e = Group::join(
+            outbox,
+            0,
+            vec![(0, 8), (9, 7)],
+            &[member.clone(), member],
+            &key,
+            Reach::Auto,
+        )
+        .err()
+        .unwrap()
+        .to_string();
         assert!(e.contains("shards [(0, 8), (9, 7)] of 16 values"), "{e}");
     }
 }

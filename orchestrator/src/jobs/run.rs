@@ -664,7 +664,7 @@ fn run(
                 placement: plan.learner.placement,
                 device: plan.learner.device,
                 shard_optimizer: plan.learner.shard_optimizer,
-            allreduce: plan.learner.allreduce,
+                allreduce: plan.learner.allreduce,
                 precision: plan.learner.precision,
             })
         } else {

@@ -139,10 +139,12 @@ pub enum LearnerOp {
     },
     /// The optimiser's calls and applied updates.
     Counters,
-    /// Opens the rank's outbox for a group whose members present `key`.
+    /// Opens the rank's outbox for a group whose members present `key`, served on `host`.
     Open {
         /// The group's key.
         key: String,
+        /// The address other hosts reach this rank's at.
+        host: String,
     },
     /// Joins the group whose outboxes `members` are (this rank's at `rank`), owning
     /// `shards[rank]` of the model's flat values.
@@ -282,7 +284,9 @@ impl Trainee {
     fn weights_into(&mut self, offset: usize, out: &mut [f32]) -> Result<()> {
         match self {
             Trainee::Policy(e) => wire::read_into(&e.model()?.params, offset, out),
-            Trainee::Critic { critic, .. } => critic.with_all(|all| wire::read_into(all, offset, out)),
+            Trainee::Critic { critic, .. } => {
+                critic.with_all(|all| wire::read_into(all, offset, out))
+            }
         }
     }
 
@@ -438,11 +442,7 @@ impl Actor for LearnerActor {
             }
         };
         // A rank's group outlives new weights.
-        let exchange = self
-            .rank
-            .take()
-            .map(|r| r.exchange)
-            .unwrap_or_default();
+        let exchange = self.rank.take().map(|r| r.exchange).unwrap_or_default();
         self.rank = Some(Rank {
             trainee,
             opt: None,
@@ -592,10 +592,10 @@ impl Rank {
                     moments: opt.moment_len(),
                 }
             }
-            LearnerOp::Open { key } => {
+            LearnerOp::Open { key, host } => {
                 let key = Token::new(&key).map_err(|e| CallError::fatal(e.to_string()))?;
                 let values = self.trainee.numel().map_err(fatal)?;
-                let outbox = Outbox::open(values, &key).map_err(CallError::from)?;
+                let outbox = Outbox::open(values, &key, &host).map_err(CallError::from)?;
                 let address = outbox.address().clone();
                 self.exchange = Exchange::Open(outbox);
                 LearnerResponse::Opened(address)
@@ -608,7 +608,9 @@ impl Rank {
                 reach,
             } => {
                 let Exchange::Open(outbox) = std::mem::take(&mut self.exchange) else {
-                    return Err(CallError::fatal("a rank joins a group after opening its outbox"));
+                    return Err(CallError::fatal(
+                        "a rank joins a group after opening its outbox",
+                    ));
                 };
                 let key = Token::new(&key).map_err(|e| CallError::fatal(e.to_string()))?;
                 let group = Group::join(outbox, rank, shards, &members, &key, reach)?;

@@ -193,8 +193,18 @@ pub fn run(o: &LearnerBenchOptions) -> Result<LearnerBench, PoolError> {
     };
     let agents_here = Placement::Agents(Strategy::Spread);
     for (name, placement, sharded, allreduce) in [
-        ("actors in this process", Placement::Local, false, AllReduce::Ranks),
-        ("actors in this process", Placement::Local, true, AllReduce::Ranks),
+        (
+            "actors in this process",
+            Placement::Local,
+            false,
+            AllReduce::Ranks,
+        ),
+        (
+            "actors in this process",
+            Placement::Local,
+            true,
+            AllReduce::Ranks,
+        ),
         ("agents on this host", agents_here, true, AllReduce::Driver),
         ("agents on this host", agents_here, true, AllReduce::Streams),
         ("agents on this host", agents_here, true, AllReduce::Ranks),

@@ -175,17 +175,25 @@ impl LearnerPool {
     fn form_group(&mut self, shards: Vec<(usize, usize)>, reach: Reach) -> Result<()> {
         let key = actors::Token::generate().map_err(|e| PoolError::Runtime(e.to_string()))?;
         let secret = key.secret().to_string();
-        let opened = self.on_all(|| LearnerOp::Open {
-            key: secret.clone(),
-        })?;
+        let hosts: Vec<String> = self
+            .ranks()
+            .iter()
+            .map(|r| r.agent_host().unwrap_or_else(|| "127.0.0.1".into()))
+            .collect();
+        let opened = self.on_ranks(
+            hosts
+                .iter()
+                .map(|host| LearnerOp::Open {
+                    key: secret.clone(),
+                    host: host.clone(),
+                })
+                .collect(),
+        )?;
         let members = opened
             .into_iter()
-            .zip(self.ranks())
-            .map(|(o, rank)| match o {
-                LearnerResponse::Opened(outbox) => Ok(Member {
-                    outbox,
-                    reach: rank.agent_host().unwrap_or_else(|| "127.0.0.1".into()),
-                }),
+            .zip(hosts)
+            .map(|(o, reach)| match o {
+                LearnerResponse::Opened(outbox) => Ok(Member { outbox, reach }),
                 _ => Err(out_of_turn()),
             })
             .collect::<Result<Vec<_>>>()?;
@@ -502,7 +510,10 @@ impl LearnerPool {
         let (mut squares, mut publish) = (Vec::new(), 0.0f64);
         for r in self.on_all(|| LearnerOp::Reduce)? {
             match r {
-                LearnerResponse::Reduced { squares: s, publish_s } => {
+                LearnerResponse::Reduced {
+                    squares: s,
+                    publish_s,
+                } => {
                     squares.push(s);
                     publish = publish.max(publish_s);
                 }
