@@ -21,7 +21,7 @@ use kernels::mem::f32_bytes_mut;
 use memmap2::Mmap;
 use serde::{Deserialize, Serialize};
 use std::io::{Read, Write};
-use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::net::{Shutdown, TcpListener, TcpStream, ToSocketAddrs};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -169,10 +169,12 @@ fn floats_mut(bytes: &mut [u8]) -> &mut [f32] {
     unsafe { std::slice::from_raw_parts_mut(bytes.as_mut_ptr().cast(), bytes.len() / 4) }
 }
 
+/// How often an outbox's acceptor looks whether its server stopped.
+const ACCEPT_POLL: Duration = Duration::from_millis(50);
+
 /// An outbox's server: a thread accepting connections, a thread for each.
 struct Server {
     port: u16,
-    wake: SocketAddr,
     stop: Arc<AtomicBool>,
     streams: Arc<Mutex<Vec<TcpStream>>>,
     acceptor: Option<JoinHandle<()>>,
@@ -185,25 +187,29 @@ impl Server {
             tracing::debug!("an outbox serves every interface: {host} is not this host's ({e})");
             TcpListener::bind("0.0.0.0:0").or_else(|_| TcpListener::bind("[::]:0"))
         })?;
-        let local = listener.local_addr()?;
-        let port = local.port();
-        // Where the acceptor is woken from when the server stops.
-        let wake = match local.ip() {
-            ip if ip.is_unspecified() && ip.is_ipv4() => SocketAddr::from(([127, 0, 0, 1], port)),
-            ip if ip.is_unspecified() => SocketAddr::from((std::net::Ipv6Addr::LOCALHOST, port)),
-            _ => local,
-        };
+        let port = listener.local_addr()?.port();
+        // Polled, so a stopping server never waits on a connection that may not come.
+        listener.set_nonblocking(true)?;
         let stop = Arc::new(AtomicBool::new(false));
         let streams: Arc<Mutex<Vec<TcpStream>>> = Arc::default();
         let (stopping, open) = (stop.clone(), streams.clone());
         let acceptor = std::thread::Builder::new()
             .name("outbox-accept".into())
             .spawn(move || {
-                for stream in listener.incoming() {
-                    if stopping.load(Ordering::SeqCst) {
-                        break;
-                    }
-                    let Ok(stream) = stream else { continue };
+                while !stopping.load(Ordering::SeqCst) {
+                    let stream = match listener.accept() {
+                        Ok((s, _)) if s.set_nonblocking(false).is_ok() => s,
+                        Ok(_) => continue,
+                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                            std::thread::sleep(ACCEPT_POLL);
+                            continue;
+                        }
+                        Err(e) => {
+                            tracing::debug!("an outbox could not accept a connection: {e}");
+                            std::thread::sleep(ACCEPT_POLL);
+                            continue;
+                        }
+                    };
                     if let Ok(kept) = stream.try_clone() {
                         crate::lock(&open).push(kept);
                     }
@@ -219,7 +225,6 @@ impl Server {
             })?;
         Ok(Server {
             port,
-            wake,
             stop,
             streams,
             acceptor: Some(acceptor),
@@ -230,8 +235,6 @@ impl Server {
 impl Drop for Server {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::SeqCst);
-        // Wakes the acceptor, which then sees the flag.
-        let _ = TcpStream::connect_timeout(&self.wake, Duration::from_secs(1));
         if let Some(a) = self.acceptor.take() {
             let _ = a.join();
         }
@@ -311,7 +314,7 @@ impl Peer {
             }
             let view = map(Path::new(&a.path)).map_err(|e| {
                 fail(format!(
-                    "{e} (ranks on one host that do not share /dev/shm, as containers, need `allreduce: streams`)"
+                    "{e} (ranks on one host that cannot open each other's /dev/shm files — containers, other users — need `allreduce: streams`)"
                 ))
             })?;
             if view.len() < 4 * values {

@@ -614,6 +614,24 @@ fn remove_dead_processes_files(dir: &Path) {
     }
 }
 
+/// Gives `file` its `len` bytes of pages now: a shared-memory file system without room for them
+/// (a container's 64 MB `/dev/shm`) fails here, by name, instead of killing the process with
+/// SIGBUS at the first write past its room.
+fn reserve(file: &std::fs::File, len: u64) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let len = libc::off_t::try_from(len).map_err(std::io::Error::other)?;
+    // SAFETY: a descriptor we own; the range is within the file's new length.
+    match unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len) } {
+        0 => Ok(()),
+        // A file system that cannot reserve: its pages come at the first write, as before.
+        libc::EOPNOTSUPP | libc::EINVAL => Ok(()),
+        libc::ENOSPC => Err(std::io::Error::other(format!(
+            "{SHM_DIR} has no room for {len} bytes (a container's /dev/shm is 64 MB unless it is given more, e.g. docker run --shm-size)"
+        ))),
+        e => Err(std::io::Error::from_raw_os_error(e)),
+    }
+}
+
 /// Whether `p` names a file [`ShmRegion::create`] makes: directly under [`SHM_DIR`], with
 /// Trellis's prefix (the only files a receiver opens by a path it was sent).
 pub(crate) fn is_region(p: &Path) -> bool {
@@ -668,7 +686,10 @@ impl ShmRegion {
         };
         // Held for the file's life: it tells a sweep (above, in another process) it is in use.
         lock(&file, libc::LOCK_SH);
-        if let Err(e) = file.set_len(len.max(1)) {
+        if let Err(e) = file
+            .set_len(len.max(1))
+            .and_then(|()| reserve(&file, len.max(1)))
+        {
             let _ = std::fs::remove_file(&path);
             return Err(e);
         }
