@@ -411,6 +411,57 @@ impl Peer {
     }
 }
 
+/// A group's outboxes as the caller that formed it reads them: each member's shard, as the
+/// member last published it there (the learner ranks' weights after a step).
+pub struct Reader {
+    peers: Vec<Peer>,
+    shards: Vec<(usize, usize)>,
+    buf: Vec<f32>,
+}
+
+impl Reader {
+    /// Reaches every member's outbox (`members[i]` owning `shards[i]` of `values` values).
+    pub fn connect(
+        members: &[Member],
+        shards: Vec<(usize, usize)>,
+        values: usize,
+        key: &Token,
+        how: Reach,
+    ) -> Result<Reader> {
+        if members.len() != shards.len() {
+            return Err(ExchangeError::Group(format!(
+                "{} members with {} shards",
+                members.len(),
+                shards.len()
+            )));
+        }
+        let peers = members
+            .iter()
+            .enumerate()
+            .map(|(i, m)| Peer::connect(i, m, values, key, how))
+            .collect::<Result<_>>()?;
+        Ok(Reader {
+            peers,
+            shards,
+            buf: Vec::new(),
+        })
+    }
+
+    /// Every member's shard of its outbox, piece by piece, to `take(offset, values)`.
+    pub fn read_shards<E: From<ExchangeError>>(
+        &mut self,
+        mut take: impl FnMut(usize, &[f32]) -> Result<(), E>,
+    ) -> Result<(), E> {
+        for (i, (p, &(a, l))) in self.peers.iter_mut().zip(&self.shards).enumerate() {
+            for at in (a..a + l).step_by(CHUNK) {
+                let n = CHUNK.min(a + l - at);
+                take(at, p.read(i, at, n, &mut self.buf)?)?;
+            }
+        }
+        Ok(())
+    }
+}
+
 /// One rank's view of a group of ranks that reduce a vector of `values` f32 together: its
 /// outbox, the others', and the contiguous shard of the vector each rank owns.
 pub struct Group {
@@ -568,8 +619,8 @@ impl Group {
 mod tests {
     use super::*;
 
-    /// `n` ranks' groups over `values` values, joined on threads (as ranks would, at once).
-    fn groups(n: usize, values: usize, how: Reach) -> Vec<Group> {
+    /// `n` ranks' groups over `values` values, and a reader of their outboxes.
+    fn groups(n: usize, values: usize, how: Reach) -> (Vec<Group>, Reader) {
         let key = Token::generate().unwrap();
         let outboxes: Vec<_> = (0..n)
             .map(|_| Outbox::open(values, &key, "127.0.0.1").unwrap())
@@ -590,11 +641,13 @@ mod tests {
                 )
             })
             .collect();
-        outboxes
+        let reader = Reader::connect(&members, shards.clone(), values, &key, how).unwrap();
+        let groups = outboxes
             .into_iter()
             .enumerate()
             .map(|(r, o)| Group::join(o, r, shards.clone(), &members, &key, how).unwrap())
-            .collect()
+            .collect();
+        (groups, reader)
     }
 
     /// Runs `f` on every group at once (the phase's barrier is the scope's end).
@@ -618,7 +671,7 @@ mod tests {
             ((i * 7919 + r * 104_729) % 10_007) as f32 * 1e-3 + (r as f32 * 1e7)
         };
         for (n, how) in [(2, Reach::Auto), (3, Reach::Auto), (3, Reach::Streams)] {
-            let mut gs = groups(n, values, how);
+            let (mut gs, mut reader) = groups(n, values, how);
             phase(&mut gs, |r, g| {
                 g.outbox_mut()
                     .iter_mut()
@@ -654,6 +707,16 @@ mod tests {
                 let bits: Vec<u32> = got.iter().map(|v| v.to_bits()).collect();
                 assert!(bits == want, "rank {r} of {n} ({how:?})");
             }
+            // The caller reads every rank's shard of its outbox: the sums each made.
+            let mut read = vec![0.0f32; values];
+            reader
+                .read_shards::<ExchangeError>(|at, v| {
+                    read[at..at + v.len()].copy_from_slice(v);
+                    Ok(())
+                })
+                .unwrap();
+            let bits: Vec<u32> = read.iter().map(|v| v.to_bits()).collect();
+            assert!(bits == want, "the reader of {n} ({how:?})");
         }
     }
 

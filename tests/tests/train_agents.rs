@@ -364,7 +364,13 @@ fn bench_learners_times_ranks_in_the_process_and_on_agents() {
     );
     assert_eq!(bytes(0), 2 * b["gradient_bytes"].as_i64().unwrap());
     for r in runs {
-        for k in ["step_s", "allreduce_s", "allreduce_gbps", "comm_share"] {
+        for k in [
+            "step_s",
+            "allreduce_s",
+            "allreduce_gbps",
+            "comm_share",
+            "weights_read_s",
+        ] {
             assert!(r[k].as_f64().unwrap() > 0.0, "{k}: {r}");
         }
     }

@@ -11,7 +11,8 @@
 //!
 //! With ZeRO-1 a rank keeps the optimiser's moments of one contiguous shard of the model's flat
 //! values and updates only those (given the whole gradient's norm); then each reads the others'
-//! updated shards from their outboxes (or the driver hands them out).
+//! updated shards from their outboxes (or the driver hands them out). After every step a rank in
+//! a group publishes its shard of the new weights in its outbox, where the driver reads them.
 //!
 //! A rank counts the optimiser steps it has applied, and every request says how many the
 //! driver expects: a rank that restarted (its weights back to the pool's first ones, its
@@ -569,12 +570,11 @@ impl Rank {
                 };
                 let report = self.trainee.step(opt, shard).map_err(fatal)?;
                 self.steps += 1;
-                // ZeRO-1 in a group: the updated shard, published for the others' all-gather.
-                if let (Exchange::Joined(group), Some(offset)) =
-                    (&mut self.exchange, self.shard_offset)
-                {
+                // In a group: the rank's shard of the new weights, published for the others'
+                // all-gather (ZeRO-1) and the driver's reads.
+                if let Exchange::Joined(group) = &mut self.exchange {
                     let (a, l) = group.shard();
-                    if a != offset {
+                    if let Some(offset) = self.shard_offset.filter(|&o| o != a) {
                         return Err(CallError::fatal(format!(
                             "this rank's optimiser shard starts at {offset} and its group shard at {a}"
                         )));

@@ -64,6 +64,9 @@ pub struct RankFigures {
     pub comm_share: f64,
     /// This step time over the one engine's.
     pub vs_one_engine: f64,
+    /// Median seconds to read the weights from the ranks (what a snapshot for the rollout
+    /// engines, or a checkpoint, takes first).
+    pub weights_read_s: f64,
 }
 
 /// `trellis bench learners`' figures.
@@ -226,13 +229,16 @@ pub fn run(o: &LearnerBenchOptions) -> Result<LearnerBench, PoolError> {
             role: crate::kinds::learner::RankRole::Policy,
         })?;
         pool.begin_stage(schedule, 1.0, None)?;
-        let (mut steps, mut reduces) = (Vec::new(), Vec::new());
+        let (mut steps, mut reduces, mut reads) = (Vec::new(), Vec::new(), Vec::new());
         for i in 0..=o.steps {
             let (t, r) = (Instant::now(), pool.reduce_seconds());
             pool.update(batch, &cfg)?;
             if i > 0 {
                 steps.push(t.elapsed().as_secs_f64());
                 reduces.push(pool.reduce_seconds() - r);
+                let t = Instant::now();
+                pool.snapshot(i as u64)?;
+                reads.push(t.elapsed().as_secs_f64());
             }
         }
         let (step_s, allreduce_s) = (median(&steps), median(&reduces));
@@ -246,6 +252,7 @@ pub fn run(o: &LearnerBenchOptions) -> Result<LearnerBench, PoolError> {
             allreduce_gbps: gradient_bytes as f64 / allreduce_s / 1e9,
             comm_share: allreduce_s / step_s,
             vs_one_engine: step_s / one,
+            weights_read_s: median(&reads),
         });
     }
     // The head first: agents it still knows are not reported lost.

@@ -24,7 +24,7 @@ use crate::kinds::learner::{
     LearnerActor, LearnerConfig, LearnerOp, LearnerRequest, LearnerResponse, RankRole, Slot,
 };
 use crate::plan::{AllReduce, Device, Placement};
-use actors::exchange::{Member, Reach};
+use actors::exchange::{Member, Reach, Reader};
 use kernels::tensor::WeightSnapshot;
 use learner::algo::TokenRows;
 use learner::algo::dp::{Outcome, Ranks, Work, split};
@@ -97,8 +97,12 @@ pub struct LearnerPool {
     reducing: std::time::Duration,
     /// ZeRO-1: each rank's (offset, length) of the model's flat values.
     shards: Option<Vec<(usize, usize)>>,
-    /// The ranks sum among themselves (they joined a group when the pool started).
-    grouped: bool,
+    /// The ranks sum among themselves (they joined a group when the pool started); the pool
+    /// reads their outboxes.
+    group: Option<Mutex<Reader>>,
+    /// The ranks' outboxes hold the current weights (each its shard): a step published them,
+    /// and no gradient has been published over them since.
+    published: bool,
 }
 
 impl LearnerPool {
@@ -156,7 +160,8 @@ impl LearnerPool {
             restarted,
             reducing: std::time::Duration::ZERO,
             shards,
-            grouped: false,
+            group: None,
+            published: false,
         };
         let reach = match start.allreduce {
             AllReduce::Ranks => Some(Reach::Auto),
@@ -208,7 +213,9 @@ impl LearnerPool {
                 })
                 .collect(),
         )?;
-        self.grouped = true;
+        let values = self.layout.numel();
+        let reader = Reader::connect(&members, shards, values, &key, reach).map_err(lost)?;
+        self.group = Some(Mutex::new(reader));
         Ok(())
     }
 
@@ -300,10 +307,16 @@ impl LearnerPool {
         self.on_ranks((0..self.ranks().len()).map(|_| op()).collect())
     }
 
-    /// The weights, whole. Every rank holds the same ones, so the slices come from all of them
-    /// at once, round robin.
+    /// The weights, whole: from the ranks' outboxes where the last step published them, else
+    /// read from the ranks — every rank holds the same ones, so the slices come from all of
+    /// them at once, round robin.
     fn weights(&self) -> Result<Params> {
         let mut out = self.layout.clone();
+        if let (Some(group), true) = (&self.group, self.published) {
+            lock(group)
+                .read_shards(|at, v| wire::write_range(&mut out, at, v).map_err(PoolError::from))?;
+            return Ok(out);
+        }
         let n = out.numel();
         let ranks = self.count().max(1);
         for window in slices(0, n).chunks(WINDOW * ranks) {
@@ -371,6 +384,17 @@ fn slices(from: usize, to: usize) -> Vec<(usize, usize)> {
         .collect()
 }
 
+/// A group's exchange that failed: a rank, or the link to it, was lost.
+fn lost(e: actors::exchange::ExchangeError) -> PoolError {
+    PoolError::RankLost(e.to_string())
+}
+
+impl From<actors::exchange::ExchangeError> for PoolError {
+    fn from(e: actors::exchange::ExchangeError) -> Self {
+        lost(e)
+    }
+}
+
 fn out_of_turn() -> PoolError {
     PoolError::Runtime("a learner rank answered out of turn".into())
 }
@@ -390,6 +414,8 @@ impl Ranks for LearnerPool {
     }
 
     fn gradients(&mut self, work: Vec<Work>) -> Result<Vec<Outcome>> {
+        // The ranks publish their gradients over the weights.
+        self.published = false;
         self.on_ranks(work.into_iter().map(LearnerOp::Gradient).collect())?
             .into_iter()
             .map(|r| match r {
@@ -400,8 +426,10 @@ impl Ranks for LearnerPool {
     }
 
     fn step(&mut self) -> Result<StepReport> {
-        if self.grouped {
-            return self.step_in_group();
+        if self.group.is_some() {
+            let report = self.step_in_group()?;
+            self.published = true;
+            return Ok(report);
         }
         // The all-reduce, slice by slice: every rank's slice, summed in rank order (the same
         // sum whatever order the answers came in), written back to every rank — with ZeRO-1

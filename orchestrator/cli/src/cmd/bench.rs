@@ -442,7 +442,7 @@ fn bench_learners(
             orchestrator::plan::AllReduce::Driver => "driver sums",
         };
         println!(
-            "  {ranks} ranks, {:<23} {:<8} {sum:<11} step {:.3} s ({:.2}× one engine), all-reduce {:.3} s = {:.2} GB/s, {:.0}% of the step; optimiser state {:.0} MB a rank",
+            "  {ranks} ranks, {:<23} {:<8} {sum:<11} step {:.3} s ({:.2}× one engine), all-reduce {:.3} s = {:.2} GB/s, {:.0}% of the step; weights read {:.3} s; optimiser state {:.0} MB a rank",
             r.placement,
             if r.sharded { "ZeRO-1" } else { "replicas" },
             r.step_s,
@@ -450,6 +450,7 @@ fn bench_learners(
             r.allreduce_s,
             r.allreduce_gbps,
             100.0 * r.comm_share,
+            r.weights_read_s,
             r.optimizer_bytes_per_rank as f64 / 1e6
         );
     }
