@@ -77,6 +77,13 @@ pub enum Reach {
     Streams,
 }
 
+/// `(offset, length)` pieces of at most [`CHUNK`] values covering `a..a + l`.
+fn pieces(a: usize, l: usize) -> impl Iterator<Item = (usize, usize)> {
+    (a..a + l)
+        .step_by(CHUNK)
+        .map(move |at| (at, CHUNK.min(a + l - at)))
+}
+
 /// Where a rank's outbox is: its host (as [`crate::head::host_id`] says), its file, and the
 /// port its server listens on.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -289,8 +296,15 @@ fn serve(mut s: TcpStream, view: &Mmap, values: usize, key: &Token) -> std::io::
 enum Peer {
     /// Its file, mapped (same host).
     Mapped(Mmap),
-    /// A stream to its server (another host).
-    Stream { stream: TcpStream, at: String },
+    /// A stream to its server (another host), with the ranges asked for and not yet read (a
+    /// phase asks for all of its ranges first, so the next arrives while one is summed).
+    Stream {
+        stream: TcpStream,
+        at: String,
+        asked: std::collections::VecDeque<(usize, usize)>,
+        /// A read failed: the answers on the stream are no longer in step with the asks.
+        broken: bool,
+    },
 }
 
 impl Peer {
@@ -354,13 +368,51 @@ impl Peer {
             Ok(ok[0] == 1)
         };
         match setup(&mut stream) {
-            Ok(true) => Ok(Peer::Stream { stream, at }),
+            Ok(true) => Ok(Peer::Stream {
+                stream,
+                at,
+                asked: Default::default(),
+                broken: false,
+            }),
             Ok(false) => Err(fail("refused this group's key".into())),
             Err(e) => Err(fail(format!("handshake: {e}"))),
         }
     }
 
-    /// Values `offset..offset + len`: a view of the mapping, or read into `buf`.
+    /// Asks for the values of `ranges` ((offset, length) each), to be read in that order
+    /// (a mapping needs no asking).
+    fn ask(&mut self, rank: usize, ranges: impl IntoIterator<Item = (usize, usize)>) -> Result<()> {
+        let Peer::Stream {
+            stream,
+            at,
+            asked,
+            broken,
+        } = self
+        else {
+            return Ok(());
+        };
+        let fail = |message: String| ExchangeError::Peer {
+            rank,
+            at: at.clone(),
+            message,
+        };
+        if *broken {
+            return Err(fail("an earlier read from it failed".into()));
+        }
+        let mut requests = Vec::new();
+        for (offset, len) in ranges {
+            requests.extend_from_slice(&(offset as u64).to_le_bytes());
+            requests.extend_from_slice(&(len as u64).to_le_bytes());
+            asked.push_back((offset, len));
+        }
+        stream.write_all(&requests).map_err(|e| {
+            *broken = true;
+            fail(format!("sending requests: {e}"))
+        })
+    }
+
+    /// Values `offset..offset + len`: a view of the mapping, or read into `buf` (asked for
+    /// first unless an earlier [`Peer::ask`] did).
     fn read<'a>(
         &'a mut self,
         rank: usize,
@@ -368,20 +420,36 @@ impl Peer {
         len: usize,
         buf: &'a mut Vec<f32>,
     ) -> Result<&'a [f32]> {
+        if let Peer::Stream { asked, .. } = self
+            && asked.is_empty()
+        {
+            self.ask(rank, [(offset, len)])?;
+        }
         match self {
             Peer::Mapped(view) => Ok(&floats(view)[offset..offset + len]),
-            Peer::Stream { stream, at } => {
+            Peer::Stream {
+                stream,
+                at,
+                asked,
+                broken,
+            } => {
                 let fail = |message: String| ExchangeError::Peer {
                     rank,
                     at: at.clone(),
                     message,
                 };
-                let mut request = [0u8; 16];
-                request[..8].copy_from_slice(&(offset as u64).to_le_bytes());
-                request[8..].copy_from_slice(&(len as u64).to_le_bytes());
-                stream
-                    .write_all(&request)
-                    .map_err(|e| fail(format!("sending a request: {e}")))?;
+                if *broken {
+                    return Err(fail("an earlier read from it failed".into()));
+                }
+                if asked.pop_front() != Some((offset, len)) {
+                    *broken = true;
+                    return Err(fail(format!(
+                        "values {offset}..{} read out of the order they were asked in",
+                        offset + len
+                    )));
+                }
+                // Any failure below leaves the stream out of step with its asks.
+                *broken = true;
                 let mut header = [0u8; 12];
                 stream
                     .read_exact(&mut header)
@@ -405,6 +473,7 @@ impl Peer {
                         offset + len
                     )));
                 }
+                *broken = false;
                 Ok(buf)
             }
         }
@@ -453,8 +522,10 @@ impl Reader {
         mut take: impl FnMut(usize, &[f32]) -> Result<(), E>,
     ) -> Result<(), E> {
         for (i, (p, &(a, l))) in self.peers.iter_mut().zip(&self.shards).enumerate() {
-            for at in (a..a + l).step_by(CHUNK) {
-                let n = CHUNK.min(a + l - at);
+            p.ask(i, pieces(a, l))?;
+        }
+        for (i, (p, &(a, l))) in self.peers.iter_mut().zip(&self.shards).enumerate() {
+            for (at, n) in pieces(a, l) {
                 take(at, p.read(i, at, n, &mut self.buf)?)?;
             }
         }
@@ -572,9 +643,13 @@ impl Group {
         mut take: impl FnMut(usize, &[f32]) -> Result<(), E>,
     ) -> Result<(), E> {
         let (a, l) = self.shard();
+        for (i, p) in self.peers.iter_mut().enumerate() {
+            if let Some(p) = p {
+                p.ask(i, pieces(a, l))?;
+            }
+        }
         let mut sum = Vec::new();
-        for at in (a..a + l).step_by(CHUNK) {
-            let n = CHUNK.min(a + l - at);
+        for (at, n) in pieces(a, l) {
             let ranges = vec![Some((at, n)); self.shards.len()];
             self.read_all(&ranges)?;
             sum.clear();
@@ -595,8 +670,14 @@ impl Group {
         &mut self,
         mut take: impl FnMut(usize, &[f32]) -> Result<(), E>,
     ) -> Result<(), E> {
-        let pieces = self.shards.iter().map(|s| s.1.div_ceil(CHUNK)).max();
-        for k in 0..pieces.unwrap_or(0) {
+        for (i, p) in self.peers.iter_mut().enumerate() {
+            if let Some(p) = p {
+                let (a, l) = self.shards[i];
+                p.ask(i, pieces(a, l))?;
+            }
+        }
+        let most = self.shards.iter().map(|s| s.1.div_ceil(CHUNK)).max();
+        for k in 0..most.unwrap_or(0) {
             let ranges: Vec<_> = (0..self.shards.len())
                 .map(|i| {
                     let (a, l) = self.shards[i];
@@ -749,5 +830,26 @@ mod tests {
         .unwrap()
         .to_string();
         assert!(e.contains("shards [(0, 8), (9, 7)] of 16 values"), "{e}");
+    }
+
+    #[test]
+    fn a_member_that_is_gone_fails_a_read_at_once_naming_it() {
+        let key = Token::generate().unwrap();
+        let outbox = Outbox::open(1 << 16, &key, "127.0.0.1").unwrap();
+        let member = Member {
+            outbox: outbox.address().clone(),
+            reach: "127.0.0.1".into(),
+        };
+        let mut p = Peer::connect(3, &member, 1 << 16, &key, Reach::Streams).unwrap();
+        p.read(3, 0, 1 << 16, &mut Vec::new()).unwrap();
+        drop(outbox);
+        let t = std::time::Instant::now();
+        let e = p.read(3, 0, 8, &mut Vec::new()).unwrap_err().to_string();
+        assert!(t.elapsed() < STALL, "{:?}", t.elapsed());
+        let at = format!("rank 3's outbox at 127.0.0.1:{}", member.outbox.port);
+        assert!(e.starts_with(&at), "{e}");
+        // The stream is out of step with its asks from then on: later reads fail too.
+        let e = p.read(3, 8, 8, &mut Vec::new()).unwrap_err().to_string();
+        assert!(e.contains("an earlier read from it failed"), "{e}");
     }
 }
