@@ -171,6 +171,12 @@ pub enum LearnerOp {
         /// [`Slot::Gradient`] or [`Slot::Weights`].
         slot: Slot,
     },
+    /// Copies the rank's group shard of `slot` — the weights or a moment — into its outbox,
+    /// for the driver to read (the weights are published by every step too).
+    Publish {
+        /// Which tensors.
+        slot: Slot,
+    },
 }
 
 /// What a learner rank answers.
@@ -631,6 +637,37 @@ impl Rank {
                     squares,
                     publish_s: self.published_s,
                 }
+            }
+            LearnerOp::Publish { slot } => {
+                let Exchange::Joined(group) = &mut self.exchange else {
+                    return Err(no_group());
+                };
+                let (a, l) = group.shard();
+                let out = &mut group.outbox_mut()[a..a + l];
+                match slot {
+                    Slot::Weights => self.trainee.weights_into(a, out).map_err(fatal)?,
+                    Slot::FirstMoment | Slot::SecondMoment => {
+                        // A ZeRO-1 rank's moments are its shard's, counted from its start.
+                        let from = match self.shard_offset {
+                            Some(offset) if offset == a => 0,
+                            Some(offset) => {
+                                return Err(CallError::fatal(format!(
+                                    "this rank's optimiser shard starts at {offset} and its group shard at {a}"
+                                )));
+                            }
+                            None => a,
+                        };
+                        let (m, v) = self.opt.as_mut().ok_or_else(no_stage)?.moments_mut();
+                        let moment = if slot == Slot::FirstMoment { m } else { v };
+                        wire::read_into(moment, from, out).map_err(fatal)?;
+                    }
+                    Slot::Gradient => {
+                        return Err(CallError::fatal(
+                            "a rank publishes its gradient with every Gradient call",
+                        ));
+                    }
+                }
+                LearnerResponse::Done
             }
             LearnerOp::Gather { slot } => {
                 let Exchange::Joined(group) = &mut self.exchange else {

@@ -100,9 +100,19 @@ pub struct LearnerPool {
     /// The ranks sum among themselves (they joined a group when the pool started); the pool
     /// reads their outboxes.
     group: Option<Mutex<Reader>>,
-    /// The ranks' outboxes hold the current weights (each its shard): a step published them,
-    /// and no gradient has been published over them since.
-    published: bool,
+    /// What the ranks' outboxes hold now.
+    outboxes: Mutex<Outboxes>,
+}
+
+/// What a group's outboxes hold (each rank its shard of it, but for gradients).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Outboxes {
+    /// The ranks' gradients of a step not taken yet: never to be written over.
+    Gradients,
+    /// The current weights (a step, or a `Publish`, wrote them).
+    Weights,
+    /// Something else (nothing yet, or an optimiser moment the driver read).
+    Other,
 }
 
 impl LearnerPool {
@@ -161,7 +171,7 @@ impl LearnerPool {
             reducing: std::time::Duration::ZERO,
             shards,
             group: None,
-            published: false,
+            outboxes: Mutex::new(Outboxes::Other),
         };
         let reach = match start.allreduce {
             AllReduce::Ranks => Some(Reach::Auto),
@@ -307,14 +317,34 @@ impl LearnerPool {
         self.on_ranks((0..self.ranks().len()).map(|_| op()).collect())
     }
 
-    /// The weights, whole: from the ranks' outboxes where the last step published them, else
-    /// read from the ranks — every rank holds the same ones, so the slices come from all of
-    /// them at once, round robin.
+    /// `slot` (the weights or a moment) of every rank's group shard into `out` at the model's
+    /// flat offsets, through the ranks' outboxes (published there first unless a step already
+    /// did); `false` where the ranks form no group, or their outboxes hold a step's gradients.
+    fn read_group(&self, slot: Slot, out: &mut Params) -> Result<bool> {
+        let Some(group) = &self.group else {
+            return Ok(false);
+        };
+        let mut held = lock(&self.outboxes);
+        match *held {
+            Outboxes::Gradients => return Ok(false),
+            Outboxes::Weights if slot == Slot::Weights => {}
+            _ => {
+                *held = Outboxes::Other;
+                self.on_all(|| LearnerOp::Publish { slot })?;
+                if slot == Slot::Weights {
+                    *held = Outboxes::Weights;
+                }
+            }
+        }
+        lock(group).read_shards(|at, v| wire::write_range(out, at, v).map_err(PoolError::from))?;
+        Ok(true)
+    }
+
+    /// The weights, whole: from the ranks' outboxes, else read from the ranks — every rank
+    /// holds the same ones, so the slices come from all of them at once, round robin.
     fn weights(&self) -> Result<Params> {
         let mut out = self.layout.clone();
-        if let (Some(group), true) = (&self.group, self.published) {
-            lock(group)
-                .read_shards(|at, v| wire::write_range(&mut out, at, v).map_err(PoolError::from))?;
+        if self.read_group(Slot::Weights, &mut out)? {
             return Ok(out);
         }
         let n = out.numel();
@@ -414,8 +444,8 @@ impl Ranks for LearnerPool {
     }
 
     fn gradients(&mut self, work: Vec<Work>) -> Result<Vec<Outcome>> {
-        // The ranks publish their gradients over the weights.
-        self.published = false;
+        // The ranks publish their gradients over what the outboxes held.
+        *lock(&self.outboxes) = Outboxes::Gradients;
         self.on_ranks(work.into_iter().map(LearnerOp::Gradient).collect())?
             .into_iter()
             .map(|r| match r {
@@ -428,7 +458,7 @@ impl Ranks for LearnerPool {
     fn step(&mut self) -> Result<StepReport> {
         if self.group.is_some() {
             let report = self.step_in_group()?;
-            self.published = true;
+            *lock(&self.outboxes) = Outboxes::Weights;
             return Ok(report);
         }
         // The all-reduce, slice by slice: every rank's slice, summed in rank order (the same
@@ -732,11 +762,15 @@ impl LearnerPool {
         };
         (opt.calls, opt.applied) = (calls, applied);
         let (mut m, mut v) = (self.layout.clone(), self.layout.clone());
-        // With ZeRO-1 every rank holds its shard of the moments, at its own offsets.
-        let shards = self.shards.clone().unwrap_or_else(|| vec![(0, m.numel())]);
-        for (r, (a, l)) in shards.into_iter().enumerate() {
-            self.read_into(r, Slot::FirstMoment, (0, l), &mut m, a)?;
-            self.read_into(r, Slot::SecondMoment, (0, l), &mut v, a)?;
+        let through_outboxes = self.read_group(Slot::FirstMoment, &mut m)?
+            && self.read_group(Slot::SecondMoment, &mut v)?;
+        if !through_outboxes {
+            // With ZeRO-1 every rank holds its shard of the moments, at its own offsets.
+            let shards = self.shards.clone().unwrap_or_else(|| vec![(0, m.numel())]);
+            for (r, (a, l)) in shards.into_iter().enumerate() {
+                self.read_into(r, Slot::FirstMoment, (0, l), &mut m, a)?;
+                self.read_into(r, Slot::SecondMoment, (0, l), &mut v, a)?;
+            }
         }
         let (om, ov) = opt.moments_mut();
         (*om, *ov) = (m, v);
