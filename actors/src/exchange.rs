@@ -296,15 +296,8 @@ fn serve(mut s: TcpStream, view: &Mmap, values: usize, key: &Token) -> std::io::
 enum Peer {
     /// Its file, mapped (same host).
     Mapped(Mmap),
-    /// A stream to its server (another host), with the ranges asked for and not yet read (a
-    /// phase asks for all of its ranges first, so the next arrives while one is summed).
-    Stream {
-        stream: TcpStream,
-        at: String,
-        asked: std::collections::VecDeque<(usize, usize)>,
-        /// A read failed: the answers on the stream are no longer in step with the asks.
-        broken: bool,
-    },
+    /// A stream to its server (another host).
+    Stream(Link),
 }
 
 impl Peer {
@@ -368,12 +361,12 @@ impl Peer {
             Ok(ok[0] == 1)
         };
         match setup(&mut stream) {
-            Ok(true) => Ok(Peer::Stream {
+            Ok(true) => Ok(Peer::Stream(Link {
                 stream,
                 at,
                 asked: Default::default(),
                 broken: false,
-            }),
+            })),
             Ok(false) => Err(fail("refused this group's key".into())),
             Err(e) => Err(fail(format!("handshake: {e}"))),
         }
@@ -382,33 +375,10 @@ impl Peer {
     /// Asks for the values of `ranges` ((offset, length) each), to be read in that order
     /// (a mapping needs no asking).
     fn ask(&mut self, rank: usize, ranges: impl IntoIterator<Item = (usize, usize)>) -> Result<()> {
-        let Peer::Stream {
-            stream,
-            at,
-            asked,
-            broken,
-        } = self
-        else {
-            return Ok(());
-        };
-        let fail = |message: String| ExchangeError::Peer {
-            rank,
-            at: at.clone(),
-            message,
-        };
-        if *broken {
-            return Err(fail("an earlier read from it failed".into()));
+        match self {
+            Peer::Mapped(_) => Ok(()),
+            Peer::Stream(link) => link.ask(rank, ranges),
         }
-        let mut requests = Vec::new();
-        for (offset, len) in ranges {
-            requests.extend_from_slice(&(offset as u64).to_le_bytes());
-            requests.extend_from_slice(&(len as u64).to_le_bytes());
-            asked.push_back((offset, len));
-        }
-        stream.write_all(&requests).map_err(|e| {
-            *broken = true;
-            fail(format!("sending requests: {e}"))
-        })
     }
 
     /// Values `offset..offset + len`: a view of the mapping, or read into `buf` (asked for
@@ -420,63 +390,103 @@ impl Peer {
         len: usize,
         buf: &'a mut Vec<f32>,
     ) -> Result<&'a [f32]> {
-        if let Peer::Stream { asked, .. } = self
-            && asked.is_empty()
-        {
-            self.ask(rank, [(offset, len)])?;
-        }
         match self {
             Peer::Mapped(view) => Ok(&floats(view)[offset..offset + len]),
-            Peer::Stream {
-                stream,
-                at,
-                asked,
-                broken,
-            } => {
-                let fail = |message: String| ExchangeError::Peer {
-                    rank,
-                    at: at.clone(),
-                    message,
-                };
-                if *broken {
-                    return Err(fail("an earlier read from it failed".into()));
+            Peer::Stream(link) => {
+                if link.asked.is_empty() {
+                    link.ask(rank, [(offset, len)])?;
                 }
-                if asked.pop_front() != Some((offset, len)) {
-                    *broken = true;
-                    return Err(fail(format!(
-                        "values {offset}..{} read out of the order they were asked in",
-                        offset + len
-                    )));
-                }
-                // Any failure below leaves the stream out of step with its asks.
-                *broken = true;
-                let mut header = [0u8; 12];
-                stream
-                    .read_exact(&mut header)
-                    .map_err(|e| fail(format!("no answer: {e}")))?;
-                let got = u64::from_le_bytes(header[..8].try_into().unwrap_or_default());
-                if got != len as u64 {
-                    return Err(fail(format!(
-                        "refused values {offset}..{} (it holds fewer)",
-                        offset + len
-                    )));
-                }
-                buf.resize(len, 0.0);
-                stream
-                    .read_exact(f32_bytes_mut(buf))
-                    .map_err(|e| fail(format!("reading {len} values: {e}")))?;
-                let crc = u32::from_le_bytes(header[8..].try_into().unwrap_or_default());
-                let ours = proto::crc32c(kernels::mem::f32_bytes(buf));
-                if crc != ours {
-                    return Err(fail(format!(
-                        "values {offset}..{} arrived with CRC-32C {ours:#010x}, sent with {crc:#010x}",
-                        offset + len
-                    )));
-                }
-                *broken = false;
+                link.read(rank, offset, len, buf)?;
                 Ok(buf)
             }
         }
+    }
+}
+
+/// A stream to another rank's outbox server, with the ranges asked for and not yet read (a
+/// phase asks for all of its ranges first, so the next arrives while one is summed).
+struct Link {
+    stream: TcpStream,
+    at: String,
+    asked: std::collections::VecDeque<(usize, usize)>,
+    /// A read failed: the answers on the stream are no longer in step with the asks.
+    broken: bool,
+}
+
+impl Link {
+    fn fail(&self, rank: usize, message: String) -> ExchangeError {
+        ExchangeError::Peer {
+            rank,
+            at: self.at.clone(),
+            message,
+        }
+    }
+
+    /// Fails once a read went wrong.
+    fn usable(&self, rank: usize) -> Result<()> {
+        match self.broken {
+            true => Err(self.fail(rank, "an earlier read from it failed".into())),
+            false => Ok(()),
+        }
+    }
+
+    fn ask(&mut self, rank: usize, ranges: impl IntoIterator<Item = (usize, usize)>) -> Result<()> {
+        self.usable(rank)?;
+        let mut requests = Vec::new();
+        for (offset, len) in ranges {
+            requests.extend_from_slice(&(offset as u64).to_le_bytes());
+            requests.extend_from_slice(&(len as u64).to_le_bytes());
+            self.asked.push_back((offset, len));
+        }
+        if let Err(e) = self.stream.write_all(&requests) {
+            self.broken = true;
+            return Err(self.fail(rank, format!("sending requests: {e}")));
+        }
+        Ok(())
+    }
+
+    /// The next answer, which must be for `offset..offset + len`, into `buf`.
+    fn read(&mut self, rank: usize, offset: usize, len: usize, buf: &mut Vec<f32>) -> Result<()> {
+        self.usable(rank)?;
+        // Any failure leaves the stream out of step with its asks.
+        self.broken = true;
+        if self.asked.pop_front() != Some((offset, len)) {
+            return Err(self.fail(
+                rank,
+                format!(
+                    "values {offset}..{} read out of the order they were asked in",
+                    offset + len
+                ),
+            ));
+        }
+        let mut header = [0u8; 12];
+        if let Err(e) = self.stream.read_exact(&mut header) {
+            return Err(self.fail(rank, format!("no answer: {e}")));
+        }
+        let got = u64::from_le_bytes(header[..8].try_into().unwrap_or_default());
+        if got != len as u64 {
+            return Err(self.fail(
+                rank,
+                format!("refused values {offset}..{} (it holds fewer)", offset + len),
+            ));
+        }
+        buf.resize(len, 0.0);
+        if let Err(e) = self.stream.read_exact(f32_bytes_mut(buf)) {
+            return Err(self.fail(rank, format!("reading {len} values: {e}")));
+        }
+        let crc = u32::from_le_bytes(header[8..].try_into().unwrap_or_default());
+        let ours = proto::crc32c(kernels::mem::f32_bytes(buf));
+        if crc != ours {
+            return Err(self.fail(
+                rank,
+                format!(
+                    "values {offset}..{} arrived with CRC-32C {ours:#010x}, sent with {crc:#010x}",
+                    offset + len
+                ),
+            ));
+        }
+        self.broken = false;
+        Ok(())
     }
 }
 
@@ -610,7 +620,7 @@ impl Group {
                 .zip(ranges)
                 .enumerate()
                 .filter_map(|(i, ((p, buf), r))| match (p, r) {
-                    (Some(p @ Peer::Stream { .. }), Some((o, n))) => {
+                    (Some(p @ Peer::Stream(_)), Some((o, n))) => {
                         let (o, n) = (*o, *n);
                         Some(s.spawn(move || p.read(i, o, n, buf).map(|_| ())))
                     }
