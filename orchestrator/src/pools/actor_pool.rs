@@ -123,9 +123,10 @@ impl<A: Actor> ActorPool<A> {
                 (owned, actors)
             }
         };
-        // Every actor starts with the current weights.
+        // Every actor starts with the current weights — again when its agent was lost
+        // meanwhile (it restarted elsewhere), as for any push.
         for a in &actors {
-            a.load_weights(weights.clone()).await?;
+            retry(a, || a.load_weights(weights.clone())).await?;
         }
         Ok(Self {
             actors,
