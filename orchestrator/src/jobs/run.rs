@@ -151,11 +151,13 @@ impl JobError {
         matches!(self, Self::Stopped { .. } | Self::StoppedWaiting { .. })
     }
 
-    /// Whether a learner rank died or restarted (the job continues from its last checkpoint).
+    /// Whether a learner rank died or restarted — in a step, or while the ranks started (the
+    /// job continues from its last checkpoint).
     pub fn is_rank_loss(&self) -> bool {
         matches!(
             self,
             Self::Exec(ExecError::Role(RoleError::Pool(PoolError::RankLost(_))))
+                | Self::Pool(PoolError::RankLost(_))
         )
     }
 }
@@ -733,4 +735,25 @@ fn rewind_metrics(
         out.push('\n');
     }
     write_atomic(path, out.as_bytes())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_rank_lost_in_a_step_or_while_the_ranks_start_is_recovered_and_nothing_else() {
+        let lost = || PoolError::RankLost("actor `learner-0` died".into());
+        for (e, recovered) in [
+            (
+                JobError::Exec(ExecError::Role(RoleError::Pool(lost()))),
+                true,
+            ),
+            (JobError::Pool(lost()), true),
+            (JobError::Pool(PoolError::StoppedWaiting), false),
+            (JobError::Panicked("boom".into()), false),
+        ] {
+            assert_eq!(e.is_rank_loss(), recovered, "{e}");
+        }
+    }
 }

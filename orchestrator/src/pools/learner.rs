@@ -142,23 +142,30 @@ impl LearnerPool {
         };
         let restarted = Arc::new(Mutex::new(Vec::new()));
         let told = Arc::clone(&restarted);
-        let pool = rt.block_on(ActorPool::start(
-            PoolShape {
-                name: match role {
-                    RankRole::Policy => "learner",
-                    RankRole::Critic => "critic",
+        let pool = rt
+            .block_on(ActorPool::start(
+                PoolShape {
+                    name: match role {
+                        RankRole::Policy => "learner",
+                        RankRole::Critic => "critic",
+                    },
+                    count: start.count,
+                    config: &config,
+                    placement: start.placement,
+                    device: start.device,
+                    cluster: start.cluster,
+                    stop: start.stop,
+                    note: start.note,
+                    on_restart: Some(Arc::new(move |name: &str| lock(&told).push(name.into()))),
                 },
-                count: start.count,
-                config: &config,
-                placement: start.placement,
-                device: start.device,
-                cluster: start.cluster,
-                stop: start.stop,
-                note: start.note,
-                on_restart: Some(Arc::new(move |name: &str| lock(&told).push(name.into()))),
-            },
-            start.weights,
-        ))?;
+                start.weights,
+            ))
+            // An agent lost while the ranks start takes a rank's first state with it: the job
+            // starts them again, as for a rank lost later.
+            .map_err(|e| match e {
+                PoolError::Actor(e) if e.is_retryable() => PoolError::RankLost(e.to_string()),
+                e => e,
+            })?;
         let mut me = Self {
             rt,
             pool: Some(pool),
