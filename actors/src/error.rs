@@ -103,11 +103,3 @@ impl From<&str> for CallError {
         Self::fatal(message)
     }
 }
-
-/// A failed exchange is a rank that was lost, or a link to one that broke: a call made again
-/// (with new ranks) may pass.
-impl From<crate::exchange::ExchangeError> for CallError {
-    fn from(e: crate::exchange::ExchangeError) -> Self {
-        CallError::retryable(e.to_string())
-    }
-}

@@ -65,6 +65,14 @@ pub enum ExchangeError {
 
 type Result<T, E = ExchangeError> = std::result::Result<T, E>;
 
+/// A failed exchange is a rank that was lost, or a link to one that broke: a call made again
+/// (with new ranks) may pass.
+impl From<ExchangeError> for crate::CallError {
+    fn from(e: ExchangeError) -> Self {
+        crate::CallError::retryable(e.to_string())
+    }
+}
+
 /// How the ranks of a group reach each other's outboxes.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]

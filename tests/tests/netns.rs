@@ -3,7 +3,9 @@
 //! hostname, so nothing is shared but the kernel. A real job runs across them; one agent's link
 //! is cut mid-job (`ip link set … down`): the head declares it lost, restarts its engine on the
 //! other agent with the current weights, and the job finishes with the numbers of a run in one
-//! process; the link comes back and the agent registers again. Everything is torn down
+//! process; the link comes back and the agent registers again. Then the policy trains on a
+//! learner rank on each host, the ranks summing their gradients over TCP streams between the
+//! hosts' addresses, to the numbers of the same ranks in one process. Everything is torn down
 //! afterwards, and nothing talks to an address outside the namespaces the test made.
 //!
 //! Needs root and `ip` (iproute2) and `unshare` (util-linux); without them the test fails
@@ -332,6 +334,43 @@ fn a_job_across_namespaces_survives_a_cut_link_and_the_agent_rejoins() {
         std::thread::sleep(Duration::from_millis(200));
     }
     mark("host0 rejoined");
+
+    // Learner ranks on the two hosts sum their gradients over TCP streams between the hosts'
+    // addresses (each rank's outbox served on its agent's), and the job's driver reads their
+    // weights the same way: the rows are those of the same ranks in one process, bit for bit.
+    let ranks = ["-o", "pools.learner.count=2"];
+    let mut submit = vec!["submit", recipe_path.as_str()];
+    submit.extend(overrides);
+    submit.extend(ranks);
+    submit.extend(["-o", "pools.learner.placement=spread"]);
+    let out = run_ok(&mut client(&submit));
+    let ranked: u64 = String::from_utf8_lossy(&out.stdout).trim().parse().unwrap();
+    let out = client(&["logs", "-f", &ranked.to_string()])
+        .output()
+        .unwrap();
+    let log = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        out.status.success(),
+        "{log}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        ["learner ranks: host0, host1", "learner ranks: host1, host0"]
+            .iter()
+            .any(|l| log.contains(l)),
+        "a rank on each host: {log}"
+    );
+    mark("ranked job finished");
+    let local_ranks = dir.join("local-ranks");
+    let mut t = trellis();
+    t.arg("train").arg(recipe()).args(overrides).args(ranks);
+    t.args(["--quiet", "--run-dir"]).arg(&local_ranks);
+    run_ok(&mut t);
+    assert_eq!(
+        metric_rows(&data.join("jobs").join(ranked.to_string())),
+        metric_rows(&local_ranks)
+    );
+    mark("ranked runs compared");
     drop(agents);
     let _ = std::fs::remove_dir_all(&dir);
 }
