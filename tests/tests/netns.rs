@@ -263,11 +263,38 @@ fn a_job_across_namespaces_survives_a_cut_link_and_the_agent_rejoins() {
         "pools.rollout.count=2",
     ];
     let recipe_path = recipe().display().to_string();
-    let mut submit = vec!["submit", recipe_path.as_str()];
-    submit.extend(overrides);
-    submit.extend(["-o", "pools.rollout.placement=spread"]);
-    let out = run_ok(&mut client(&submit));
-    let job: u64 = String::from_utf8_lossy(&out.stdout).trim().parse().unwrap();
+    // A job of the recipe with `overrides` and `more`, submitted to the server.
+    let submit = |more: &[&str]| -> u64 {
+        let mut submit = vec!["submit", recipe_path.as_str()];
+        submit.extend(overrides);
+        submit.extend(more);
+        let out = run_ok(&mut client(&submit));
+        String::from_utf8_lossy(&out.stdout).trim().parse().unwrap()
+    };
+    // Its log, followed to its end, which must be a success.
+    let follow = |job: u64| -> String {
+        let out = client(&["logs", "-f", &job.to_string()]).output().unwrap();
+        let log = String::from_utf8_lossy(&out.stdout).to_string();
+        assert!(
+            out.status.success(),
+            "{log}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        log
+    };
+    // Its rows equal those of the same run in one process (`more` without the placements).
+    let same_as_in_process = |job: u64, more: &[&str], name: &str| {
+        let local = dir.join(name);
+        let mut t = trellis();
+        t.arg("train").arg(recipe()).args(overrides).args(more);
+        t.args(["--quiet", "--run-dir"]).arg(&local);
+        run_ok(&mut t);
+        assert_eq!(
+            metric_rows(&data.join("jobs").join(job.to_string())),
+            metric_rows(&local)
+        );
+    };
+    let job = submit(&["-o", "pools.rollout.placement=spread"]);
     let status = |job: u64| -> Value {
         let out = run_ok(&mut client(&["status", &job.to_string(), "--json"]));
         serde_json::from_slice(&out.stdout).unwrap()
@@ -288,13 +315,7 @@ fn a_job_across_namespaces_survives_a_cut_link_and_the_agent_rejoins() {
     // Cut host0 off mid-job.
     mark("link cut");
     net.set_link(0, false);
-    let out = client(&["logs", "-f", &job.to_string()]).output().unwrap();
-    let log = String::from_utf8_lossy(&out.stdout).to_string();
-    assert!(
-        out.status.success(),
-        "{log}{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    follow(job);
     mark("job finished");
     let head_lines: Vec<String> = head_log.try_iter().collect();
     let head_text = head_lines.join("\n");
@@ -308,15 +329,7 @@ fn a_job_across_namespaces_survives_a_cut_link_and_the_agent_rejoins() {
     );
 
     // The numbers are those of a run in one process.
-    let local = dir.join("local");
-    let mut t = trellis();
-    t.arg("train").arg(recipe()).args(overrides);
-    t.args(["--quiet", "--run-dir"]).arg(&local);
-    run_ok(&mut t);
-    assert_eq!(
-        metric_rows(&data.join("jobs").join(job.to_string())),
-        metric_rows(&local)
-    );
+    same_as_in_process(job, &[], "local");
 
     mark("in-process run compared");
     // The link comes back: host0 registers again.
@@ -339,21 +352,8 @@ fn a_job_across_namespaces_survives_a_cut_link_and_the_agent_rejoins() {
     // addresses (each rank's outbox served on its agent's), and the job's driver reads their
     // weights the same way: the rows are those of the same ranks in one process, bit for bit.
     let ranks = ["-o", "pools.learner.count=2"];
-    let mut submit = vec!["submit", recipe_path.as_str()];
-    submit.extend(overrides);
-    submit.extend(ranks);
-    submit.extend(["-o", "pools.learner.placement=spread"]);
-    let out = run_ok(&mut client(&submit));
-    let ranked: u64 = String::from_utf8_lossy(&out.stdout).trim().parse().unwrap();
-    let out = client(&["logs", "-f", &ranked.to_string()])
-        .output()
-        .unwrap();
-    let log = String::from_utf8_lossy(&out.stdout).to_string();
-    assert!(
-        out.status.success(),
-        "{log}{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let ranked = submit(&[&ranks[..], &["-o", "pools.learner.placement=spread"]].concat());
+    let log = follow(ranked);
     assert!(
         ["learner ranks: host0, host1", "learner ranks: host1, host0"]
             .iter()
@@ -361,15 +361,7 @@ fn a_job_across_namespaces_survives_a_cut_link_and_the_agent_rejoins() {
         "a rank on each host: {log}"
     );
     mark("ranked job finished");
-    let local_ranks = dir.join("local-ranks");
-    let mut t = trellis();
-    t.arg("train").arg(recipe()).args(overrides).args(ranks);
-    t.args(["--quiet", "--run-dir"]).arg(&local_ranks);
-    run_ok(&mut t);
-    assert_eq!(
-        metric_rows(&data.join("jobs").join(ranked.to_string())),
-        metric_rows(&local_ranks)
-    );
+    same_as_in_process(ranked, &ranks, "local-ranks");
     mark("ranked runs compared");
     drop(agents);
     let _ = std::fs::remove_dir_all(&dir);
