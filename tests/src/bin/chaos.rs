@@ -5,7 +5,7 @@
 //! failed or its rows differ.
 //!
 //! ```text
-//! cargo run --release -p tests --bin chaos -- [--engines] [--kills N | --minutes M] [--seed S] [--steps RL_STEPS] [--dir DIR]
+//! cargo run --release -p tests --bin chaos -- [--engines | --learners [--streams]] [--kills N | --minutes M] [--seed S] [--steps RL_STEPS] [--dir DIR]
 //! ```
 //!
 //! `--kills N` (default 4): disturbed jobs until N kills were made (most often one job).
@@ -20,7 +20,9 @@
 //! pool's own counters (`rollout/…`: engines out of service) are left out of the comparison.
 //! With `--learners` the policy trains on two learner ranks spread over the agents too: a killed
 //! agent takes a rank's state with it, and the job continues from its last checkpoint on new
-//! ranks. The e2e test `chaos::…` runs CI-sized versions of all three.
+//! ranks; the ranks sum through shared memory (one host), or over TCP streams with `--streams`
+//! (as ranks on two hosts do), so a kill can land in the middle of a streamed reduce. The e2e
+//! test `chaos::…` runs CI-sized versions of all three.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -35,6 +37,8 @@ struct Options {
     engines: bool,
     /// The policy also trains on two learner ranks spread over the agents.
     learners: bool,
+    /// The learner ranks sum over TCP streams.
+    streams: bool,
     kills: usize,
     minutes: Option<f64>,
     seed: u64,
@@ -46,6 +50,7 @@ fn options() -> Result<Options, Error> {
     let mut o = Options {
         engines: false,
         learners: false,
+        streams: false,
         kills: 4,
         minutes: None,
         seed: 1,
@@ -58,6 +63,7 @@ fn options() -> Result<Options, Error> {
         match a.as_str() {
             "--engines" => o.engines = true,
             "--learners" => o.learners = true,
+            "--streams" => o.streams = true,
             "--kills" => o.kills = value()?.parse()?,
             "--minutes" => o.minutes = Some(value()?.parse()?),
             "--seed" => o.seed = value()?.parse()?,
@@ -65,7 +71,7 @@ fn options() -> Result<Options, Error> {
             "--dir" => o.dir = PathBuf::from(value()?),
             _ => {
                 return Err(format!(
-                    "unknown argument {a}: chaos [--engines | --learners] [--kills N | --minutes M] [--seed S] [--steps RL_STEPS] [--dir DIR]"
+                    "unknown argument {a}: chaos [--engines | --learners [--streams]] [--kills N | --minutes M] [--seed S] [--steps RL_STEPS] [--dir DIR]"
                 )
                 .into());
             }
@@ -98,6 +104,8 @@ struct Cluster {
     engines: bool,
     /// Jobs train on two learner ranks spread over the agents.
     learners: bool,
+    /// The learner ranks sum over TCP streams.
+    streams: bool,
 }
 
 fn log_file(dir: &Path, name: &str) -> Result<std::fs::File, Error> {
@@ -125,6 +133,7 @@ impl Cluster {
             members: Vec::new(),
             engines,
             learners: false,
+            streams: false,
         };
         for name in ["m1", "m2"] {
             let mut m = Member {
@@ -235,6 +244,9 @@ impl Cluster {
         if self.learners {
             cmd.args(["-o", "pools.learner.placement=spread"])
                 .args(["-o", "pools.learner.count=2"]);
+            if self.streams {
+                cmd.args(["-o", "pools.learner.allreduce=streams"]);
+            }
         }
         let out = cmd.output()?;
         if !out.status.success() {
@@ -375,8 +387,12 @@ fn main() -> Result<(), Error> {
     if o.engines && o.learners {
         return Err("--engines and --learners: learner ranks run on agents, not engines".into());
     }
+    if o.streams && !o.learners {
+        return Err("--streams: how learner ranks sum; it needs --learners".into());
+    }
     let mut c = Cluster::start(&o.dir, o.engines)?;
     c.learners = o.learners;
+    c.streams = o.streams;
     let mut kills = [0usize; 2];
 
     // The undisturbed run: the same job on the same cluster, left alone.
@@ -434,6 +450,7 @@ fn main() -> Result<(), Error> {
         "rl_steps": o.steps,
         "members": if o.engines { "engines" } else { "agents" },
         "learner_ranks": if o.learners { 2 } else { 1 },
+        "allreduce": if o.streams { "streams" } else { "ranks" },
         "kills": {"head": kills[0], "member": kills[1]},
         "undisturbed_s": undisturbed_s,
         "disturbed_s_mean": disturbed_s / jobs.len().max(1) as f64,
