@@ -643,13 +643,13 @@ impl Group {
 
     /// Rank `i`'s values `offset..offset + len` after [`Group::read_all`] read them (mapped
     /// ones are read here).
-    fn got(&self, i: usize, offset: usize, len: usize) -> Result<&[f32]> {
+    fn got(&self, i: usize, offset: usize, len: usize) -> &[f32] {
         if i == self.rank {
-            return Ok(&self.outbox.values()[offset..offset + len]);
+            return &self.outbox.values()[offset..offset + len];
         }
         match &self.peers[i] {
-            Some(Peer::Mapped(view)) => Ok(&floats(view)[offset..offset + len]),
-            _ => Ok(&self.bufs[i][..len]),
+            Some(Peer::Mapped(view)) => &floats(view)[offset..offset + len],
+            _ => &self.bufs[i][..len],
         }
     }
 
@@ -671,9 +671,9 @@ impl Group {
             let ranges = vec![Some((at, n)); self.shards.len()];
             self.read_all(&ranges)?;
             sum.clear();
-            sum.extend_from_slice(self.got(0, at, n)?);
+            sum.extend_from_slice(self.got(0, at, n));
             for i in 1..self.shards.len() {
-                let v = self.got(i, at, n)?;
+                let v = self.got(i, at, n);
                 sum.iter_mut().zip(v).for_each(|(s, v)| *s += v);
             }
             self.outbox.values_mut()[at..at + n].copy_from_slice(&sum);
@@ -706,7 +706,7 @@ impl Group {
             self.read_all(&ranges)?;
             for (i, r) in ranges.into_iter().enumerate() {
                 if let Some((at, n)) = r {
-                    take(at, self.got(i, at, n)?)?;
+                    take(at, self.got(i, at, n))?;
                 }
             }
         }

@@ -578,15 +578,8 @@ impl Rank {
                 self.steps += 1;
                 // In a group: the rank's shard of the new weights, published for the others'
                 // all-gather (ZeRO-1) and the driver's reads.
-                if let Exchange::Joined(group) = &mut self.exchange {
-                    let (a, l) = group.shard();
-                    if let Some(offset) = self.shard_offset.filter(|&o| o != a) {
-                        return Err(CallError::fatal(format!(
-                            "this rank's optimiser shard starts at {offset} and its group shard at {a}"
-                        )));
-                    }
-                    let out = &mut group.outbox_mut()[a..a + l];
-                    self.trainee.weights_into(a, out).map_err(fatal)?;
+                if let Exchange::Joined(_) = self.exchange {
+                    self.publish(Slot::Weights)?;
                 }
                 LearnerResponse::Report(report)
             }
@@ -639,34 +632,7 @@ impl Rank {
                 }
             }
             LearnerOp::Publish { slot } => {
-                let Exchange::Joined(group) = &mut self.exchange else {
-                    return Err(no_group());
-                };
-                let (a, l) = group.shard();
-                let out = &mut group.outbox_mut()[a..a + l];
-                match slot {
-                    Slot::Weights => self.trainee.weights_into(a, out).map_err(fatal)?,
-                    Slot::FirstMoment | Slot::SecondMoment => {
-                        // A ZeRO-1 rank's moments are its shard's, counted from its start.
-                        let from = match self.shard_offset {
-                            Some(offset) if offset == a => 0,
-                            Some(offset) => {
-                                return Err(CallError::fatal(format!(
-                                    "this rank's optimiser shard starts at {offset} and its group shard at {a}"
-                                )));
-                            }
-                            None => a,
-                        };
-                        let (m, v) = self.opt.as_mut().ok_or_else(no_stage)?.moments_mut();
-                        let moment = if slot == Slot::FirstMoment { m } else { v };
-                        wire::read_into(moment, from, out).map_err(fatal)?;
-                    }
-                    Slot::Gradient => {
-                        return Err(CallError::fatal(
-                            "a rank publishes its gradient with every Gradient call",
-                        ));
-                    }
-                }
+                self.publish(slot)?;
                 LearnerResponse::Done
             }
             LearnerOp::Gather { slot } => {
@@ -691,6 +657,34 @@ impl Rank {
                 LearnerResponse::Done
             }
         })
+    }
+
+    /// Copies the rank's group shard of `slot` (the weights or a moment) into its outbox. A
+    /// ZeRO-1 rank's optimiser shard must be its group shard (its moments count from there).
+    fn publish(&mut self, slot: Slot) -> Result<(), CallError> {
+        let fatal = |e: learner::Error| CallError::fatal(e.to_string());
+        let Exchange::Joined(group) = &mut self.exchange else {
+            return Err(no_group());
+        };
+        let (a, l) = group.shard();
+        if let Some(offset) = self.shard_offset.filter(|&o| o != a) {
+            return Err(CallError::fatal(format!(
+                "this rank's optimiser shard starts at {offset} and its group shard at {a}"
+            )));
+        }
+        let out = &mut group.outbox_mut()[a..a + l];
+        match slot {
+            Slot::Weights => self.trainee.weights_into(a, out).map_err(fatal),
+            Slot::FirstMoment | Slot::SecondMoment => {
+                let from = if self.shard_offset.is_some() { 0 } else { a };
+                let (m, v) = self.opt.as_mut().ok_or_else(no_stage)?.moments_mut();
+                let moment = if slot == Slot::FirstMoment { m } else { v };
+                wire::read_into(moment, from, out).map_err(fatal)
+            }
+            Slot::Gradient => Err(CallError::fatal(
+                "a rank publishes its gradient with every Gradient call",
+            )),
+        }
     }
 
     fn optimizer(&mut self) -> Result<&mut Optimizer, CallError> {

@@ -231,7 +231,7 @@ impl LearnerPool {
                 .collect(),
         )?;
         let values = self.layout.numel();
-        let reader = Reader::connect(&members, shards, values, &key, reach).map_err(lost)?;
+        let reader = Reader::connect(&members, shards, values, &key, reach)?;
         self.group = Some(Mutex::new(reader));
         Ok(())
     }
@@ -422,13 +422,9 @@ fn slices(from: usize, to: usize) -> Vec<(usize, usize)> {
 }
 
 /// A group's exchange that failed: a rank, or the link to it, was lost.
-fn lost(e: actors::exchange::ExchangeError) -> PoolError {
-    PoolError::RankLost(e.to_string())
-}
-
 impl From<actors::exchange::ExchangeError> for PoolError {
     fn from(e: actors::exchange::ExchangeError) -> Self {
-        lost(e)
+        PoolError::RankLost(e.to_string())
     }
 }
 
