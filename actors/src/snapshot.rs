@@ -28,6 +28,11 @@ pub const DEFAULT_BUCKET_BYTES: usize = 16 << 20;
 /// Where shared-memory snapshots are written.
 pub const SHM_DIR: &str = "/dev/shm";
 const SHM_PREFIX: &str = "trellis-snapshot-";
+/// The prefix of a file being made: it gets its lock and its pages under this name, and its
+/// [`SHM_PREFIX`] name only then (by a rename), so a sweep never sees a region not yet locked.
+const SHM_NEW_PREFIX: &str = "trellis-new-";
+/// A file being made older than this was left by a process killed while making it.
+const SHM_NEW_STALE: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// Lays `snapshot`'s tensors out back to back and cuts the stream into buckets of `bucket_bytes`.
 pub fn manifest(snapshot: &WeightSnapshot, bucket_bytes: usize) -> SnapshotManifest {
@@ -597,16 +602,30 @@ fn lock(file: &std::fs::File, how: libc::c_int) -> bool {
 
 /// Removes the snapshot files under `dir` no live process holds (their sender was killed
 /// before it could remove them): a sender holds a shared lock on its file for its life, which
-/// the kernel drops with the process, in whatever namespace it ran.
+/// the kernel drops with the process, in whatever namespace it ran. A file being made (not
+/// yet locked) is left alone until it is [`SHM_NEW_STALE`].
 fn remove_dead_processes_files(dir: &Path) {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return;
     };
     for entry in entries.flatten() {
-        if !entry.file_name().to_string_lossy().starts_with(SHM_PREFIX) {
+        let name = entry.file_name();
+        let name = name.to_string_lossy();
+        let made = if name.starts_with(SHM_PREFIX) {
+            true
+        } else if name.starts_with(SHM_NEW_PREFIX) {
+            false
+        } else {
             continue;
-        }
+        };
+        let stale = || {
+            entry
+                .metadata()
+                .and_then(|m| m.modified())
+                .is_ok_and(|t| t.elapsed().is_ok_and(|age| age > SHM_NEW_STALE))
+        };
         if let Ok(f) = std::fs::File::open(entry.path())
+            && (made || stale())
             && lock(&f, libc::LOCK_EX)
         {
             let _ = std::fs::remove_file(entry.path());
@@ -661,36 +680,47 @@ impl ShmRegion {
     /// process makes also removes the files of processes that died without removing theirs
     /// (killed with -9).
     pub fn create(len: u64) -> std::io::Result<ShmRegion> {
-        use std::os::unix::fs::OpenOptionsExt;
-        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         static SWEPT: std::sync::Once = std::sync::Once::new();
         SWEPT.call_once(|| remove_dead_processes_files(Path::new(SHM_DIR)));
+        Self::create_in(Path::new(SHM_DIR), len)
+    }
+
+    /// [`ShmRegion::create`] under `dir`, without the sweep.
+    fn create_in(dir: &Path, len: u64) -> std::io::Result<ShmRegion> {
+        use std::os::unix::fs::OpenOptionsExt;
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let path = Path::new(SHM_DIR).join(format!("{SHM_PREFIX}{}-{n}", std::process::id()));
+        let name = format!("{}-{n}", std::process::id());
+        let new = dir.join(format!("{SHM_NEW_PREFIX}{name}"));
+        let path = dir.join(format!("{SHM_PREFIX}{name}"));
         let open = || {
             std::fs::OpenOptions::new()
                 .read(true)
                 .write(true)
                 .create_new(true)
                 .mode(0o600)
-                .open(&path)
+                .open(&new)
         };
         let file = match open() {
-            // Our process id in the name: the file is a dead process's that had it before
-            // (a receiver still mapping it keeps its pages), so it is replaced.
+            // Our process id in the name: the file is a dead process's that had it before,
+            // so it is replaced.
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-                std::fs::remove_file(&path)?;
+                std::fs::remove_file(&new)?;
                 open()?
             }
             r => r?,
         };
         // Held for the file's life: it tells a sweep (above, in another process) it is in use.
+        // Taken before the file has its name, so no sweep ever finds it unlocked.
         lock(&file, libc::LOCK_SH);
+        // A file already at `path` is a dead process's that had our process id (a receiver
+        // still mapping it keeps its pages); the rename replaces it.
         if let Err(e) = file
             .set_len(len.max(1))
             .and_then(|()| reserve(&file, len.max(1)))
+            .and_then(|()| std::fs::rename(&new, &path))
         {
-            let _ = std::fs::remove_file(&path);
+            let _ = std::fs::remove_file(&new);
             return Err(e);
         }
         // SAFETY: we created the file with O_EXCL and mode 0600; the receiver maps it read-only
@@ -924,11 +954,52 @@ mod shm_sweep_tests {
         std::fs::write(&dead, b"x").unwrap();
         let other = dir.join("someone-else");
         std::fs::write(&other, b"x").unwrap();
+        // A file being made (its maker not yet locked it) is kept; one left by a maker killed
+        // long ago is removed.
+        let making = dir.join(format!("{SHM_NEW_PREFIX}3-0"));
+        std::fs::write(&making, b"x").unwrap();
+        let left = dir.join(format!("{SHM_NEW_PREFIX}4-0"));
+        let old = std::time::SystemTime::now() - 2 * SHM_NEW_STALE;
+        std::fs::File::create(&left)
+            .and_then(|f| f.set_modified(old))
+            .unwrap();
         remove_dead_processes_files(&dir);
-        assert!(live.exists() && other.exists() && !dead.exists());
+        assert!(live.exists() && other.exists() && making.exists());
+        assert!(!dead.exists() && !left.exists());
         drop(held);
         remove_dead_processes_files(&dir);
         assert!(!live.exists());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A region is locked before it has the name a sweep looks for: a sweep in another
+    /// process, however it interleaves with the making, never removes a live region.
+    #[test]
+    fn a_region_is_never_swept_while_it_is_made() {
+        let dir = std::env::temp_dir().join(format!("trellis-shm-make-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let sweeper = {
+            let (dir, stop) = (dir.clone(), stop.clone());
+            std::thread::spawn(move || {
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    remove_dead_processes_files(&dir);
+                }
+            })
+        };
+        for _ in 0..5000 {
+            let region = ShmRegion::create_in(&dir, 4096).unwrap();
+            assert!(region.path().exists(), "{}", region.path().display());
+            assert!(
+                !dir.read_dir()
+                    .unwrap()
+                    .flatten()
+                    .any(|e| { e.file_name().to_string_lossy().starts_with(SHM_NEW_PREFIX) })
+            );
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        sweeper.join().unwrap();
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -93,6 +93,15 @@ fn train_on_agents(
     (Killed(child), url, rx)
 }
 
+/// Fails the test, with what the run said, if `train` has already ended.
+fn ended_early(train: &mut Killed, lines: &mpsc::Receiver<String>) {
+    if let Some(status) = train.0.try_wait().unwrap() {
+        std::thread::sleep(Duration::from_millis(200));
+        let said: Vec<String> = lines.try_iter().collect();
+        panic!("the run ended early: {status}\n{}", said.join("\n"));
+    }
+}
+
 fn wait_ok(child: &mut Killed, lines: &mpsc::Receiver<String>) -> Vec<String> {
     let status = child.0.wait().unwrap();
     let said: Vec<String> = lines.try_iter().collect();
@@ -146,9 +155,7 @@ fn a_rollout_pool_on_two_agents_trains_like_one_in_process_and_survives_a_killed
             t0.elapsed() < Duration::from_secs(120),
             "the RL stage never started"
         );
-        if let Some(status) = train.0.try_wait().unwrap() {
-            panic!("the run ended early: {status}");
-        }
+        ended_early(&mut train, &lines);
         std::thread::sleep(Duration::from_millis(2));
     }
     a1.0.kill().unwrap();
@@ -165,7 +172,7 @@ fn a_rollout_pool_on_two_agents_trains_like_one_in_process_and_survives_a_killed
 }
 
 /// Waits for the RL stage's checkpoint of step 4, then kills `victim` with -9.
-fn kill_in_rl(dir: &Path, train: &mut Killed, victim: &mut Killed) {
+fn kill_in_rl(dir: &Path, train: &mut Killed, lines: &mpsc::Receiver<String>, victim: &mut Killed) {
     let t0 = Instant::now();
     while !dir
         .join("checkpoints/rl/step_000004/trainer_state.json")
@@ -175,9 +182,7 @@ fn kill_in_rl(dir: &Path, train: &mut Killed, victim: &mut Killed) {
             t0.elapsed() < Duration::from_secs(120),
             "the RL stage never checkpointed"
         );
-        if let Some(status) = train.0.try_wait().unwrap() {
-            panic!("the run ended early: {status}");
-        }
+        ended_early(train, lines);
         std::thread::sleep(Duration::from_millis(2));
     }
     victim.0.kill().unwrap();
@@ -271,7 +276,7 @@ fn learner_ranks_on_two_agents_train_as_in_process_ones_and_recover_from_a_kille
     let (mut train, url, lines) = train_on_agents(&dir, &token, &args);
     let mut a1 = agent(&url, &token, "a1");
     let _a2 = agent(&url, &token, "a2");
-    kill_in_rl(&dir.join("run"), &mut train, &mut a1);
+    kill_in_rl(&dir.join("run"), &mut train, &lines, &mut a1);
     let said = wait_ok(&mut train, &lines);
     assert!(
         said.iter()
@@ -304,6 +309,7 @@ fn learner_ranks_on_two_agents_train_as_in_process_ones_and_recover_from_a_kille
             frozen_at = Some(Instant::now());
         }
         assert!(t0.elapsed() < Duration::from_secs(120), "no RL checkpoint");
+        ended_early(&mut train, &lines);
         std::thread::sleep(Duration::from_millis(2));
     }
     let said = wait_ok(&mut train, &lines);

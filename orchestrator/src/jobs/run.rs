@@ -588,6 +588,18 @@ fn run(
         }
         _ => None,
     };
+    // A job that continues in this process (after losing a learner rank, even while its pools
+    // start) listens where its agents already know it, though it was started on any free port.
+    if let (
+        Some(m),
+        Some(Cluster {
+            head: ClusterHead::Listen { listen, .. },
+            ..
+        }),
+    ) = (&meeting, cluster.as_mut())
+    {
+        *listen = m.address();
+    }
     let pools_cluster = meeting.as_ref().map(Meeting::cluster);
     let pool = {
         let mut note = |text: &str| {
@@ -644,18 +656,6 @@ fn run(
         );
         Box::new(LocalPolicy::new(engine, assets))
     };
-    // A job that continues in this process (after losing a learner rank) listens where its
-    // agents already know it, though it was started on any free port.
-    if let (
-        Some(m),
-        Some(Cluster {
-            head: ClusterHead::Listen { listen, .. },
-            ..
-        }),
-    ) = (&meeting, cluster.as_mut())
-    {
-        *listen = m.address();
-    }
     let roles = Roles {
         policy,
         rollouts: Arc::new(pool),
