@@ -107,25 +107,56 @@ impl PackedB {
         c: &mut [f32],
         accumulate: bool,
     ) {
-        let (k, n) = (self.k, self.n);
-        if m == 0 || n == 0 {
+        Self::multiply_many(&[self], m, a, rs, cs, &mut [c], accumulate);
+    }
+
+    /// [`PackedB::multiply`] for several right operands `bs[i]` of one `k` read by the same
+    /// rows (a layer's q, k and v) into `cs[i]`: `A` is packed once and one parallel pass makes
+    /// every product, as a decode step of few rows wants.
+    pub fn multiply_many(
+        bs: &[&PackedB],
+        m: usize,
+        a: &[f32],
+        rs: usize,
+        cs: usize,
+        c: &mut [&mut [f32]],
+        accumulate: bool,
+    ) {
+        let Some(k) = bs.first().map(|b| b.k) else {
+            return;
+        };
+        assert!(
+            bs.len() == c.len() && bs.iter().all(|b| b.k == k),
+            "bf16 multiply_many: one output per operand, one k"
+        );
+        for (b, c) in bs.iter().zip(c.iter()) {
+            assert!(c.len() >= m * b.n, "bf16 multiply_many: C too small");
+        }
+        if m == 0 {
             return;
         }
         let ap = pack(&a[..m * k], m, k, rs, cs, MR);
+        let outs: Vec<Out<'_>> = bs
+            .iter()
+            .zip(c.iter_mut())
+            .map(|(b, c)| Out {
+                pairs: &b.pairs,
+                n: b.n,
+                c: crate::embedding::SendPtr(c.as_mut_ptr()),
+            })
+            .collect();
         // SAFETY: a `PackedB` exists only where the features were detected; the panels hold
-        // `m`/`n` padded rows of `ceil(k/2)` pairs, `c` holds `m·n` values.
-        unsafe {
-            multiply(
-                m,
-                k.div_ceil(2),
-                n,
-                &ap,
-                &self.pairs,
-                &mut c[..m * n],
-                accumulate,
-            );
-        }
+        // `m`/`n` padded rows of `ceil(k/2)` pairs, each `c` holds `m·n` values (checked).
+        unsafe { multiply(m, k.div_ceil(2), &ap, &outs, accumulate) };
     }
+}
+
+/// One product of [`multiply`]: B's panels, its columns, and where C's `m·n` values go.
+#[cfg(target_arch = "x86_64")]
+struct Out<'a> {
+    pairs: &'a [u32],
+    n: usize,
+    c: crate::embedding::SendPtr,
 }
 
 /// 32 bf16 values seen as 16 u32 pairs.
@@ -261,55 +292,72 @@ unsafe fn pack_cols(
     }
 }
 
-/// Every `MR × NR` tile of C from the packed panels: tasks of `MB` row panels by one column
-/// panel, each walking k in blocks of `KCP` pairs.
+/// Every `MR × NR` tile of every product's C from the packed panels: tasks of `MB` row panels
+/// by one column panel of one product, each walking k in blocks of `KCP` pairs.
 ///
 /// # Safety
-/// AVX512-BF16 must be available; `ap`/`bp` are [`pack`]ed for `m`/`n` rows of `kp` pairs.
+/// AVX512-BF16 must be available; `ap` is [`pack`]ed for `m` rows and each `pairs` for its `n`
+/// rows, of `kp` pairs; each `c` holds `m·n` values.
 #[cfg(target_arch = "x86_64")]
-unsafe fn multiply(
-    m: usize,
-    kp: usize,
-    n: usize,
-    ap: &[u32],
-    bp: &[u32],
-    c: &mut [f32],
-    accumulate: bool,
-) {
-    let (ip, jp) = (m.div_ceil(MR), n.div_ceil(NR));
+unsafe fn multiply(m: usize, kp: usize, ap: &[u32], outs: &[Out<'_>], accumulate: bool) {
+    let ip = m.div_ceil(MR);
     let ib = ip.div_ceil(MB);
-    let cp = crate::embedding::SendPtr(c.as_mut_ptr());
-    (0..ib * jp).into_par_iter().for_each(|t| {
+    // The first task of each product.
+    let firsts: Vec<usize> = outs
+        .iter()
+        .scan(0, |t, o| {
+            let first = *t;
+            *t += ib * o.n.div_ceil(NR);
+            Some(first)
+        })
+        .collect();
+    let tasks = outs
+        .last()
+        .map_or(0, |o| firsts[outs.len() - 1] + ib * o.n.div_ceil(NR));
+    (0..tasks).into_par_iter().for_each(|t| {
+        let o = firsts.partition_point(|&f| f <= t) - 1;
+        let Out {
+            pairs: bp,
+            n,
+            c: cp,
+        } = &outs[o];
+        let (t, n) = (t - firsts[o], *n);
         let (bi, j) = (t % ib, t / ib);
-        let cp = &cp;
         for q0 in (0..kp).step_by(KCP) {
             let kc = KCP.min(kp - q0);
             for i in bi * MB..((bi + 1) * MB).min(ip) {
                 let (r0, c0) = (i * MR, j * NR);
+                let rows = MR.min(m - r0);
                 // SAFETY: the panels hold these pairs; this task alone writes rows
                 // r0..r0+MR of columns c0..c0+NR (clipped to m, n).
                 unsafe {
-                    tile(
-                        kc,
+                    let (a, b) = (
                         ap.as_ptr().add(i * kp * MR + q0 * MR),
                         bp.as_ptr().add(j * kp * NR + q0 * NR),
-                        cp.0.add(r0 * n + c0),
-                        n,
-                        MR.min(m - r0),
-                        NR.min(n - c0),
-                        accumulate || q0 > 0,
                     );
+                    let (c, cols, acc) =
+                        (cp.0.add(r0 * n + c0), NR.min(n - c0), accumulate || q0 > 0);
+                    // As many rows as are live (a decode step of one sequence computes one, not
+                    // MR): each row's sums are the same whichever tile makes them.
+                    match rows {
+                        1 => tile::<1>(kc, a, b, c, n, rows, cols, acc),
+                        2 => tile::<2>(kc, a, b, c, n, rows, cols, acc),
+                        3 | 4 => tile::<4>(kc, a, b, c, n, rows, cols, acc),
+                        5..=8 => tile::<8>(kc, a, b, c, n, rows, cols, acc),
+                        _ => tile::<MR>(kc, a, b, c, n, rows, cols, acc),
+                    }
                 }
             }
         }
     });
 }
 
-/// One `MR × NR` register tile over `kc` pairs: `C[r][j] (+)= Σ_q A·B` with `vdpbf16ps`;
-/// only the live `rows × cols` corner is written.
+/// One `R × NR` register tile (the first `R` ≤ `MR` rows of an A panel) over `kc` pairs:
+/// `C[r][j] (+)= Σ_q A·B` with `vdpbf16ps`; only the live `rows × cols` corner is written.
+/// Every row's sums are made in the same order for any `R`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-unsafe fn tile(
+unsafe fn tile<const R: usize>(
     kc: usize,
     a: *const u32,
     b: *const u32,
@@ -320,7 +368,7 @@ unsafe fn tile(
     accumulate: bool,
 ) {
     use std::arch::x86_64::*;
-    let mut acc = [[_mm512_setzero_ps(); 2]; MR];
+    let mut acc = [[_mm512_setzero_ps(); 2]; R];
     for q in 0..kc {
         // SAFETY: pair q of both panels is inside them (caller's contract).
         unsafe {

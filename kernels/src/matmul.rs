@@ -142,11 +142,21 @@ pub fn matmul_nt_many(
 }
 
 /// The right operand `op(B)` (`[k,n]`) of bf16 products ([`Precision::Bf16`]), rounded and laid
-/// out once, for a weight that several products share (every row chunk of the output head).
+/// out once, for a weight that several products share (every row chunk of the output head,
+/// every decode step of an engine serving bf16).
 pub struct Rhs {
     k: usize,
     n: usize,
     form: Form,
+}
+
+impl std::fmt::Debug for Rhs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Rhs")
+            .field("k", &self.k)
+            .field("n", &self.n)
+            .finish_non_exhaustive()
+    }
 }
 
 enum Form {
@@ -193,6 +203,40 @@ impl Rhs {
             k,
             n,
             form: Form::Rounded(rounded, op_b),
+        }
+    }
+
+    /// `Cᵢ = round(A) · rhsᵢ` for several right operands of one `k` read by the same rows
+    /// (`A` `[m,k]`; a layer's q, k and v): on `vdpbf16ps` `A` is rounded once and one
+    /// parallel pass makes them all; each row's values are those [`Rhs::matmul`] gives.
+    pub fn matmul_many(rhs: &[&Rhs], m: usize, a: &[f32], cs: &mut [&mut [f32]]) {
+        assert_eq!(
+            rhs.len(),
+            cs.len(),
+            "bf16 matmul_many: one output per operand"
+        );
+        #[cfg(target_arch = "x86_64")]
+        {
+            let k = rhs.first().map_or(0, |r| r.k);
+            let packed: Option<Vec<&crate::bf16::PackedB>> = rhs
+                .iter()
+                .map(|r| match &r.form {
+                    Form::Pairs(p) if r.k == k => Some(p),
+                    _ => None,
+                })
+                .collect();
+            if let Some(bs) = packed.filter(|_| k > 0) {
+                assert!(
+                    a.len() >= m * k,
+                    "bf16 matmul_many: A has {} values",
+                    a.len()
+                );
+                crate::bf16::PackedB::multiply_many(&bs, m, a, k, 1, cs, false);
+                return;
+            }
+        }
+        for (r, c) in rhs.iter().zip(cs.iter_mut()) {
+            r.matmul(m, a, Op::N, c, false);
         }
     }
 
@@ -449,6 +493,38 @@ mod tests {
                         }
                     }
                 }
+            }
+        }
+    }
+
+    /// On `vdpbf16ps` a row's products do not depend on the rows multiplied with it (how many,
+    /// or where it sits among them): an engine serving bf16 gives a sequence the same values
+    /// in a batch of any size, and the learner's. (The emulation's f32 GEMM has no such
+    /// promise, so there is nothing to check on a CPU without AVX512-BF16.)
+    #[test]
+    fn bf16_rows_are_the_same_in_a_batch_of_any_size() {
+        if !crate::bf16::available() {
+            return;
+        }
+        let (k, n, rows) = (300, 70, 40);
+        let (a, b) = (randn(rows * k, 3), randn(n * k, 4));
+        let rhs = Rhs::on(true, k, n, &b, Op::T);
+        let mut all = vec![0.0f32; rows * n];
+        rhs.matmul(rows, &a, Op::N, &mut all, false);
+        for m in (1..=14).chain([25]) {
+            for first in [0, 5, rows - m] {
+                let mut c = vec![0.0f32; m * n];
+                rhs.matmul(m, &a[first * k..], Op::N, &mut c, false);
+                // With other operands in one pass, as a layer's q, k and v.
+                let other = Rhs::on(true, k, 9, &b[..9 * k], Op::T);
+                let (mut c2, mut o) = (vec![0.0f32; m * n], vec![0.0f32; m * 9]);
+                Rhs::matmul_many(&[&other, &rhs], m, &a[first * k..], &mut [&mut o, &mut c2]);
+                let same = |c: &[f32]| {
+                    c.iter()
+                        .zip(&all[first * n..])
+                        .all(|(x, y)| x.to_bits() == y.to_bits())
+                };
+                assert!(same(&c) && same(&c2), "rows {first}..{} alone", first + m);
             }
         }
     }

@@ -4,61 +4,10 @@
 //! product; here each weight row is streamed once. Up to 4 rows, each weight row is dotted with
 //! every row of `A` as it streams by ([`block_rows`]); 5–64 rows take outer products against a
 //! transposed copy of `A`, one L1-sized k-block at a time ([`block_t`]). Several weights read by
-//! the same rows (q, k, v) go through one parallel pass ([`matmul_nt_many`]). Weights may be
-//! f32 or bf16 ([`Element`]): a bf16 weight streams half the bytes and is widened to f32 in
-//! registers, so each product is exact and the sums are f32 either way.
+//! the same rows (q, k, v) go through one parallel pass ([`matmul_nt_many`]).
 
-use crate::bf16::Bf16;
 use crate::embedding::SendPtr;
 use rayon::prelude::*;
-
-/// The number format a weight is stored in: f32, or bf16 widened as it is read.
-pub trait Element: Copy + Send + Sync + sealed::Sealed {
-    /// The value as f32 (exact).
-    fn get(self) -> f32;
-    /// Sixteen consecutive values as f32.
-    ///
-    /// # Safety
-    /// `p..p+16` must be readable; AVX-512 F must be available.
-    #[cfg(target_arch = "x86_64")]
-    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512;
-}
-
-mod sealed {
-    pub trait Sealed {}
-    impl Sealed for f32 {}
-    impl Sealed for crate::bf16::Bf16 {}
-}
-
-impl Element for f32 {
-    #[inline(always)]
-    fn get(self) -> f32 {
-        self
-    }
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    unsafe fn load16(p: *const f32) -> std::arch::x86_64::__m512 {
-        // SAFETY: the caller's contract.
-        unsafe { std::arch::x86_64::_mm512_loadu_ps(p) }
-    }
-}
-
-impl Element for Bf16 {
-    #[inline(always)]
-    fn get(self) -> f32 {
-        self.to_f32()
-    }
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    unsafe fn load16(p: *const Bf16) -> std::arch::x86_64::__m512 {
-        use std::arch::x86_64::*;
-        // SAFETY: the caller's contract (16 u16 are 32 bytes).
-        unsafe {
-            let h = _mm256_loadu_si256(p.cast());
-            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
-        }
-    }
-}
 
 /// Rows of `B` handled per task (a block of outputs).
 const N_BLOCK: usize = 48;
@@ -68,10 +17,10 @@ const N_BLOCK: usize = 48;
 /// dotted with every row of A in `M × 4` vector accumulators.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn block_rows<const M: usize, W: Element>(
+unsafe fn block_rows<const M: usize>(
     a: &[f32],
     k: usize,
-    b: &[W],
+    b: &[f32],
     n0: usize,
     n1: usize,
     c: *mut f32,
@@ -86,7 +35,7 @@ unsafe fn block_rows<const M: usize, W: Element>(
         // SAFETY (loads): row j < n of B and rows i < M of A hold k floats; p + 16 <= k.
         while p + 16 * U <= k {
             for u in 0..U {
-                let bv = unsafe { W::load16(bp.add(j * k + p + 16 * u)) };
+                let bv = unsafe { _mm512_loadu_ps(bp.add(j * k + p + 16 * u)) };
                 for (i, acc) in acc.iter_mut().enumerate() {
                     let av = unsafe { _mm512_loadu_ps(ap.add(i * k + p + 16 * u)) };
                     acc[u] = _mm512_fmadd_ps(av, bv, acc[u]);
@@ -95,7 +44,7 @@ unsafe fn block_rows<const M: usize, W: Element>(
             p += 16 * U;
         }
         while p + 16 <= k {
-            let bv = unsafe { W::load16(bp.add(j * k + p)) };
+            let bv = unsafe { _mm512_loadu_ps(bp.add(j * k + p)) };
             for (i, acc) in acc.iter_mut().enumerate() {
                 let av = unsafe { _mm512_loadu_ps(ap.add(i * k + p)) };
                 acc[0] = _mm512_fmadd_ps(av, bv, acc[0]);
@@ -106,7 +55,7 @@ unsafe fn block_rows<const M: usize, W: Element>(
             let v = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
             let mut sum = _mm512_reduce_add_ps(v);
             for q in p..k {
-                sum += a[i * k + q] * b[j * k + q].get();
+                sum += a[i * k + q] * b[j * k + q];
             }
             // SAFETY: (i, j) is inside C, and this task alone writes its columns.
             unsafe { *c.add(i * n + j) = sum };
@@ -124,12 +73,12 @@ const KC: usize = 64;
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 #[inline]
-unsafe fn tile_t<const MV: usize, const NR: usize, W: Element>(
+unsafe fn tile_t<const MV: usize, const NR: usize>(
     at: &[f32],
     k: usize,
     k0: usize,
     k1: usize,
-    b: &[W],
+    b: &[f32],
     j: usize,
     ct: &mut [f32],
     first: bool,
@@ -160,7 +109,7 @@ unsafe fn tile_t<const MV: usize, const NR: usize, W: Element>(
         }
         for jj in 0..NR {
             // SAFETY: row j+jj of B exists (full tiles only) and p < k.
-            let bb = _mm512_set1_ps(unsafe { b.get_unchecked((j + jj) * k + p).get() });
+            let bb = _mm512_set1_ps(unsafe { *b.get_unchecked((j + jj) * k + p) });
             for v in 0..MV {
                 acc[jj][v] = _mm512_fmadd_ps(av[v], bb, acc[jj][v]);
             }
@@ -178,11 +127,11 @@ unsafe fn tile_t<const MV: usize, const NR: usize, W: Element>(
 /// at a time over all of the task's B rows, then written out row by row.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn block_t<const MV: usize, W: Element>(
+unsafe fn block_t<const MV: usize>(
     at: &[f32],
     m: usize,
     k: usize,
-    b: &[W],
+    b: &[f32],
     n0: usize,
     n1: usize,
     c: *mut f32,
@@ -208,10 +157,10 @@ unsafe fn block_t<const MV: usize, W: Element>(
             // SAFETY: feature present; full tiles read NR rows of B, edges one row at a time.
             unsafe {
                 if rows == NR {
-                    tile_t::<MV, NR, W>(at, k, k0, k1, b, j, t, k0 == 0);
+                    tile_t::<MV, NR>(at, k, k0, k1, b, j, t, k0 == 0);
                 } else {
                     for r in 0..rows {
-                        tile_t::<MV, 1, W>(at, k, k0, k1, b, j + r, &mut t[r * mp..], k0 == 0);
+                        tile_t::<MV, 1>(at, k, k0, k1, b, j + r, &mut t[r * mp..], k0 == 0);
                     }
                 }
             }
@@ -227,11 +176,11 @@ unsafe fn block_t<const MV: usize, W: Element>(
     }
 }
 
-fn block_scalar<W: Element>(
+fn block_scalar(
     a: &[f32],
     m: usize,
     k: usize,
-    b: &[W],
+    b: &[f32],
     n0: usize,
     n1: usize,
     c: *mut f32,
@@ -242,7 +191,7 @@ fn block_scalar<W: Element>(
             let s: f32 = a[i * k..(i + 1) * k]
                 .iter()
                 .zip(&b[j * k..(j + 1) * k])
-                .map(|(x, y)| x * y.get())
+                .map(|(x, y)| x * y)
                 .sum();
             // SAFETY: as in the SIMD path.
             unsafe { *c.add(i * n + j) = s };
@@ -274,13 +223,7 @@ pub fn matmul_nt(m: usize, k: usize, n: usize, a: &[f32], b: &[f32], c: &mut [f3
 /// `Cᵢ = A · Bᵢᵀ` for several weights read by the same rows (a layer's q, k and v; gate and
 /// up), in one parallel pass: `A` `[m,k]`, `Bᵢ` `[nᵢ,k]`, `Cᵢ` `[m,nᵢ]` (overwritten), with
 /// `nᵢ = Bᵢ.len() / k`. One pass packs `A` once and balances the threads over every output.
-pub fn matmul_nt_many<W: Element>(
-    m: usize,
-    k: usize,
-    a: &[f32],
-    bs: &[&[W]],
-    cs: &mut [&mut [f32]],
-) {
+pub fn matmul_nt_many(m: usize, k: usize, a: &[f32], bs: &[&[f32]], cs: &mut [&mut [f32]]) {
     assert!(
         a.len() >= m * k && bs.len() == cs.len() && k > 0,
         "skinny matmul: shapes"
@@ -345,14 +288,14 @@ pub fn matmul_nt_many<W: Element>(
             // columns of each output.
             unsafe {
                 match (&packed, m) {
-                    (None, 1) => block_rows::<1, W>(a, k, b, n0, n1, c, n),
-                    (None, 2) => block_rows::<2, W>(a, k, b, n0, n1, c, n),
-                    (None, 3) => block_rows::<3, W>(a, k, b, n0, n1, c, n),
-                    (None, _) => block_rows::<4, W>(a, k, b, n0, n1, c, n),
-                    (Some(at), 5..=16) => block_t::<1, W>(at, m, k, b, n0, n1, c, n),
-                    (Some(at), 17..=32) => block_t::<2, W>(at, m, k, b, n0, n1, c, n),
-                    (Some(at), 33..=48) => block_t::<3, W>(at, m, k, b, n0, n1, c, n),
-                    (Some(at), _) => block_t::<4, W>(at, m, k, b, n0, n1, c, n),
+                    (None, 1) => block_rows::<1>(a, k, b, n0, n1, c, n),
+                    (None, 2) => block_rows::<2>(a, k, b, n0, n1, c, n),
+                    (None, 3) => block_rows::<3>(a, k, b, n0, n1, c, n),
+                    (None, _) => block_rows::<4>(a, k, b, n0, n1, c, n),
+                    (Some(at), 5..=16) => block_t::<1>(at, m, k, b, n0, n1, c, n),
+                    (Some(at), 17..=32) => block_t::<2>(at, m, k, b, n0, n1, c, n),
+                    (Some(at), 33..=48) => block_t::<3>(at, m, k, b, n0, n1, c, n),
+                    (Some(at), _) => block_t::<4>(at, m, k, b, n0, n1, c, n),
                 }
             }
         }
@@ -394,27 +337,6 @@ mod tests {
             let mut got = vec![9.0; m * n];
             matmul_nt(m, k, n, &a, &b, &mut got);
             close(&got, &want, 1e-4, "skinny");
-        }
-    }
-
-    /// bf16 weights widen to exactly the rounded f32 values, read in the same order: the
-    /// results are those of the rounded f32 weights, bit for bit, on every path (1–4 rows,
-    /// 5–64 rows, ragged tails).
-    #[test]
-    fn bf16_weights_equal_their_rounded_f32_values() {
-        for (m, k, n) in [(1, 37, 70), (4, 64, 129), (9, 160, 64), (64, 33, 13)] {
-            let a = randn(m * k, 5);
-            let b = randn(n * k, 6);
-            let rounded: Vec<f32> = b.iter().map(|&x| crate::bf16::round(x)).collect();
-            let half: Vec<Bf16> = b.iter().map(|&x| Bf16::from_f32(x)).collect();
-            let (mut want, mut got) = (vec![0.0; m * n], vec![9.0; m * n]);
-            matmul_nt_many(m, k, &a, &[&rounded[..]], &mut [&mut want[..]]);
-            matmul_nt_many(m, k, &a, &[&half[..]], &mut [&mut got[..]]);
-            let same = got
-                .iter()
-                .zip(&want)
-                .all(|(x, y)| x.to_bits() == y.to_bits());
-            assert!(same, "m {m} k {k} n {n}");
         }
     }
 

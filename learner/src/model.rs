@@ -7,11 +7,11 @@ use crate::error::{Error, Result};
 use crate::params::ParamsIo;
 use crate::params::{Layout, Params, Tensor};
 use kernels::attention::{AttnShape, attention, attention_backward};
-use kernels::bf16::Bf16;
-use kernels::matmul::{Op, Par, Precision, SKINNY_ROWS, matmul, matmul_nt_many};
+use kernels::matmul::{Op, Par, Precision, Rhs, matmul, matmul_nt_many};
 use kernels::rope::{RopeTable, apply as rope, inv_freq};
 use kernels::{activation, embedding, head, norm};
 use std::path::Path;
+use std::sync::Arc;
 
 /// Segment id given to padding tokens by [`Batch::padded`].
 pub const PAD_SEGMENT: u32 = u32::MAX;
@@ -226,21 +226,23 @@ pub struct Model {
     layout: Layout,
     inv_freq: Vec<f64>,
     precision: Precision,
-    /// bf16 copies of the matrices, by tensor index (empty unless [`Model::round_to_bf16`]).
-    half: Vec<Option<Vec<Bf16>>>,
+    /// The matrices as a model served in bf16 reads them (`Wᵀ` in bf16, laid out once for
+    /// `vdpbf16ps` where the CPU has it), by tensor index; empty unless
+    /// [`Model::serve_bf16`].
+    served: Vec<Option<Arc<Rhs>>>,
 }
 
-/// `y = x · Wᵀ (+ b)` for `n` rows, the product in `p` (or, for the few rows of a decode step,
-/// against the bf16 copy of `W` when there is one).
+/// `y = x · Wᵀ (+ b)` for `n` rows, the product in `p` (or in bf16 on `W`'s served form, when
+/// the model is served in bf16).
 fn linear(
     x: &[f32],
     n: usize,
     w: &Tensor,
     b: Option<&Tensor>,
     p: Precision,
-    half: Option<[&[Bf16]; 1]>,
+    served: Option<[&Rhs; 1]>,
 ) -> Vec<f32> {
-    let [y] = linears(x, n, [(w, b)], p, half);
+    let [y] = linears(x, n, [(w, b)], p, served);
     y
 }
 
@@ -251,18 +253,19 @@ fn linears<const N: usize>(
     n: usize,
     ws: [(&Tensor, Option<&Tensor>); N],
     p: Precision,
-    half: Option<[&[Bf16]; N]>,
+    served: Option<[&Rhs; N]>,
 ) -> [Vec<f32>; N] {
     let inp = ws[0].0.shape[1];
     let mut ys = ws.map(|(w, _)| vec![0.0f32; n * w.shape[0]]);
     {
         let bs: Vec<&[f32]> = ws.iter().map(|(w, _)| &w.data[..]).collect();
         let mut cs: Vec<&mut [f32]> = ys.iter_mut().map(|y| &mut y[..]).collect();
-        match half {
-            Some(hs) if n <= SKINNY_ROWS && kernels::skinny::available() => {
-                kernels::skinny::matmul_nt_many(n, inp, x, &hs, &mut cs);
-            }
-            _ => matmul_nt_many(n, inp, x, &bs, &mut cs, p),
+        match served {
+            // Served in bf16: the inputs are rounded to bf16 too (autocast's rule), on the
+            // learner's bf16 kernel whatever the row count, so a row's products are the
+            // learner's and do not depend on the batch it was decoded in.
+            Some(ws) => Rhs::matmul_many(&ws, n, x, &mut cs),
+            None => matmul_nt_many(n, inp, x, &bs, &mut cs, p),
         }
     }
     for (y, (w, b)) in ys.iter_mut().zip(ws) {
@@ -346,7 +349,7 @@ impl Model {
             layout,
             inv_freq,
             precision: Precision::F32,
-            half: Vec::new(),
+            served: Vec::new(),
         })
     }
 
@@ -376,16 +379,14 @@ impl Model {
         self.precision = p;
     }
 
-    /// Rounds every weight to bf16, as an engine serving bf16 weights holds them, and keeps a
-    /// bf16 copy of each matrix the linear layers and the head read, so that decode steps (up
-    /// to 64 rows) stream half the bytes; larger products read the rounded f32 weights, so
-    /// both compute with the same values.
-    pub fn round_to_bf16(&mut self) {
-        for t in &mut self.params.tensors {
-            t.data
-                .iter_mut()
-                .for_each(|x| *x = kernels::bf16::round(*x));
-        }
+    /// Serves the model's products in bf16, as the learner computes them under `precision:
+    /// bf16`: the matrices the linear layers and the head read are kept in bf16, laid out once
+    /// for bf16 products (`vdpbf16ps`: twice the f32 FMA rate, and half the bytes a decode
+    /// step streams); each product rounds its input to bf16 too and sums in f32
+    /// (`torch.autocast`'s rule) on the learner's kernel. The embedding rows, norms and biases
+    /// stay f32 as the learner's, and so do attention, softmax and log-probs: an engine serving
+    /// this model gives a bf16 learner's log-probs.
+    pub fn serve_bf16(&mut self) {
         let mut matrices: Vec<usize> = self
             .layout
             .layers
@@ -393,28 +394,29 @@ impl Model {
             .flat_map(|l| [l.q, l.k, l.v, l.o, l.gate, l.up, l.down])
             .collect();
         matrices.push(self.layout.lm_head.unwrap_or(self.layout.embed));
-        self.half = vec![None; self.params.tensors.len()];
+        self.served = vec![None; self.params.tensors.len()];
         for i in matrices {
             let t = &self.params.tensors[i];
-            self.half[i] = Some(t.data.iter().map(|&x| Bf16::from_f32(x)).collect());
+            let (out, inp) = (t.shape[0], t.shape[1]);
+            self.served[i] = Some(Arc::new(Rhs::new(inp, out, &t.data, Op::T)));
         }
     }
 
-    /// Whether [`Model::round_to_bf16`] made its weights bf16.
+    /// Whether [`Model::serve_bf16`] made its products bf16.
     pub fn is_bf16(&self) -> bool {
-        !self.half.is_empty()
+        !self.served.is_empty()
     }
 
-    /// The bf16 copies of tensors `ids`, when the model has them.
-    fn halves<const N: usize>(&self, ids: [usize; N]) -> Option<[&[Bf16]; N]> {
-        if self.half.is_empty() {
+    /// The bf16 forms of tensors `ids`, when the model is served in bf16.
+    fn served_of<const N: usize>(&self, ids: [usize; N]) -> Option<[&Rhs; N]> {
+        if self.served.is_empty() {
             return None;
         }
-        let mut out = [&[][..]; N];
-        for (o, i) in out.iter_mut().zip(ids) {
-            *o = self.half[i].as_deref()?;
-        }
-        Some(out)
+        let forms: Vec<&Rhs> = ids
+            .iter()
+            .map(|&i| self.served[i].as_deref())
+            .collect::<Option<_>>()?;
+        forms.try_into().ok()
     }
 
     /// Where each role's tensor is in `params`.
@@ -475,7 +477,7 @@ impl Model {
             self.head_weight(),
             None,
             self.precision,
-            self.halves([self.layout.lm_head.unwrap_or(self.layout.embed)]),
+            self.served_of([self.layout.lm_head.unwrap_or(self.layout.embed)]),
         )
     }
 
@@ -512,7 +514,7 @@ impl Model {
                     (self.t(ids.v), ids.v_bias.map(|i| self.t(i))),
                 ],
                 self.precision,
-                self.halves([ids.q, ids.k, ids.v]),
+                self.served_of([ids.q, ids.k, ids.v]),
             );
             let qk_pre = match (ids.q_norm, ids.k_norm) {
                 (Some(qn), Some(kn)) => {
@@ -540,7 +542,7 @@ impl Model {
                 self.t(ids.o),
                 ids.o_bias.map(|i| self.t(i)),
                 self.precision,
-                self.halves([ids.o]),
+                self.served_of([ids.o]),
             );
             let mut x2 = a;
             add_into(&mut x2, &x);
@@ -558,7 +560,7 @@ impl Model {
                 n,
                 [(self.t(ids.gate), None), (self.t(ids.up), None)],
                 self.precision,
-                self.halves([ids.gate, ids.up]),
+                self.served_of([ids.gate, ids.up]),
             );
             let mut m = vec![0.0; g.len()];
             activation::swiglu(&g, &u, &mut m);
@@ -568,7 +570,7 @@ impl Model {
                 self.t(ids.down),
                 None,
                 self.precision,
-                self.halves([ids.down]),
+                self.served_of([ids.down]),
             );
             let mut x3 = f;
             add_into(&mut x3, &x2);
@@ -622,7 +624,7 @@ impl Model {
             self.head_weight(),
             None,
             self.precision,
-            self.halves([self.layout.lm_head.unwrap_or(self.layout.embed)]),
+            self.served_of([self.layout.lm_head.unwrap_or(self.layout.embed)]),
         ))
     }
 

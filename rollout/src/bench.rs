@@ -38,6 +38,9 @@ pub struct GenerateBenchReport {
     /// Prefill tokens the engine ran for the n = 8 request (equal to the prompt: one prefill).
     pub n8_prefill_tokens: u64,
     pub peak_fma_gflops: f64,
+    /// The bf16 dot-product peak measured in the same run (`vdpbf16ps`), where the CPU has it:
+    /// the ceiling of bf16 weights' products.
+    pub peak_bf16_gflops: Option<f64>,
 }
 
 /// One decode measurement.
@@ -46,7 +49,10 @@ pub struct DecodePoint {
     pub batch: usize,
     pub tokens_per_second: f64,
     pub achieved_gflops: f64,
+    /// Of the f32 FMA peak.
     pub mfu: f64,
+    /// Of the bf16 dot-product peak, for bf16 weights on a CPU that has it.
+    pub mfu_bf16: Option<f64>,
 }
 
 /// Read bandwidth in GB/s over `buffers` (the model's weights: the very bytes, and pages, a
@@ -115,6 +121,9 @@ pub fn generate_bench(
 ) -> GenerateBenchReport {
     let threads = kernels::threads::current();
     let peak = kernels::peak::fma_peak_gflops(threads);
+    let peak_bf16 = (weights_dtype == WeightDtype::Bf16)
+        .then(|| kernels::peak::bf16_peak_gflops(threads))
+        .flatten();
     let bw = {
         let weights: Vec<&[f32]> = model.params.tensors.iter().map(|t| &t.data[..]).collect();
         memory_bandwidth_gbps(&weights)
@@ -176,6 +185,7 @@ pub fn generate_bench(
             tokens_per_second: tokens / secs,
             achieved_gflops: gflops,
             mfu: gflops / peak,
+            mfu_bf16: peak_bf16.map(|p| gflops / p),
         });
     }
     let n1 = timed(&engine, requests(1, prompt, 16, 1, vocab));
@@ -205,5 +215,6 @@ pub fn generate_bench(
         n8_over_n1_time: n8 / n1,
         n8_prefill_tokens: n8_prefill,
         peak_fma_gflops: peak,
+        peak_bf16_gflops: peak_bf16,
     }
 }

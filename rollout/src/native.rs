@@ -62,9 +62,10 @@ pub struct NativeConfig {
     /// Keep finished sequences' full KV blocks for later prompts with the same prefix (an
     /// episode's next turn, a shared system prompt); forgotten at every weight swap.
     pub prefix_cache: bool,
-    /// The number format of the served weights: `f32`, or `bf16` — every weight rounded to
-    /// bf16 as an engine serving bf16 holds it, decode steps streaming bf16 matrices (half the
-    /// bytes), activations, the KV cache and log-probs in f32.
+    /// The number format of the served weights' products: `f32`, or `bf16` — the linear
+    /// layers' and the head's products in bf16 as the learner's `precision: bf16` makes them
+    /// (both operands rounded, f32 sums, on `vdpbf16ps`; decode steps stream half the bytes),
+    /// embeddings, norms, attention, the KV cache and log-probs in f32.
     pub weights_dtype: WeightDtype,
 }
 
@@ -215,7 +216,7 @@ impl NativeEngine {
     /// Starts an engine serving `model`.
     pub fn new(mut model: Model, cfg: NativeConfig) -> Self {
         if cfg.weights_dtype == WeightDtype::Bf16 {
-            model.round_to_bf16();
+            model.serve_bf16();
         }
         let c = &model.config;
         let per_block = 2 * c.num_layers * cfg.block_size.max(1) * c.num_kv_heads * c.head_dim * 4;
@@ -615,7 +616,7 @@ impl Worker {
         let mut model = Model::new(self.model.config.clone(), params)
             .map_err(|e| EngineError::BadWeights(e.to_string()))?;
         if self.cfg.weights_dtype == WeightDtype::Bf16 {
-            model.round_to_bf16();
+            model.serve_bf16();
         }
         self.model = Arc::new(model);
         self.version = snap.version;

@@ -265,11 +265,13 @@ fn invalid_requests_are_refused_with_clear_errors() {
     check(req(&[1], |s| s.top_p = 2.0), "top_p");
 }
 
-/// bf16 weights: the engine serves every weight rounded to bf16 (decode steps reading bf16
-/// copies, prefill the rounded f32), so its log-probs are the learner's on the rounded weights
-/// — before and after a weight swap — and visibly not the f32 model's.
+/// bf16 weights: the engine's products round both operands to bf16 and sum in f32, on the
+/// learner's bf16 kernel for any number of rows, so its log-probs are those of the learner's
+/// `precision: bf16` (autocast's rule), to f32 noise — before and after a weight swap — and
+/// visibly neither the f32 model's nor those of every weight rounded with f32 inputs (what the
+/// engine served before it rounded the inputs too).
 #[test]
-fn bf16_weights_serve_the_rounded_model() {
+fn bf16_weights_give_the_log_probs_of_a_bf16_learner() {
     let m = model();
     let cfg = || NativeConfig {
         weights_dtype: learner::params::WeightDtype::Bf16,
@@ -285,10 +287,10 @@ fn bf16_weights_serve_the_rounded_model() {
                 .iter_mut()
                 .for_each(|x| *x = kernels::bf16::round(*x));
         }
-        let (f32m, bf16m) = (
-            Model::new(m.config.clone(), params.clone()).unwrap(),
-            Model::new(m.config.clone(), rounded).unwrap(),
-        );
+        let f32m = Model::new(m.config.clone(), params.clone()).unwrap();
+        let f32_inputs = Model::new(m.config.clone(), rounded).unwrap();
+        let mut bf16m = f32m.clone();
+        bf16m.set_precision(kernels::matmul::Precision::Bf16);
         let out = engine
             .generate_blocking(vec![req(&prompt, |s| {
                 s.temperature = temp;
@@ -298,28 +300,30 @@ fn bf16_weights_serve_the_rounded_model() {
                 s.ignore_eos = true;
             })])
             .unwrap();
-        let mut gap = 0.0f32;
+        // |engine − model| over every sampled token, for each model.
+        let mut gaps: [Vec<f32>; 3] = Default::default();
         for c in &out {
             let full: Vec<u32> = prompt.iter().chain(&c.token_ids).copied().collect();
             let b = Batch::padded(&[&full]);
-            let (want, f32s) = (
-                bf16m.score(&b, temp).unwrap(),
-                f32m.score(&b, temp).unwrap(),
-            );
-            for (j, lp) in c.logprobs.iter().enumerate() {
+            let scores = [&bf16m, &f32m, &f32_inputs].map(|m| m.score(&b, temp).unwrap());
+            for (j, &lp) in c.logprobs.iter().enumerate() {
                 let t = prompt.len() - 1 + j;
-                assert!(
-                    (lp - want.logp[t]).abs() < 1e-4,
-                    "sample {} token {j}: engine {lp} vs the rounded model {}",
-                    c.index,
-                    want.logp[t]
-                );
-                gap = gap.max((lp - f32s.logp[t]).abs());
+                for (g, s) in gaps.iter_mut().zip(&scores) {
+                    g.push((lp - s.logp[t]).abs());
+                }
             }
         }
+        // Medians: where f32 noise (attention over the KV cache against the learner's whole
+        // rows) tips an input over a bf16 rounding boundary, the rest of that sample drifts
+        // by up to ~1e-2 — a few tokens in this small random model, none in an RL run
+        // (`rollout/logprob_diff_max` ~1e-6).
+        let [learner, f32s, unrounded] = gaps.map(|mut g| {
+            g.sort_by(f32::total_cmp);
+            g[g.len() / 2]
+        });
         assert!(
-            gap > 1e-3,
-            "bf16 weights gave the f32 model's log-probs (gap {gap})"
+            learner < 1e-5 && f32s > 1e-3 && unrounded > 1e-3,
+            "median gaps to the learner's bf16 {learner}, to f32 {f32s}, to f32 inputs {unrounded}"
         );
     };
     check(&engine, &m.params);

@@ -55,3 +55,59 @@ fn zero_max_tokens_is_refused_clearly() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("max_tokens must be at least 1"), "{err}");
 }
+
+/// `trellis bench generate` as a user runs it, on a small checkpoint with bf16 weights: every
+/// figure it reports is there and positive, each decode batch's MFU is against the f32 FMA
+/// peak and — where the CPU has `vdpbf16ps` — against the bf16 peak measured in the same run.
+#[test]
+fn bench_generate_reports_decode_against_both_peaks() {
+    let out = run_ok(
+        trellis()
+            .args([
+                "--log",
+                "warn",
+                "bench",
+                "generate",
+                "--weights-dtype",
+                "bf16",
+                "--json",
+            ])
+            .arg("--model")
+            .arg(fixture().join("checkpoint")),
+    );
+    let r: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(r["weights_dtype"], "bf16", "{r}");
+    for key in [
+        "prefill_tokens_per_second",
+        "prefill_16x64_tokens_per_second",
+        "memory_bandwidth_gbps",
+        "batch1_bandwidth_bound_tokens_per_second",
+        "peak_fma_gflops",
+    ] {
+        assert!(r[key].as_f64().unwrap() > 0.0, "{key}: {r}");
+    }
+    let batches: Vec<u64> = r["decode"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["batch"].as_u64().unwrap())
+        .collect();
+    assert_eq!(batches, [1, 16, 64]);
+    let bf16_peak = r["peak_bf16_gflops"].as_f64();
+    for d in r["decode"].as_array().unwrap() {
+        let (gflops, mfu) = (
+            d["achieved_gflops"].as_f64().unwrap(),
+            d["mfu"].as_f64().unwrap(),
+        );
+        assert!(
+            d["tokens_per_second"].as_f64().unwrap() > 0.0 && gflops > 0.0,
+            "{d}"
+        );
+        let f32_peak = r["peak_fma_gflops"].as_f64().unwrap();
+        assert!((mfu - gflops / f32_peak).abs() < 1e-9, "{d}");
+        match bf16_peak {
+            Some(p) => assert!((d["mfu_bf16"].as_f64().unwrap() - gflops / p).abs() < 1e-9),
+            None => assert!(d["mfu_bf16"].is_null(), "{d}"),
+        }
+    }
+}

@@ -330,13 +330,24 @@ fn bench_generate(model: Option<PathBuf>, dtype: BenchPrecision, json: bool) -> 
         r.prefill_16x64_tokens_per_second, r.prefill_16x64_apart_tokens_per_second
     );
     for d in &r.decode {
+        let bf16 = d
+            .mfu_bf16
+            .map(|m| format!(", {:.1}% of bf16", 100.0 * m))
+            .unwrap_or_default();
         println!(
-            "  decode batch {:<3}             {:.0} tokens/s ({:.1} GFLOP/s, MFU {:.1}%)",
+            "  decode batch {:<3}             {:.0} tokens/s ({:.1} GFLOP/s, MFU {:.1}% of f32{bf16})",
             d.batch,
             d.tokens_per_second,
             d.achieved_gflops,
             100.0 * d.mfu
         );
+    }
+    println!(
+        "  f32 FMA peak (measured)      {:.1} GFLOP/s",
+        r.peak_fma_gflops
+    );
+    if let Some(p) = r.peak_bf16_gflops {
+        println!("  bf16 dot peak (measured)     {p:.1} GFLOP/s");
     }
     println!(
         "  weight read bandwidth        {:.1} GB/s",
