@@ -15,6 +15,8 @@ pub struct GenerateBenchReport {
     pub threads: usize,
     /// The served weights' number format.
     pub weights_dtype: WeightDtype,
+    /// The KV cache's number format.
+    pub kv_cache_dtype: WeightDtype,
     pub params: usize,
     pub prefill_tokens_per_second: f64,
     /// Length of that prompt.
@@ -113,11 +115,13 @@ fn timed(engine: &NativeEngine, reqs: Vec<GenerateRequest>) -> f64 {
     t.elapsed().as_secs_f64()
 }
 
-/// Runs the benchmark on `model` served in `weights_dtype` (decode at each of `batches`).
+/// Runs the benchmark on `model` served in `weights_dtype` with a KV cache in
+/// `kv_cache_dtype` (decode at each of `batches`).
 pub fn generate_bench(
     model: Model,
     batches: &[usize],
     weights_dtype: WeightDtype,
+    kv_cache_dtype: WeightDtype,
 ) -> GenerateBenchReport {
     let threads = kernels::threads::current();
     let peak = kernels::peak::fma_peak_gflops(threads);
@@ -136,6 +140,7 @@ pub fn generate_bench(
             max_prefill_tokens: 64,
             kv_cache_bytes: 64 << 20,
             weights_dtype,
+            kv_cache_dtype,
             ..Default::default()
         },
     );
@@ -146,6 +151,7 @@ pub fn generate_bench(
         model,
         NativeConfig {
             weights_dtype,
+            kv_cache_dtype,
             ..Default::default()
         },
     );
@@ -202,6 +208,7 @@ pub fn generate_bench(
     GenerateBenchReport {
         threads,
         weights_dtype,
+        kv_cache_dtype,
         params: c.num_params(),
         prefill_tokens_per_second: prefill_tps,
         prefill_prompt_tokens: prompt,

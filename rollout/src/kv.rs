@@ -4,7 +4,11 @@
 //! hash of the tokens up to them, found again by a later prompt with the same prefix — an
 //! episode's next turn, a shared system prompt — and evicted least recently used when blocks
 //! run short), and the cached attention that generation runs through [`learner::Attend`].
+//! Keys and values are kept in f32, or in bf16 ([`KvShape::dtype`]: half the bytes, so twice
+//! the tokens in the same budget and half the bytes a decode step's attention streams), widened
+//! to f32 as they are read; the attention's arithmetic is f32 either way.
 
+use learner::params::WeightDtype;
 use rayon::prelude::*;
 use std::collections::{BTreeMap, HashMap};
 
@@ -23,6 +27,8 @@ pub struct KvShape {
     pub heads: usize,
     /// Per-head width.
     pub head_dim: usize,
+    /// The number format keys and values are kept in.
+    pub dtype: WeightDtype,
 }
 
 impl KvShape {
@@ -35,16 +41,105 @@ impl KvShape {
     }
     /// Bytes of the whole pool.
     pub fn bytes(&self) -> usize {
-        2 * self.layers * self.num_blocks * self.block_size * self.width() * 4
+        2 * self.layers
+            * self.num_blocks
+            * self.block_size
+            * self.width()
+            * self.dtype.bytes() as usize
+    }
+}
+
+/// Keys or values of the whole pool: `[layers][blocks][block_size][kv_heads·head_dim]`.
+enum KvData {
+    F32(Vec<f32>),
+    /// bf16 bit patterns.
+    Bf16(Vec<u16>),
+}
+
+impl KvData {
+    fn new(dtype: WeightDtype, n: usize) -> Self {
+        match dtype {
+            WeightDtype::F32 => Self::F32(kernels::mem::zeroed_f32(n)),
+            WeightDtype::Bf16 => Self::Bf16(vec![0; n]),
+        }
+    }
+
+    /// Writes `src` at `at` (rounded to bf16 in a bf16 pool).
+    fn store(&mut self, at: usize, src: &[f32]) {
+        match self {
+            Self::F32(d) => d[at..at + src.len()].copy_from_slice(src),
+            Self::Bf16(d) => d[at..at + src.len()]
+                .iter_mut()
+                .zip(src)
+                .for_each(|(d, &x)| *d = kernels::bf16::bits(x)),
+        }
+    }
+
+    fn copy_within(&mut self, from: std::ops::Range<usize>, to: usize) {
+        match self {
+            Self::F32(d) => d.copy_within(from, to),
+            Self::Bf16(d) => d.copy_within(from, to),
+        }
+    }
+}
+
+/// A kept key or value: f32, or a bf16 bit pattern widened as it is read.
+trait KvElem: Copy + Send + Sync {
+    /// The value as f32 (exact).
+    fn f(self) -> f32;
+    /// `q · row`.
+    fn dot(q: &[f32], row: &[Self]) -> f32;
+    /// Sixteen consecutive values as f32.
+    ///
+    /// # Safety
+    /// `p..p+16` must be readable; AVX-512 F must be available.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512;
+}
+
+impl KvElem for f32 {
+    #[inline(always)]
+    fn f(self) -> f32 {
+        self
+    }
+    #[inline(always)]
+    fn dot(q: &[f32], row: &[f32]) -> f32 {
+        kernels::dot(q, row)
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(p: *const f32) -> std::arch::x86_64::__m512 {
+        // SAFETY: the caller's contract.
+        unsafe { std::arch::x86_64::_mm512_loadu_ps(p) }
+    }
+}
+
+impl KvElem for u16 {
+    #[inline(always)]
+    fn f(self) -> f32 {
+        f32::from_bits(u32::from(self) << 16)
+    }
+    #[inline(always)]
+    fn dot(q: &[f32], row: &[u16]) -> f32 {
+        q.iter().zip(row).map(|(a, b)| a * b.f()).sum()
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(p: *const u16) -> std::arch::x86_64::__m512 {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's contract (16 u16 are 32 bytes).
+        unsafe {
+            let h = _mm256_loadu_si256(p.cast());
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
+        }
     }
 }
 
 /// The pool's memory and bookkeeping.
 pub struct BlockPool {
     shape: KvShape,
-    /// `[layers][blocks][block_size][kv_heads·head_dim]`
-    k: Vec<f32>,
-    v: Vec<f32>,
+    k: KvData,
+    v: KvData,
     free: Vec<u32>,
     refs: Vec<u32>,
     prefix: Prefix,
@@ -88,8 +183,8 @@ impl BlockPool {
         let n = shape.layers * shape.num_blocks * shape.block_size * shape.width();
         Self {
             shape,
-            k: kernels::mem::zeroed_f32(n),
-            v: kernels::mem::zeroed_f32(n),
+            k: KvData::new(shape.dtype, n),
+            v: KvData::new(shape.dtype, n),
             free: (0..shape.num_blocks as u32).rev().collect(),
             refs: vec![0; shape.num_blocks],
             prefix: Prefix::default(),
@@ -280,16 +375,14 @@ impl learner::Attend for CachedStep<'_> {
         v: &[f32],
         out: &mut [f32],
     ) -> Vec<f32> {
-        let s = self.pool.shape;
-        let (w, d, nh) = (s.width(), s.head_dim, s.heads);
-        let group = s.heads / s.kv_heads;
+        let w = self.pool.shape.width();
         // 1. store this step's keys and values
         let mut row = 0;
         for (seq, &cnt) in self.seqs.iter().zip(&self.counts) {
             for t in 0..cnt {
                 let at = self.pool.slot(layer, seq, seq.len + t);
-                self.pool.k[at..at + w].copy_from_slice(&k[(row + t) * w..(row + t + 1) * w]);
-                self.pool.v[at..at + w].copy_from_slice(&v[(row + t) * w..(row + t + 1) * w]);
+                self.pool.k.store(at, &k[(row + t) * w..(row + t + 1) * w]);
+                self.pool.v.store(at, &v[(row + t) * w..(row + t + 1) * w]);
             }
             row += cnt;
         }
@@ -300,42 +393,80 @@ impl learner::Attend for CachedStep<'_> {
                 owners.push((i, self.seqs[i].len + t));
             }
         }
-        let pool = &*self.pool;
-        let scale = 1.0 / (d as f32).sqrt();
-        let avx512 = simd_available();
-        out.par_chunks_mut(nh * d)
-            .zip(q.par_chunks(nh * d))
-            .zip(owners.par_iter())
-            .for_each_init(Vec::new, |scores: &mut Vec<f32>, ((o, qr), &(si, pos))| {
-                let seq = self.seqs[si];
-                let slots: Vec<usize> = (0..=pos).map(|p| pool.slot(layer, seq, p)).collect();
-                let args = OneQuery {
-                    pool,
-                    slots: &slots,
-                    q: qr,
-                    out: o,
-                    heads: nh,
-                    group,
-                    head_dim: d,
-                    scale,
-                };
-                if avx512 {
-                    #[cfg(target_arch = "x86_64")]
-                    // SAFETY: the CPU has the features (checked by `simd_available`).
-                    unsafe {
-                        attend_one_avx512(args, scores);
-                    }
-                } else {
-                    attend_one(args, scores);
-                }
-            });
+        let step = Step {
+            pool: &*self.pool,
+            seqs: &self.seqs,
+            layer,
+            owners: &owners,
+        };
+        match (&self.pool.k, &self.pool.v) {
+            (KvData::F32(k), KvData::F32(v)) => step.attend_all((k, v), q, out),
+            (KvData::Bf16(k), KvData::Bf16(v)) => step.attend_all((k, v), q, out),
+            _ => unreachable!("keys and values share the pool's number format"),
+        }
         Vec::new()
     }
 }
 
-/// One query token's attention over its cached positions, every head.
-struct OneQuery<'a> {
+/// What every new token of a step attends over.
+struct Step<'a> {
     pool: &'a BlockPool,
+    seqs: &'a [&'a SeqCache],
+    layer: usize,
+    /// Per new token: its sequence and position.
+    owners: &'a [(usize, usize)],
+}
+
+impl Step<'_> {
+    /// Each new token's attention over its cached positions (keys and values `kv`), in
+    /// parallel over the tokens.
+    fn attend_all<E: KvElem>(&self, kv: (&[E], &[E]), q: &[f32], out: &mut [f32]) {
+        let s = self.pool.shape;
+        let (d, nh) = (s.head_dim, s.heads);
+        let scale = 1.0 / (d as f32).sqrt();
+        out.par_chunks_mut(nh * d)
+            .zip(q.par_chunks(nh * d))
+            .zip(self.owners.par_iter())
+            .for_each_init(Vec::new, |scores: &mut Vec<f32>, ((o, qr), &(si, pos))| {
+                let seq = self.seqs[si];
+                let slots: Vec<usize> = (0..=pos)
+                    .map(|p| self.pool.slot(self.layer, seq, p))
+                    .collect();
+                attend(
+                    OneQuery {
+                        k: kv.0,
+                        v: kv.1,
+                        slots: &slots,
+                        q: qr,
+                        out: o,
+                        heads: nh,
+                        group: s.heads / s.kv_heads,
+                        head_dim: d,
+                        scale,
+                    },
+                    scores,
+                );
+            });
+    }
+}
+
+/// One query token's attention, on the AVX-512 kernel where the CPU has it.
+fn attend<E: KvElem>(a: OneQuery<'_, E>, scores: &mut Vec<f32>) {
+    if simd_available() {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the CPU has the features (checked by `simd_available`).
+        unsafe {
+            return attend_one_avx512(a, scores);
+        }
+    }
+    attend_one(a, scores);
+}
+
+/// One query token's attention over its cached positions, every head.
+struct OneQuery<'a, E> {
+    /// The pool's keys and values.
+    k: &'a [E],
+    v: &'a [E],
     slots: &'a [usize],
     q: &'a [f32],
     out: &'a mut [f32],
@@ -349,7 +480,7 @@ struct OneQuery<'a> {
 /// order, reading each cached key (then value) row once for all heads: a row is one contiguous
 /// `kv_heads · head_dim` run and a block's rows follow each other, so the cache streams.
 #[inline(always)]
-fn attend_one(a: OneQuery<'_>, scores: &mut Vec<f32>) {
+fn attend_one<E: KvElem>(a: OneQuery<'_, E>, scores: &mut Vec<f32>) {
     let (d, nh, np) = (a.head_dim, a.heads, a.slots.len());
     let w = d * (nh / a.group);
     // scores[h · np + p]
@@ -358,27 +489,27 @@ fn attend_one(a: OneQuery<'_>, scores: &mut Vec<f32>) {
     for (p, &sl) in a.slots.iter().enumerate() {
         // keys a few rows ahead into L1, this row's values into L2 for the second walk
         if let Some(&ahead) = a.slots.get(p + 4) {
-            prefetch_row(&a.pool.k[ahead..ahead + w], false);
+            prefetch_row(&a.k[ahead..ahead + w], false);
         }
-        prefetch_row(&a.pool.v[sl..sl + w], true);
-        let krow = &a.pool.k[sl..sl + w];
+        prefetch_row(&a.v[sl..sl + w], true);
+        let krow = &a.k[sl..sl + w];
         for h in 0..nh {
             let g = h / a.group;
             scores[h * np + p] =
-                kernels::dot(&a.q[h * d..(h + 1) * d], &krow[g * d..(g + 1) * d]) * a.scale;
+                E::dot(&a.q[h * d..(h + 1) * d], &krow[g * d..(g + 1) * d]) * a.scale;
         }
     }
     softmax_rows(scores, np);
     a.out.fill(0.0);
     for (p, &sl) in a.slots.iter().enumerate() {
-        let vrow = &a.pool.v[sl..sl + w];
+        let vrow = &a.v[sl..sl + w];
         for h in 0..nh {
             let g = h / a.group;
             let wgt = scores[h * np + p];
             a.out[h * d..(h + 1) * d]
                 .iter_mut()
                 .zip(&vrow[g * d..(g + 1) * d])
-                .for_each(|(x, y)| *x += wgt * y);
+                .for_each(|(x, y)| *x += wgt * y.f());
         }
     }
 }
@@ -403,19 +534,19 @@ fn softmax_rows(scores: &mut [f32], np: usize) {
 /// it passes over the positions (instead of adding into memory per position).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn attend_one_zmm<const DV: usize>(a: OneQuery<'_>, scores: &mut Vec<f32>) {
+unsafe fn attend_one_zmm<const DV: usize, E: KvElem>(a: OneQuery<'_, E>, scores: &mut Vec<f32>) {
     use std::arch::x86_64::*;
     let (d, nh, np) = (a.head_dim, a.heads, a.slots.len());
     debug_assert_eq!(d, 16 * DV);
     let w = d * (nh / a.group);
     scores.clear();
     scores.resize(nh * np, 0.0);
-    let (q, k, v) = (a.q.as_ptr(), a.pool.k.as_ptr(), a.pool.v.as_ptr());
+    let (q, k, v) = (a.q.as_ptr(), a.k.as_ptr(), a.v.as_ptr());
     for (p, &sl) in a.slots.iter().enumerate() {
         if let Some(&ahead) = a.slots.get(p + 4) {
-            prefetch_row(&a.pool.k[ahead..ahead + w], false);
+            prefetch_row(&a.k[ahead..ahead + w], false);
         }
-        prefetch_row(&a.pool.v[sl..sl + w], true);
+        prefetch_row(&a.v[sl..sl + w], true);
         for h in 0..nh {
             let g = h / a.group;
             let mut acc = _mm512_setzero_ps();
@@ -423,7 +554,7 @@ unsafe fn attend_one_zmm<const DV: usize>(a: OneQuery<'_>, scores: &mut Vec<f32>
                 // SAFETY: `q` holds `nh·d` values; slot `sl` starts a row of `w` cached values.
                 unsafe {
                     let qv = _mm512_loadu_ps(q.add(h * d + 16 * u));
-                    let kv = _mm512_loadu_ps(k.add(sl + g * d + 16 * u));
+                    let kv = E::load16(k.add(sl + g * d + 16 * u));
                     acc = _mm512_fmadd_ps(qv, kv, acc);
                 }
             }
@@ -441,7 +572,7 @@ unsafe fn attend_one_zmm<const DV: usize>(a: OneQuery<'_>, scores: &mut Vec<f32>
                 let wgt = _mm512_set1_ps(scores[h * np + p]);
                 for u in 0..DV {
                     // SAFETY: as for the keys.
-                    let vv = unsafe { _mm512_loadu_ps(v.add(sl + g * d + 16 * u)) };
+                    let vv = unsafe { E::load16(v.add(sl + g * d + 16 * u)) };
                     acc[hh * DV + u] = _mm512_fmadd_ps(wgt, vv, acc[hh * DV + u]);
                 }
             }
@@ -462,9 +593,9 @@ unsafe fn attend_one_zmm<const DV: usize>(a: OneQuery<'_>, scores: &mut Vec<f32>
 
 /// Asks for every cache line of `row`: into L1, or into L2 when `far`.
 #[inline(always)]
-fn prefetch_row(row: &[f32], far: bool) {
+fn prefetch_row<E>(row: &[E], far: bool) {
     #[cfg(target_arch = "x86_64")]
-    for line in row.chunks(16) {
+    for line in row.chunks(64 / std::mem::size_of::<E>()) {
         use std::arch::x86_64::{_MM_HINT_T0, _MM_HINT_T1, _mm_prefetch};
         // SAFETY: prefetching is a hint; the address is inside `row`.
         unsafe {
@@ -482,13 +613,13 @@ fn prefetch_row(row: &[f32], far: bool) {
 /// [`attend_one`] compiled for AVX-512, so its loops vectorise 16 wide.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
-unsafe fn attend_one_avx512(a: OneQuery<'_>, scores: &mut Vec<f32>) {
+unsafe fn attend_one_avx512<E: KvElem>(a: OneQuery<'_, E>, scores: &mut Vec<f32>) {
     // SAFETY (all arms): the caller checked the features.
     match a.head_dim {
-        16 => unsafe { attend_one_zmm::<1>(a, scores) },
-        32 => unsafe { attend_one_zmm::<2>(a, scores) },
-        64 => unsafe { attend_one_zmm::<4>(a, scores) },
-        128 => unsafe { attend_one_zmm::<8>(a, scores) },
+        16 => unsafe { attend_one_zmm::<1, E>(a, scores) },
+        32 => unsafe { attend_one_zmm::<2, E>(a, scores) },
+        64 => unsafe { attend_one_zmm::<4, E>(a, scores) },
+        128 => unsafe { attend_one_zmm::<8, E>(a, scores) },
         _ => attend_one(a, scores),
     }
 }
@@ -510,11 +641,10 @@ fn simd_available() -> bool {
 mod tests {
     use super::*;
 
+    /// The AVX-512 kernel gives the plain one's attention, over f32 keys and values and over
+    /// bf16 ones; a bf16 pool attends exactly as an f32 pool holding the rounded values.
     #[test]
-    fn the_register_kernel_matches_the_plain_one() {
-        if !simd_available() {
-            return;
-        }
+    fn the_register_kernel_matches_the_plain_one_in_either_format() {
         // head dims of each register width and one the plain path takes; with and without GQA
         for (head_dim, heads, kv_heads, positions) in [
             (16, 4, 2, 5),
@@ -523,57 +653,106 @@ mod tests {
             (128, 4, 1, 33),
             (24, 2, 1, 9),
         ] {
-            let shape = KvShape {
-                layers: 1,
-                block_size: 16,
-                num_blocks: 4,
-                kv_heads,
-                heads,
-                head_dim,
-            };
-            let mut pool = BlockPool::new(shape);
             let mut x = 0.37f32;
             let mut next = || {
                 x = (x * 3.7 + 0.13).fract();
                 x - 0.5
             };
-            pool.k.iter_mut().for_each(|v| *v = next());
-            pool.v.iter_mut().for_each(|v| *v = next());
-            let seq = SeqCache {
-                blocks: vec![2, 0, 3],
-                len: positions,
-            };
-            let slots: Vec<usize> = (0..positions).map(|p| pool.slot(0, &seq, p)).collect();
+            let n = 4 * 16 * kv_heads * head_dim;
+            let (keys, values): (Vec<f32>, Vec<f32>) = (0..n).map(|_| (next(), next())).unzip();
             let q: Vec<f32> = (0..heads * head_dim).map(|_| next()).collect();
-            let run = |simd: bool| {
-                let mut out = vec![9.0; heads * head_dim];
-                let args = OneQuery {
-                    pool: &pool,
-                    slots: &slots,
-                    q: &q,
-                    out: &mut out,
+            let round =
+                |v: &[f32]| -> Vec<f32> { v.iter().map(|&x| kernels::bf16::round(x)).collect() };
+            let mut outs = Vec::new();
+            for (dtype, rounded) in [
+                (WeightDtype::F32, false),
+                (WeightDtype::Bf16, false),
+                (WeightDtype::F32, true),
+            ] {
+                let shape = KvShape {
+                    layers: 1,
+                    block_size: 16,
+                    num_blocks: 4,
+                    kv_heads,
                     heads,
-                    group: heads / kv_heads,
                     head_dim,
-                    scale: 0.125,
+                    dtype,
                 };
-                let mut scores = Vec::new();
-                if simd {
-                    #[cfg(target_arch = "x86_64")]
-                    // SAFETY: checked above.
-                    unsafe {
-                        attend_one_avx512(args, &mut scores);
-                    };
+                let mut pool = BlockPool::new(shape);
+                if rounded {
+                    pool.k.store(0, &round(&keys));
+                    pool.v.store(0, &round(&values));
                 } else {
-                    attend_one(args, &mut scores);
+                    pool.k.store(0, &keys);
+                    pool.v.store(0, &values);
                 }
-                out
-            };
-            let (fast, plain) = (run(true), run(false));
-            for (a, b) in fast.iter().zip(&plain) {
-                assert!((a - b).abs() < 1e-5, "head_dim {head_dim}: {a} vs {b}");
+                let seq = SeqCache {
+                    blocks: vec![2, 0, 3],
+                    len: positions,
+                };
+                let slots: Vec<usize> = (0..positions).map(|p| pool.slot(0, &seq, p)).collect();
+                let run = |simd: bool| match (&pool.k, &pool.v) {
+                    (KvData::F32(k), KvData::F32(v)) => one(k, v, &slots, &q, simd, shape),
+                    (KvData::Bf16(k), KvData::Bf16(v)) => one(k, v, &slots, &q, simd, shape),
+                    _ => unreachable!(),
+                };
+                let plain = run(false);
+                if simd_available() {
+                    let fast = run(true);
+                    for (a, b) in fast.iter().zip(&plain) {
+                        assert!(
+                            (a - b).abs() < 1e-5,
+                            "{dtype:?} head_dim {head_dim}: {a} vs {b}"
+                        );
+                    }
+                }
+                outs.push(plain);
             }
+            // bf16 keys and values: close to f32's, not equal; exactly the rounded values.
+            let gap = |a: &[f32], b: &[f32]| {
+                a.iter()
+                    .zip(b)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0.0, f32::max)
+            };
+            let (g, r) = (gap(&outs[0], &outs[1]), gap(&outs[2], &outs[1]));
+            assert!(g > 0.0 && g < 1e-2, "head_dim {head_dim}: bf16 gap {g}");
+            assert!(r < 1e-6, "head_dim {head_dim}: bf16 vs rounded f32 {r}");
         }
+    }
+
+    /// One query's attention over `slots` of `k`, `v`, on the AVX-512 kernel or the plain one.
+    fn one<E: KvElem>(
+        k: &[E],
+        v: &[E],
+        slots: &[usize],
+        q: &[f32],
+        simd: bool,
+        s: KvShape,
+    ) -> Vec<f32> {
+        let mut out = vec![9.0; s.heads * s.head_dim];
+        let args = OneQuery {
+            k,
+            v,
+            slots,
+            q,
+            out: &mut out,
+            heads: s.heads,
+            group: s.heads / s.kv_heads,
+            head_dim: s.head_dim,
+            scale: 0.125,
+        };
+        let mut scores = Vec::new();
+        if simd {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the caller checked the features.
+            unsafe {
+                attend_one_avx512(args, &mut scores);
+            };
+        } else {
+            attend_one(args, &mut scores);
+        }
+        out
     }
 
     fn shape() -> KvShape {
@@ -584,6 +763,7 @@ mod tests {
             kv_heads: 1,
             heads: 2,
             head_dim: 2,
+            dtype: WeightDtype::F32,
         }
     }
 

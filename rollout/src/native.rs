@@ -65,8 +65,12 @@ pub struct NativeConfig {
     /// The number format of the served weights' products: `f32`, or `bf16` — the linear
     /// layers' and the head's products in bf16 as the learner's `precision: bf16` makes them
     /// (both operands rounded, f32 sums, on `vdpbf16ps`; decode steps stream half the bytes),
-    /// embeddings, norms, attention, the KV cache and log-probs in f32.
+    /// embeddings, norms, attention and log-probs in f32.
     pub weights_dtype: WeightDtype,
+    /// The number format of the KV cache: `f32`, or `bf16` — keys and values rounded to bf16
+    /// as they are cached (twice the tokens in `kv_cache_bytes`, half the bytes a decode
+    /// step's attention reads), widened to f32 for the attention's arithmetic.
+    pub kv_cache_dtype: WeightDtype,
 }
 
 impl Default for NativeConfig {
@@ -81,6 +85,7 @@ impl Default for NativeConfig {
             raw_logprobs: false,
             prefix_cache: true,
             weights_dtype: WeightDtype::F32,
+            kv_cache_dtype: WeightDtype::F32,
         }
     }
 }
@@ -219,7 +224,12 @@ impl NativeEngine {
             model.serve_bf16();
         }
         let c = &model.config;
-        let per_block = 2 * c.num_layers * cfg.block_size.max(1) * c.num_kv_heads * c.head_dim * 4;
+        let per_block = 2
+            * c.num_layers
+            * cfg.block_size.max(1)
+            * c.num_kv_heads
+            * c.head_dim
+            * cfg.kv_cache_dtype.bytes() as usize;
         let kv = KvShape {
             layers: c.num_layers,
             block_size: cfg.block_size.max(1),
@@ -227,6 +237,7 @@ impl NativeEngine {
             kv_heads: c.num_kv_heads,
             heads: c.num_heads,
             head_dim: c.head_dim,
+            dtype: cfg.kv_cache_dtype,
         };
         let version = Arc::new(AtomicU64::new(cfg.initial_version));
         let stats = Arc::new(Stats::default());

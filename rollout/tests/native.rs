@@ -108,6 +108,49 @@ fn engine_logprobs_equal_the_learners() {
     }
 }
 
+/// A bf16 KV cache holds twice the tokens in the same bytes, and its samples' log-probs stay
+/// near the learner's (the cached keys and values are rounded; the arithmetic stays f32: on
+/// this small model a few hundredths on average, about what bf16 weights cost) — visibly not
+/// equal, as an f32 cache's are (`engine_logprobs_equal_the_learners`).
+#[test]
+fn a_bf16_kv_cache_holds_twice_the_tokens_and_stays_near_the_learner() {
+    let m = model();
+    let cfg = |dtype| NativeConfig {
+        kv_cache_bytes: 4 << 20,
+        kv_cache_dtype: dtype,
+        ..Default::default()
+    };
+    let (f32s, bf16s) = (
+        NativeEngine::new(m.clone(), cfg(learner::params::WeightDtype::F32)),
+        NativeEngine::new(m.clone(), cfg(learner::params::WeightDtype::Bf16)),
+    );
+    assert_eq!(bf16s.kv_shape().num_blocks, 2 * f32s.kv_shape().num_blocks);
+    let prompt = ids(&reference()["input_ids"][2]);
+    let temp = 0.7;
+    let out = bf16s
+        .generate_blocking(vec![req(&prompt, |s| {
+            s.temperature = temp;
+            s.n = 4;
+            s.max_tokens = 24;
+            s.seed = Some(3);
+            s.ignore_eos = true;
+        })])
+        .unwrap();
+    let mut gaps = Vec::new();
+    for c in &out {
+        let full: Vec<u32> = prompt.iter().chain(&c.token_ids).copied().collect();
+        let scores = m.score(&Batch::padded(&[&full]), temp).unwrap();
+        for (j, lp) in c.logprobs.iter().enumerate() {
+            gaps.push((lp - scores.logp[prompt.len() - 1 + j]).abs());
+        }
+    }
+    let (mean, max) = (
+        gaps.iter().sum::<f32>() / gaps.len() as f32,
+        gaps.iter().copied().fold(0.0, f32::max),
+    );
+    assert!(mean > 1e-4 && mean < 5e-2, "mean gap {mean}, max {max}");
+}
+
 #[test]
 fn a_seed_gives_the_same_tokens_whatever_else_is_batched() {
     let engine = NativeEngine::new(model(), NativeConfig::default());

@@ -56,9 +56,10 @@ fn zero_max_tokens_is_refused_clearly() {
     assert!(err.contains("max_tokens must be at least 1"), "{err}");
 }
 
-/// `trellis bench generate` as a user runs it, on a small checkpoint with bf16 weights: every
-/// figure it reports is there and positive, each decode batch's MFU is against the f32 FMA
-/// peak and — where the CPU has `vdpbf16ps` — against the bf16 peak measured in the same run.
+/// `trellis bench generate` as a user runs it, on a small checkpoint with bf16 weights and KV
+/// cache: every figure it reports is there and positive, each decode batch's MFU is against
+/// the f32 FMA peak and — where the CPU has `vdpbf16ps` — against the bf16 peak measured in
+/// the same run.
 #[test]
 fn bench_generate_reports_decode_against_both_peaks() {
     let out = run_ok(
@@ -70,6 +71,8 @@ fn bench_generate_reports_decode_against_both_peaks() {
                 "generate",
                 "--weights-dtype",
                 "bf16",
+                "--kv-cache-dtype",
+                "bf16",
                 "--json",
             ])
             .arg("--model")
@@ -77,6 +80,7 @@ fn bench_generate_reports_decode_against_both_peaks() {
     );
     let r: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(r["weights_dtype"], "bf16", "{r}");
+    assert_eq!(r["kv_cache_dtype"], "bf16", "{r}");
     for key in [
         "prefill_tokens_per_second",
         "prefill_16x64_tokens_per_second",

@@ -503,17 +503,27 @@ fn the_arith_recipe_shortened_lifts_held_out_accuracy_on_native_and_pjrt_engines
         ),
     )
     .unwrap();
-    // (engines, the learner's matmuls and the rollout's weights): bf16 learns as f32 does.
+    // (engines, the learner's matmuls and the rollout's weights and KV cache): bf16 learns as
+    // f32 does.
     let mut runs = vec![("native", "f32"), ("native", "bf16")];
     if libtpu_sys::testing::cpu_plugin().is_some() {
         runs.push(("pjrt", "f32"));
     }
     for (engine, precision) in runs {
         let name = format!("{engine}-{precision}");
+        // The native engine's KV cache in the same format (bf16: keys and values rounded).
+        let kv = match engine {
+            "native" => vec![
+                "-o".to_string(),
+                format!("pools.rollout.kv_cache_dtype={precision}"),
+            ],
+            _ => vec![],
+        };
         run_ok(
             trellis()
                 .arg("train")
                 .arg(&rl)
+                .args(&kv)
                 .args(["--quiet", "-o", "stages.rl.trainer.steps=30"])
                 .args(["-o", "stages.rl.trainer.eval_freq=0"])
                 .args(["-o", "stages.rl.trainer.save_freq=0"])

@@ -21,6 +21,9 @@ pub enum EngineSpec {
         /// The number format of the weights it serves.
         #[serde(default)]
         weights_dtype: learner::params::WeightDtype,
+        /// The number format of its KV cache.
+        #[serde(default)]
+        kv_cache_dtype: learner::params::WeightDtype,
     },
     /// A PJRT plugin's device on the host that runs the actor.
     Pjrt {
@@ -128,9 +131,13 @@ impl Actor for RolloutActor {
                 tracing::info!(platform = client.platform(), "rollout engine on pjrt");
                 rollout::EngineSpec::Pjrt(client)
             }
-            EngineSpec::Native { weights_dtype } => rollout::EngineSpec::Native(NativeConfig {
+            EngineSpec::Native {
+                weights_dtype,
+                kv_cache_dtype,
+            } => rollout::EngineSpec::Native(NativeConfig {
                 kv_cache_bytes: self.start.kv_cache_bytes,
                 weights_dtype: *weights_dtype,
+                kv_cache_dtype: *kv_cache_dtype,
                 ..Default::default()
             }),
         };

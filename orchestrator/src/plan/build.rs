@@ -354,6 +354,20 @@ fn rollout(p: &schema::Pool, e: &Errs<'_>) -> Result<RolloutPlan, PlanError> {
         ));
     }
     let kv_cache_bytes = p.kv_cache_mib << 20;
+    if p.engine != Engine::Native && p.kv_cache_dtype.is_some() {
+        return Err(e.at(
+            "pools.rollout.kv_cache_dtype",
+            format!(
+                "is for engine: native, not `{}` ({})",
+                engine_name(p.engine),
+                if p.engine.is_external() {
+                    "an external engine's KV cache is its server's setting, e.g. vLLM's --kv-cache-dtype"
+                } else {
+                    "the pjrt engine's programs are traced in f32"
+                }
+            ),
+        ));
+    }
     if p.engine.is_external() {
         if p.endpoints.is_empty() {
             return Err(e.at(
@@ -511,6 +525,7 @@ fn rollout(p: &schema::Pool, e: &Errs<'_>) -> Result<RolloutPlan, PlanError> {
         _ => RolloutEngine::Native {
             kv_cache_bytes,
             weights_dtype: p.weights_dtype.unwrap_or_default(),
+            kv_cache_dtype: p.kv_cache_dtype.unwrap_or_default(),
         },
     };
     Ok(RolloutPlan {

@@ -109,6 +109,8 @@ pub enum RolloutEngine {
         kv_cache_bytes: usize,
         /// The number format of the weights the engines serve.
         weights_dtype: learner::params::WeightDtype,
+        /// The number format of the engines' KV caches.
+        kv_cache_dtype: learner::params::WeightDtype,
     },
     /// A PJRT plugin's device.
     Pjrt {

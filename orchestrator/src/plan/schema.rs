@@ -189,12 +189,16 @@ pub struct Pool {
     pub health_check_s: Option<f64>,
     /// The number format of the weights the engines serve: `f32` (default) or `bf16`. For
     /// external engines, the pushed weight folders (half the bytes to write and reload; the
-    /// push's probe expects the rounded weights, so it stays exact); for the native engine, the
-    /// weights it holds (every weight rounded to bf16; decode steps stream bf16 matrices, half
-    /// the bytes — about twice the tokens/s at batch 1 — with activations, the KV cache and
-    /// log-probs in f32).
+    /// push's probe expects the rounded weights, so it stays exact); for the native engine, its
+    /// products (the learner's `precision: bf16` rule on `vdpbf16ps`; decode steps stream bf16
+    /// matrices, half the bytes), with embeddings, norms, attention and log-probs in f32.
     #[serde(default)]
     pub weights_dtype: Option<learner::params::WeightDtype>,
+    /// The number format of a native engine's KV cache: `f32` (default) or `bf16` (keys and
+    /// values rounded as they are cached: twice the tokens in `kv_cache_mib`, half the bytes
+    /// a decode step's attention reads; the attention's arithmetic stays f32).
+    #[serde(default)]
+    pub kv_cache_dtype: Option<learner::params::WeightDtype>,
     /// Largest |log-prob difference| allowed between an engine and the learner on the probe
     /// that checks every weight push (raise it for bf16 engines).
     #[serde(default = "default_tolerance")]
@@ -242,6 +246,7 @@ impl Default for Pool {
             push_timeout_s: None,
             health_check_s: None,
             weights_dtype: None,
+            kv_cache_dtype: None,
             verify_tolerance: default_tolerance(),
             plugin: None,
             kv_cache_mib: default_kv_cache_mib(),

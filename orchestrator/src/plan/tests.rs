@@ -379,6 +379,16 @@ fn bad_workflows_get_messages_that_say_where_and_why() {
         ),
         (
             "stages:\n",
+            "pools: {rollout: {engine: vllm, endpoints: ['http://e:8000'], kv_cache_dtype: bf16}}\nstages:\n",
+            "t.yaml: pools.rollout.kv_cache_dtype: is for engine: native, not `vllm` (an external engine's KV cache is its server's setting, e.g. vLLM's --kv-cache-dtype)",
+        ),
+        (
+            "stages:\n",
+            "pools: {rollout: {engine: pjrt, kv_cache_dtype: f32}}\nstages:\n",
+            "t.yaml: pools.rollout.kv_cache_dtype: is for engine: native, not `pjrt` (the pjrt engine's programs are traced in f32)",
+        ),
+        (
+            "stages:\n",
             "pools: {rollout: {engine: pjrt, weights_dtype: bf16}}\nstages:\n",
             "t.yaml: pools.rollout.weights_dtype: `bf16` is for engine: native and external engines (the pjrt engine's programs are traced in f32)",
         ),
@@ -454,11 +464,20 @@ fn overrides_apply_and_name_their_key() {
     assert_eq!(plan.stages[1].steps, 5);
     assert_eq!(plan.spec.stages[0].sft.lr, 0.01);
     assert_eq!(plan.learner.precision, Precision::F32);
-    let plan = parse(BASE, "t.yaml", &["pools.rollout.weights_dtype=bf16".into()]).unwrap();
+    let plan = parse(
+        BASE,
+        "t.yaml",
+        &[
+            "pools.rollout.weights_dtype=bf16".into(),
+            "pools.rollout.kv_cache_dtype=bf16".into(),
+        ],
+    )
+    .unwrap();
     assert!(matches!(
         plan.rollout.engine,
         RolloutEngine::Native {
             weights_dtype: learner::params::WeightDtype::Bf16,
+            kv_cache_dtype: learner::params::WeightDtype::Bf16,
             ..
         }
     ));

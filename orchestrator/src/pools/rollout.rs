@@ -191,9 +191,11 @@ impl RolloutPool {
             RolloutEngine::Native {
                 kv_cache_bytes,
                 weights_dtype,
+                kv_cache_dtype,
             } => (
                 EngineSpec::Native {
                     weights_dtype: *weights_dtype,
+                    kv_cache_dtype: *kv_cache_dtype,
                 },
                 *kv_cache_bytes,
             ),
@@ -554,6 +556,7 @@ mod tests {
             engine: RolloutEngine::Native {
                 kv_cache_bytes: 8 << 20,
                 weights_dtype: Default::default(),
+                kv_cache_dtype: Default::default(),
             },
             placement: Placement::Local,
         };

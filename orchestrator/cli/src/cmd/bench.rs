@@ -37,6 +37,9 @@ pub enum BenchCommand {
         /// Serve the weights as f32 or bf16 (decode steps stream half the bytes).
         #[arg(long, value_enum, default_value_t = BenchPrecision::F32)]
         weights_dtype: BenchPrecision,
+        /// Keep the KV cache in f32 or bf16 (half the bytes the attention reads).
+        #[arg(long, value_enum, default_value_t = BenchPrecision::F32)]
+        kv_cache_dtype: BenchPrecision,
         /// Print JSON.
         #[arg(long)]
         json: bool,
@@ -95,8 +98,9 @@ impl BenchCommand {
             BenchCommand::Generate {
                 model,
                 weights_dtype,
+                kv_cache_dtype,
                 json,
-            } => bench_generate(model, weights_dtype, json),
+            } => bench_generate(model, weights_dtype, kv_cache_dtype, json),
             BenchCommand::Engines {
                 model,
                 repeats,
@@ -301,24 +305,31 @@ fn bench_train(a: TrainBench) -> Result<()> {
     Ok(())
 }
 
-fn bench_generate(model: Option<PathBuf>, dtype: BenchPrecision, json: bool) -> Result<()> {
+fn bench_generate(
+    model: Option<PathBuf>,
+    dtype: BenchPrecision,
+    kv_dtype: BenchPrecision,
+    json: bool,
+) -> Result<()> {
     let model = match model {
         Some(dir) => Checkpoint::load(&dir)?.model,
         None => learner::Model::init(bench::reference_config(), 0),
     };
-    let dtype = match dtype {
+    let format = |p| match p {
         BenchPrecision::F32 => learner::params::WeightDtype::F32,
         BenchPrecision::Bf16 => learner::params::WeightDtype::Bf16,
     };
-    let r = rollout::bench::generate_bench(model, &[1, 16, 64], dtype);
+    let (dtype, kv_dtype) = (format(dtype), format(kv_dtype));
+    let r = rollout::bench::generate_bench(model, &[1, 16, 64], dtype, kv_dtype);
     if json {
         println!("{}", serde_json::to_string(&r)?);
         return Ok(());
     }
     println!(
-        "native generation, {:.1}M params ({} weights), {} threads",
+        "native generation, {:.1}M params ({} weights, {} KV cache), {} threads",
         r.params as f64 / 1e6,
         dtype.hf_name(),
+        kv_dtype.hf_name(),
         r.threads
     );
     println!(
