@@ -110,8 +110,8 @@ fn engine_logprobs_equal_the_learners() {
 
 /// A bf16 KV cache holds twice the tokens in the same bytes, and its samples' log-probs stay
 /// near the learner's (the cached keys and values are rounded; the arithmetic stays f32: on
-/// this small model a few hundredths on average, about what bf16 weights cost) — visibly not
-/// equal, as an f32 cache's are (`engine_logprobs_equal_the_learners`).
+/// this small model a few hundredths on average) — visibly not equal, as an f32 cache's are
+/// (`engine_logprobs_equal_the_learners`).
 #[test]
 fn a_bf16_kv_cache_holds_twice_the_tokens_and_stays_near_the_learner() {
     let m = model();
