@@ -302,19 +302,12 @@ unsafe fn pack_cols(
 unsafe fn multiply(m: usize, kp: usize, ap: &[u32], outs: &[Out<'_>], accumulate: bool) {
     let ip = m.div_ceil(MR);
     let ib = ip.div_ceil(MB);
-    // The first task of each product.
-    let firsts: Vec<usize> = outs
-        .iter()
-        .scan(0, |t, o| {
-            let first = *t;
-            *t += ib * o.n.div_ceil(NR);
-            Some(first)
-        })
-        .collect();
-    let tasks = outs
-        .last()
-        .map_or(0, |o| firsts[outs.len() - 1] + ib * o.n.div_ceil(NR));
-    (0..tasks).into_par_iter().for_each(|t| {
+    // The first task of each product, then the number of tasks.
+    let mut firsts = vec![0];
+    for o in outs {
+        firsts.push(firsts[firsts.len() - 1] + ib * o.n.div_ceil(NR));
+    }
+    (0..firsts[outs.len()]).into_par_iter().for_each(|t| {
         let o = firsts.partition_point(|&f| f <= t) - 1;
         let Out {
             pairs: bp,

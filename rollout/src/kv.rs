@@ -49,36 +49,61 @@ impl KvShape {
     }
 }
 
-/// Keys or values of the whole pool: `[layers][blocks][block_size][kv_heads·head_dim]`.
+/// The keys and values of the whole pool, each `[layers][blocks][block_size][kv_heads·head_dim]`.
 enum KvData {
-    F32(Vec<f32>),
+    F32 {
+        k: Vec<f32>,
+        v: Vec<f32>,
+    },
     /// bf16 bit patterns.
-    Bf16(Vec<u16>),
+    Bf16 {
+        k: Vec<u16>,
+        v: Vec<u16>,
+    },
 }
 
 impl KvData {
     fn new(dtype: WeightDtype, n: usize) -> Self {
         match dtype {
-            WeightDtype::F32 => Self::F32(kernels::mem::zeroed_f32(n)),
-            WeightDtype::Bf16 => Self::Bf16(vec![0; n]),
+            WeightDtype::F32 => Self::F32 {
+                k: kernels::mem::zeroed_f32(n),
+                v: kernels::mem::zeroed_f32(n),
+            },
+            WeightDtype::Bf16 => Self::Bf16 {
+                k: vec![0; n],
+                v: vec![0; n],
+            },
         }
     }
 
-    /// Writes `src` at `at` (rounded to bf16 in a bf16 pool).
-    fn store(&mut self, at: usize, src: &[f32]) {
+    /// Writes a token's key and value at `at` (rounded to bf16 in a bf16 pool).
+    fn store(&mut self, at: usize, key: &[f32], value: &[f32]) {
+        fn put<E>(dst: &mut [E], src: &[f32], f: impl Fn(f32) -> E) {
+            dst.iter_mut().zip(src).for_each(|(d, &x)| *d = f(x));
+        }
+        let n = key.len();
         match self {
-            Self::F32(d) => d[at..at + src.len()].copy_from_slice(src),
-            Self::Bf16(d) => d[at..at + src.len()]
-                .iter_mut()
-                .zip(src)
-                .for_each(|(d, &x)| *d = kernels::bf16::bits(x)),
+            Self::F32 { k, v } => {
+                k[at..at + n].copy_from_slice(key);
+                v[at..at + n].copy_from_slice(value);
+            }
+            Self::Bf16 { k, v } => {
+                put(&mut k[at..at + n], key, kernels::bf16::bits);
+                put(&mut v[at..at + n], value, kernels::bf16::bits);
+            }
         }
     }
 
     fn copy_within(&mut self, from: std::ops::Range<usize>, to: usize) {
         match self {
-            Self::F32(d) => d.copy_within(from, to),
-            Self::Bf16(d) => d.copy_within(from, to),
+            Self::F32 { k, v } => {
+                k.copy_within(from.clone(), to);
+                v.copy_within(from, to);
+            }
+            Self::Bf16 { k, v } => {
+                k.copy_within(from.clone(), to);
+                v.copy_within(from, to);
+            }
         }
     }
 }
@@ -138,8 +163,7 @@ impl KvElem for u16 {
 /// The pool's memory and bookkeeping.
 pub struct BlockPool {
     shape: KvShape,
-    k: KvData,
-    v: KvData,
+    kv: KvData,
     free: Vec<u32>,
     refs: Vec<u32>,
     prefix: Prefix,
@@ -183,8 +207,7 @@ impl BlockPool {
         let n = shape.layers * shape.num_blocks * shape.block_size * shape.width();
         Self {
             shape,
-            k: KvData::new(shape.dtype, n),
-            v: KvData::new(shape.dtype, n),
+            kv: KvData::new(shape.dtype, n),
             free: (0..shape.num_blocks as u32).rev().collect(),
             refs: vec![0; shape.num_blocks],
             prefix: Prefix::default(),
@@ -343,8 +366,7 @@ impl BlockPool {
         for l in 0..s.layers {
             let base = l * s.num_blocks * blk;
             let (a, b) = (base + src as usize * blk, base + dst as usize * blk);
-            self.k.copy_within(a..a + blk, b);
-            self.v.copy_within(a..a + blk, b);
+            self.kv.copy_within(a..a + blk, b);
         }
     }
 
@@ -381,8 +403,8 @@ impl learner::Attend for CachedStep<'_> {
         for (seq, &cnt) in self.seqs.iter().zip(&self.counts) {
             for t in 0..cnt {
                 let at = self.pool.slot(layer, seq, seq.len + t);
-                self.pool.k.store(at, &k[(row + t) * w..(row + t + 1) * w]);
-                self.pool.v.store(at, &v[(row + t) * w..(row + t + 1) * w]);
+                let token = (row + t) * w..(row + t + 1) * w;
+                self.pool.kv.store(at, &k[token.clone()], &v[token]);
             }
             row += cnt;
         }
@@ -399,10 +421,9 @@ impl learner::Attend for CachedStep<'_> {
             layer,
             owners: &owners,
         };
-        match (&self.pool.k, &self.pool.v) {
-            (KvData::F32(k), KvData::F32(v)) => step.attend_all((k, v), q, out),
-            (KvData::Bf16(k), KvData::Bf16(v)) => step.attend_all((k, v), q, out),
-            _ => unreachable!("keys and values share the pool's number format"),
+        match &self.pool.kv {
+            KvData::F32 { k, v } => step.attend_all((k, v), q, out),
+            KvData::Bf16 { k, v } => step.attend_all((k, v), q, out),
         }
         Vec::new()
     }
@@ -680,21 +701,18 @@ mod tests {
                 };
                 let mut pool = BlockPool::new(shape);
                 if rounded {
-                    pool.k.store(0, &round(&keys));
-                    pool.v.store(0, &round(&values));
+                    pool.kv.store(0, &round(&keys), &round(&values));
                 } else {
-                    pool.k.store(0, &keys);
-                    pool.v.store(0, &values);
+                    pool.kv.store(0, &keys, &values);
                 }
                 let seq = SeqCache {
                     blocks: vec![2, 0, 3],
                     len: positions,
                 };
                 let slots: Vec<usize> = (0..positions).map(|p| pool.slot(0, &seq, p)).collect();
-                let run = |simd: bool| match (&pool.k, &pool.v) {
-                    (KvData::F32(k), KvData::F32(v)) => one(k, v, &slots, &q, simd, shape),
-                    (KvData::Bf16(k), KvData::Bf16(v)) => one(k, v, &slots, &q, simd, shape),
-                    _ => unreachable!(),
+                let run = |simd: bool| match &pool.kv {
+                    KvData::F32 { k, v } => one(k, v, &slots, &q, simd, shape),
+                    KvData::Bf16 { k, v } => one(k, v, &slots, &q, simd, shape),
                 };
                 let plain = run(false);
                 if simd_available() {
