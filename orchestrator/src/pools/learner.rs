@@ -163,7 +163,7 @@ impl LearnerPool {
             // An agent lost while the ranks start takes a rank's first state with it: the job
             // starts them again, as for a rank lost later.
             .map_err(|e| match e {
-                PoolError::Actor(e) if e.is_retryable() => PoolError::RankLost(e.to_string()),
+                PoolError::Actor(e) => rank_failed(e),
                 e => e,
             })?;
         let mut me = Self {
@@ -266,13 +266,7 @@ impl LearnerPool {
 
     /// A failed call: a rank that died in it, or answered from a new incarnation, is lost.
     fn failed(&self, e: actors::ActorError) -> PoolError {
-        self.check_ranks().err().unwrap_or_else(|| {
-            if e.is_retryable() {
-                PoolError::RankLost(e.to_string())
-            } else {
-                PoolError::Actor(e)
-            }
-        })
+        self.check_ranks().err().unwrap_or_else(|| rank_failed(e))
     }
 
     /// Each `(rank, op)` at once (several to one rank queue at its mailbox); the answers in
@@ -419,6 +413,16 @@ fn slices(from: usize, to: usize) -> Vec<(usize, usize)> {
         .step_by(SLICE)
         .map(|o| (o, SLICE.min(to - o)))
         .collect()
+}
+
+/// A rank's call that failed: a retryable failure is the rank (or its agent) lost, for the job
+/// to recover from; any other is the call's own error.
+fn rank_failed(e: actors::ActorError) -> PoolError {
+    if e.is_retryable() {
+        PoolError::RankLost(e.to_string())
+    } else {
+        PoolError::Actor(e)
+    }
 }
 
 /// A group's exchange that failed: a rank, or the link to it, was lost.
