@@ -6,12 +6,18 @@
 //! `seg[j] == seg[i]`: one segment per row gives a padded batch (give padding its own segment
 //! id), several per row a packed one.
 //!
+//! Precision: in [`Precision::Bf16`] the products' operands (q, k, v, the probabilities, and
+//! in the backward dO and dS) are rounded to bf16 and summed in f32, as `torch.autocast` runs
+//! attention; the softmax and everything else stay f32. On AVX512-BF16 the products run on
+//! `vdpbf16ps` panels packed once per head ([`crate::bf16`]); elsewhere the same operands are
+//! rounded into the f32 kernel.
+//!
 //! Memory: the forward keeps only the per-row log-sum-exp (`[batch, heads, seq]`); the
 //! backward recomputes the probabilities one head at a time, so nothing of size seq² outlives a
 //! single head's computation.
 
 use crate::embedding::SendPtr;
-use crate::matmul::{Par, strided};
+use crate::matmul::{Par, Precision, strided};
 use rayon::prelude::*;
 
 /// Shape of one attention call.
@@ -177,7 +183,8 @@ unsafe fn causal_apply(
     }
 }
 
-/// Forward. Writes `out` (`[batch·seq, heads·head_dim]`) and `lse` (`[batch, heads, seq]`).
+/// Forward in `precision`. Writes `out` (`[batch·seq, heads·head_dim]`) and `lse` (`[batch,
+/// heads, seq]`).
 pub fn attention(
     sh: AttnShape,
     q: &[f32],
@@ -187,6 +194,7 @@ pub fn attention(
     scale: f32,
     out: &mut [f32],
     lse: &mut [f32],
+    precision: Precision,
 ) {
     sh.check(q, k, v, seg);
     assert_eq!(out.len(), q.len(), "attention: out shape");
@@ -195,6 +203,46 @@ pub fn attention(
         sh.batch * sh.heads * sh.seq,
         "attention: lse shape"
     );
+    match precision {
+        Precision::F32 => forward(sh, q, k, v, seg, scale, out, lse, false),
+        #[cfg(target_arch = "x86_64")]
+        Precision::Bf16 if crate::bf16::available() => {
+            dpbf16::forward(sh, q, k, v, seg, scale, out, lse);
+        }
+        Precision::Bf16 => {
+            let (q, k, v) = (rounded(q), rounded(k), rounded(v));
+            forward(sh, &q, &k, &v, seg, scale, out, lse, true);
+        }
+    }
+}
+
+/// `x` rounded to bf16 values (kept as f32).
+fn rounded(x: &[f32]) -> Vec<f32> {
+    x.iter().map(|&v| crate::bf16::round(v)).collect()
+}
+
+/// Rounds the causal part of a `[t × t]` matrix (row `i`'s first `i + 1` values) to bf16.
+fn round_lower(s: &mut [f32], t: usize) {
+    for (i, row) in s.chunks_mut(t).enumerate() {
+        row[..=i]
+            .iter_mut()
+            .for_each(|x| *x = crate::bf16::round(*x));
+    }
+}
+
+/// The f32 forward; `round`: the probabilities are rounded to bf16 before they weigh `v` (the
+/// bf16 rule, on operands the caller rounded).
+fn forward(
+    sh: AttnShape,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    seg: &[u32],
+    scale: f32,
+    out: &mut [f32],
+    lse: &mut [f32],
+    round: bool,
+) {
     let (t, d, nh, nkv) = (sh.seq, sh.head_dim, sh.heads, sh.kv_heads);
     let group = nh / nkv;
     let (qs, kvs) = ((nh * d) as isize, (nkv * d) as isize);
@@ -217,6 +265,9 @@ pub fn attention(
                 // are never computed (softmax_rows zeroes what lies past each row's diagonal).
                 causal_scores(t, d, qp, qs, kp, kvs, s.as_mut_ptr());
                 softmax_rows(s, t, seg, scale, lse_row, false);
+                if round {
+                    round_lower(s, t);
+                }
                 let op = out_ptr.0.add(row0 * nh * d + h * d);
                 causal_apply(t, d, s.as_ptr(), vp, kvs, op, qs);
             }
@@ -224,7 +275,8 @@ pub fn attention(
     );
 }
 
-/// Backward. Overwrites `dq`, `dk`, `dv` from `d_out`, the forward's inputs, `out` and `lse`.
+/// Backward in `precision` (the forward's). Overwrites `dq`, `dk`, `dv` from `d_out`, the
+/// forward's inputs, `out` and `lse`.
 pub fn attention_backward(
     sh: AttnShape,
     q: &[f32],
@@ -238,6 +290,7 @@ pub fn attention_backward(
     dq: &mut [f32],
     dk: &mut [f32],
     dv: &mut [f32],
+    precision: Precision,
 ) {
     sh.check(q, k, v, seg);
     assert!(out.len() == q.len() && d_out.len() == q.len() && dq.len() == q.len());
@@ -245,6 +298,79 @@ pub fn attention_backward(
         dk.len() == k.len() && dv.len() == v.len(),
         "attention_backward: dk/dv shape"
     );
+    let g = Grads { dq, dk, dv };
+    match precision {
+        Precision::F32 => backward(sh, q, k, v, seg, scale, out, lse, d_out, g, false),
+        #[cfg(target_arch = "x86_64")]
+        Precision::Bf16 if crate::bf16::available() => {
+            dpbf16::backward(sh, q, k, v, seg, scale, lse, d_out, g);
+        }
+        Precision::Bf16 => {
+            let (q, k, v, d_out) = (rounded(q), rounded(k), rounded(v), rounded(d_out));
+            backward(sh, &q, &k, &v, seg, scale, out, lse, &d_out, g, true);
+        }
+    }
+}
+
+/// Where the backward writes.
+struct Grads<'a> {
+    dq: &'a mut [f32],
+    dk: &'a mut [f32],
+    dv: &'a mut [f32],
+}
+
+/// `D_i = Σ_c dO[i,c]·O[i,c]` over the head columns `col..col + d` of the rows from `row0`
+/// (rows `w` wide), one per value of `dsum`.
+fn row_dots(
+    dsum: &mut [f32],
+    d_out: &[f32],
+    out: &[f32],
+    row0: usize,
+    (w, col, d): (usize, usize, usize),
+) {
+    for (i, x) in dsum.iter_mut().enumerate() {
+        let o = (row0 + i) * w + col;
+        *x = d_out[o..o + d]
+            .iter()
+            .zip(&out[o..o + d])
+            .map(|(a, b)| a * b)
+            .sum();
+    }
+}
+
+/// `dP` (below the diagonal of `[t × t]` `dp`) becomes `dS = P ⊙ (dP − D) · scale`, zero past
+/// the diagonal, with `D_i` from `dots` (`Σ dO·O`, f32) or else `Σ_j P_ij·dP_ij` (bf16: the
+/// gradient of the softmax itself, which `Σ dO·O` equals only when `O` was made of unrounded
+/// operands).
+fn softmax_grad(p: &[f32], dp: &mut [f32], t: usize, scale: f32, dots: Option<&[f32]>) {
+    for i in 0..t {
+        let (pr, dr) = (&p[i * t..=i * t + i], &mut dp[i * t..(i + 1) * t]);
+        let di = match dots {
+            Some(d) => d[i],
+            None => pr.iter().zip(&dr[..=i]).map(|(a, b)| a * b).sum(),
+        };
+        for (x, &pv) in dr.iter_mut().zip(pr) {
+            *x = pv * (*x - di) * scale;
+        }
+        dr[i + 1..].fill(0.0);
+    }
+}
+
+/// The f32 backward; `round`: the probabilities and dS are rounded to bf16 before they enter
+/// a product (the bf16 rule, on operands the caller rounded).
+fn backward(
+    sh: AttnShape,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    seg: &[u32],
+    scale: f32,
+    out: &[f32],
+    lse: &[f32],
+    d_out: &[f32],
+    Grads { dq, dk, dv }: Grads<'_>,
+    round: bool,
+) {
     let (t, d, nh, nkv) = (sh.seq, sh.head_dim, sh.heads, sh.kv_heads);
     let group = nh / nkv;
     let (qs, kvs) = ((nh * d) as isize, (nkv * d) as isize);
@@ -263,12 +389,8 @@ pub fn attention_backward(
             for h in g * group..(g + 1) * group {
                 let first = h == g * group;
                 lse_buf.copy_from_slice(&lse[(b * nh + h) * t..(b * nh + h + 1) * t]);
-                // D_i = Σ_c dO[i,c]·O[i,c]
                 let mut dsum = vec![0.0f32; t];
-                for i in 0..t {
-                    let o = (row0 + i) * nh * d + h * d;
-                    dsum[i] = (0..d).map(|c| d_out[o + c] * out[o + c]).sum();
-                }
+                row_dots(&mut dsum, d_out, out, row0, (nh * d, h * d, d));
                 // SAFETY: views inside their buffers as in the forward; task (b, g) alone writes
                 // dk/dv columns of kv head g and dq columns of heads in its group.
                 unsafe {
@@ -280,12 +402,10 @@ pub fn attention_backward(
                     softmax_rows(p, t, seg, scale, lse_buf, true);
                     // dP = dO · Vᵀ, below the diagonal
                     causal_scores(t, d, dop, qs, vp, kvs, dp.as_mut_ptr());
-                    for i in 0..t {
-                        let (pr, dr) = (&p[i * t..=i * t + i], &mut dp[i * t..(i + 1) * t]);
-                        for (x, &pv) in dr.iter_mut().zip(pr) {
-                            *x = pv * (*x - dsum[i]) * scale;
-                        }
-                        dr[i + 1..].fill(0.0);
+                    softmax_grad(p, dp, t, scale, (!round).then_some(&dsum[..]));
+                    if round {
+                        round_lower(p, t);
+                        round_lower(dp, t);
                     }
                     // dQ = dS · K
                     let dqp = dq_p.0.add(row0 * nh * d + h * d);
@@ -316,6 +436,247 @@ pub fn attention_backward(
             }
         },
     );
+}
+
+/// The bf16 products on `vdpbf16ps`: each head's operands are packed once into panels
+/// ([`crate::bf16::Panels`]) and the causal products walk register tiles of [`MR`] query rows,
+/// so a tile computes only the columns its rows can see.
+#[cfg(target_arch = "x86_64")]
+mod dpbf16 {
+    use super::{AttnShape, Grads, softmax_grad, softmax_rows};
+    use crate::bf16::{MR, NR, Panels, block};
+    use crate::embedding::SendPtr;
+    use rayon::prelude::*;
+
+    /// `S[i][j] = Σ A[i]·B[j]` for `j ≤ i` (at least; up to the tile's last row) of a `[t × t]`
+    /// row-major `s`: `a` holds the `t` query rows, `b` the `t` key rows, both over `kp` pairs.
+    ///
+    /// # Safety
+    /// AVX512-BF16 must be available; `s` must hold `t·t` values.
+    unsafe fn causal_scores(t: usize, kp: usize, a: &Panels, b: &Panels, s: *mut f32) {
+        for i in 0..t.div_ceil(MR) {
+            let (r0, rows) = (i * MR, MR.min(t - i * MR));
+            let seen = r0 + rows;
+            for j in 0..seen.div_ceil(NR) {
+                let cols = NR.min(seen - j * NR);
+                // SAFETY: rows r0.. and columns j·NR.. of the `t × t` `s`.
+                unsafe {
+                    block(
+                        a,
+                        i,
+                        b,
+                        j,
+                        (0, kp),
+                        s.add(r0 * t + j * NR),
+                        t,
+                        (rows, cols),
+                        false,
+                    );
+                }
+            }
+        }
+    }
+
+    /// `O[i] = Σ_{p ≤ i} P[i][p]·B[p]`: `a` holds `P`'s `t` rows (zero past the diagonal), `b`
+    /// the `d` columns of `B` over its `t` rows; `O` rows at stride `so`.
+    ///
+    /// # Safety
+    /// AVX512-BF16 must be available; `o` must address `t` rows of `d` values at stride `so`.
+    unsafe fn causal_apply(t: usize, d: usize, a: &Panels, b: &Panels, o: *mut f32, so: usize) {
+        for i in 0..t.div_ceil(MR) {
+            let (r0, rows) = (i * MR, MR.min(t - i * MR));
+            let kc = (r0 + rows).div_ceil(2);
+            for j in 0..d.div_ceil(NR) {
+                // SAFETY: rows r0.. of `o`, columns j·NR.. of its `d`.
+                unsafe {
+                    let c = o.add(r0 * so + j * NR);
+                    block(
+                        a,
+                        i,
+                        b,
+                        j,
+                        (0, kc),
+                        c,
+                        so,
+                        (rows, NR.min(d - j * NR)),
+                        false,
+                    );
+                }
+            }
+        }
+    }
+
+    /// `O[c] (+)= Σ_{i ≥ c} M[i][c]·B[i]` for a lower-triangular `[t × t]` `M` (dS or P): `a`
+    /// holds `Mᵀ`'s `t` rows (row `c` is zero before column `c`), `b` the `d` columns of `B`
+    /// over its `t` rows; a tile skips the pairs before its first row.
+    ///
+    /// # Safety
+    /// As [`causal_apply`].
+    unsafe fn causal_apply_t(
+        t: usize,
+        d: usize,
+        a: &Panels,
+        b: &Panels,
+        o: *mut f32,
+        so: usize,
+        accumulate: bool,
+    ) {
+        let kp = t.div_ceil(2);
+        for i in 0..t.div_ceil(MR) {
+            let (c0, rows) = (i * MR, MR.min(t - i * MR));
+            // MR is even, so pair c0/2 starts at column c0.
+            let q0 = c0 / 2;
+            for j in 0..d.div_ceil(NR) {
+                // SAFETY: rows c0.. of `o`, columns j·NR.. of its `d`.
+                unsafe {
+                    let c = o.add(c0 * so + j * NR);
+                    let shape = (rows, NR.min(d - j * NR));
+                    block(a, i, b, j, (q0, kp - q0), c, so, shape, accumulate);
+                }
+            }
+        }
+    }
+
+    /// Panels of one task: query-side and key-side operands, reused between tasks.
+    #[derive(Default)]
+    struct Work {
+        s: Vec<f32>,
+        ds: Vec<f32>,
+        a: Panels,
+        a2: Panels,
+        b: Panels,
+        b2: Panels,
+        b3: Panels,
+        lse: Vec<f32>,
+    }
+
+    impl Work {
+        fn new(t: usize) -> Self {
+            Self {
+                s: vec![0.0; t * t],
+                ds: vec![0.0; t * t],
+                lse: vec![0.0; t],
+                ..Self::default()
+            }
+        }
+    }
+
+    const _: () = assert!(MR.is_multiple_of(2));
+
+    /// [`super::attention`] in bf16 on `vdpbf16ps` (the caller checked the CPU and shapes).
+    pub(super) fn forward(
+        sh: AttnShape,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        seg: &[u32],
+        scale: f32,
+        out: &mut [f32],
+        lse: &mut [f32],
+    ) {
+        let (t, d, nh, nkv) = (sh.seq, sh.head_dim, sh.heads, sh.kv_heads);
+        let group = nh / nkv;
+        let (qs, kvs) = (nh * d, nkv * d);
+        let out_ptr = SendPtr(out.as_mut_ptr());
+        lse.par_chunks_mut(t).enumerate().for_each_init(
+            || Work::new(t),
+            |w, (bh, lse_row)| {
+                let (b, h) = (bh / nh, bh % nh);
+                let g = h / group;
+                let row0 = b * t;
+                let seg = &seg[row0..row0 + t];
+                let out_ptr = &out_ptr;
+                let (qh, kg, vg) = (
+                    &q[row0 * qs + h * d..],
+                    &k[row0 * kvs + g * d..],
+                    &v[row0 * kvs + g * d..],
+                );
+                // SAFETY: `available()` was checked by the caller; the views hold `t` rows at
+                // their strides (the batch has row0 + t rows); this task alone writes its
+                // head's columns of `out`.
+                unsafe {
+                    w.a.pack(qh, t, d, qs, 1, true);
+                    w.b.pack(kg, t, d, kvs, 1, false);
+                    causal_scores(t, d.div_ceil(2), &w.a, &w.b, w.s.as_mut_ptr());
+                    softmax_rows(&mut w.s, t, seg, scale, lse_row, false);
+                    w.a.pack(&w.s, t, t, t, 1, true);
+                    w.b.pack(vg, d, t, 1, kvs, false);
+                    let o = out_ptr.0.add(row0 * qs + h * d);
+                    causal_apply(t, d, &w.a, &w.b, o, qs);
+                }
+            },
+        );
+    }
+
+    /// [`super::attention_backward`] in bf16 on `vdpbf16ps` (the caller checked the CPU and
+    /// shapes); the forward's output is not needed (`D` comes from the probabilities).
+    pub(super) fn backward(
+        sh: AttnShape,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        seg: &[u32],
+        scale: f32,
+        lse: &[f32],
+        d_out: &[f32],
+        Grads { dq, dk, dv }: Grads<'_>,
+    ) {
+        let (t, d, nh, nkv) = (sh.seq, sh.head_dim, sh.heads, sh.kv_heads);
+        let group = nh / nkv;
+        let (qs, kvs) = (nh * d, nkv * d);
+        let (dq_p, dk_p, dv_p) = (
+            SendPtr(dq.as_mut_ptr()),
+            SendPtr(dk.as_mut_ptr()),
+            SendPtr(dv.as_mut_ptr()),
+        );
+        (0..sh.batch * nkv).into_par_iter().for_each_init(
+            || Work::new(t),
+            |w, bg| {
+                let (b, g) = (bg / nkv, bg % nkv);
+                let row0 = b * t;
+                let seg = &seg[row0..row0 + t];
+                let (dq_p, dk_p, dv_p) = (&dq_p, &dk_p, &dv_p);
+                let (kg, vg) = (&k[row0 * kvs + g * d..], &v[row0 * kvs + g * d..]);
+                // SAFETY: as below.
+                unsafe {
+                    w.b.pack(kg, t, d, kvs, 1, false);
+                    w.b2.pack(vg, t, d, kvs, 1, false);
+                }
+                for h in g * group..(g + 1) * group {
+                    let first = h == g * group;
+                    w.lse
+                        .copy_from_slice(&lse[(b * nh + h) * t..(b * nh + h + 1) * t]);
+                    let (qh, doh) = (&q[row0 * qs + h * d..], &d_out[row0 * qs + h * d..]);
+                    // SAFETY: as in the forward; task (b, g) alone writes dk/dv columns of kv
+                    // head g and dq columns of the heads in its group.
+                    unsafe {
+                        // P, recomputed from the forward's log-sum-exp.
+                        w.a.pack(qh, t, d, qs, 1, true);
+                        causal_scores(t, d.div_ceil(2), &w.a, &w.b, w.s.as_mut_ptr());
+                        softmax_rows(&mut w.s, t, seg, scale, &mut w.lse, true);
+                        // dP = dO · Vᵀ, then dS = P ⊙ (dP − D) · scale below the diagonal.
+                        w.a2.pack(doh, t, d, qs, 1, true);
+                        causal_scores(t, d.div_ceil(2), &w.a2, &w.b2, w.ds.as_mut_ptr());
+                        softmax_grad(&w.s, &mut w.ds, t, scale, None);
+                        // dQ = dS · K
+                        w.a.pack(&w.ds, t, t, t, 1, true);
+                        w.b3.pack(kg, d, t, 1, kvs, false);
+                        let dqh = dq_p.0.add(row0 * qs + h * d);
+                        causal_apply(t, d, &w.a, &w.b3, dqh, qs);
+                        // dK (+)= dSᵀ · Q and dV (+)= Pᵀ · dO
+                        let dkg = dk_p.0.add(row0 * kvs + g * d);
+                        let dvg = dv_p.0.add(row0 * kvs + g * d);
+                        w.a.pack(&w.ds, t, t, 1, t, true);
+                        w.b3.pack(qh, d, t, 1, qs, false);
+                        causal_apply_t(t, d, &w.a, &w.b3, dkg, kvs, !first);
+                        w.a.pack(&w.s, t, t, 1, t, true);
+                        w.b3.pack(doh, d, t, 1, qs, false);
+                        causal_apply_t(t, d, &w.a, &w.b3, dvg, kvs, !first);
+                    }
+                }
+            },
+        );
+    }
 }
 
 #[cfg(test)]
@@ -363,66 +724,117 @@ mod tests {
         (loss, out)
     }
 
+    /// Forward and backward of one shape in `p`, checked against the f64 reference (of the
+    /// bf16-rounded inputs, to bf16's tolerance, in bf16); returns (out, dq, dk, dv).
+    fn check_shape(sh: AttnShape, seg: &[u32], p: Precision, probes: usize) -> [Vec<f32>; 4] {
+        let n = sh.batch * sh.seq;
+        let (qw, kw) = (sh.heads * sh.head_dim, sh.kv_heads * sh.head_dim);
+        let (q, k, v) = (randn(n * qw, 11), randn(n * kw, 12), randn(n * kw, 13));
+        let coef = randn(n * qw, 14);
+        let scale = 1.0 / (sh.head_dim as f32).sqrt();
+        let mut out = vec![0.0; q.len()];
+        let mut lse = vec![0.0; sh.batch * sh.heads * sh.seq];
+        attention(sh, &q, &k, &v, seg, scale, &mut out, &mut lse, p);
+        // What the products see: bf16 rounds the inputs (and the probabilities, which the
+        // reference does not: that is within the tolerance).
+        let (tol_out, tol_grad) = match p {
+            Precision::F32 => (1e-5, 1e-3),
+            Precision::Bf16 => (2e-2, 3e-2),
+        };
+        let seen = |x: &[f32]| -> Vec<f64> {
+            x.iter()
+                .map(|&v| match p {
+                    Precision::F32 => v as f64,
+                    Precision::Bf16 => crate::bf16::round(v) as f64,
+                })
+                .collect()
+        };
+        let (q64, k64, v64) = (seen(&q), seen(&k), seen(&v));
+        let s = scale as f64;
+        let (_, ref_out) = reference(sh, &q64, &k64, &v64, seg, s, &coef);
+        let ref_out: Vec<f32> = ref_out.iter().map(|&x| x as f32).collect();
+        close(&out, &ref_out, tol_out, &format!("{p:?} attention out"));
+
+        let (mut dq, mut dk, mut dv) = (vec![9.0; q.len()], vec![9.0; k.len()], vec![9.0; v.len()]);
+        attention_backward(
+            sh, &q, &k, &v, seg, scale, &out, &lse, &coef, &mut dq, &mut dk, &mut dv, p,
+        );
+        let f32s = |x: &[f64]| x.iter().map(|&v| v as f32).collect::<Vec<f32>>();
+        let what = |x: &str| format!("{p:?} attention {x}");
+        check_grad(&f32s(&q64), &dq, 2 * probes, tol_grad, &what("dq"), &|x| {
+            reference(sh, x, &k64, &v64, seg, s, &coef).0
+        });
+        check_grad(&f32s(&k64), &dk, probes, tol_grad, &what("dk"), &|x| {
+            reference(sh, &q64, x, &v64, seg, s, &coef).0
+        });
+        check_grad(&f32s(&v64), &dv, probes, tol_grad, &what("dv"), &|x| {
+            reference(sh, &q64, &k64, x, seg, s, &coef).0
+        });
+        [out, dq, dk, dv]
+    }
+
     #[test]
-    fn forward_and_backward_match_an_f64_reference() {
-        // Row 0 padded after 5 tokens, row 1 two packed segments; then 150 tokens (three causal
-        // blocks, the last one ragged) in two segments.
+    fn forward_and_backward_match_an_f64_reference_in_either_precision() {
+        // Row 0 padded after 5 tokens, row 1 two packed segments (head_dim odd); then 150
+        // tokens (three causal blocks, the last one ragged) in two segments; then 300 tokens
+        // (bf16: more pairs than one k block) with a head of one and a partial column panel.
         let seg7 = [0u32, 0, 0, 0, 0, 9, 9, 1, 1, 1, 2, 2, 2, 2];
         let seg150: Vec<u32> = (0..150).map(|i| u32::from(i >= 100)).collect();
+        let seg300: Vec<u32> = (0..300).map(|i| u32::from(i >= 280)).collect();
+        let shape = |batch, seq, heads, kv_heads, head_dim| AttnShape {
+            batch,
+            seq,
+            heads,
+            kv_heads,
+            head_dim,
+        };
         let cases = [
-            (
-                AttnShape {
-                    batch: 2,
-                    seq: 7,
-                    heads: 4,
-                    kv_heads: 2,
-                    head_dim: 5,
-                },
-                &seg7[..],
-            ),
-            (
-                AttnShape {
-                    batch: 1,
-                    seq: 150,
-                    heads: 2,
-                    kv_heads: 1,
-                    head_dim: 4,
-                },
-                &seg150[..],
-            ),
+            (shape(2, 7, 4, 2, 5), &seg7[..], 70),
+            (shape(1, 150, 2, 1, 4), &seg150[..], 70),
+            (shape(1, 300, 2, 1, 40), &seg300[..], 12),
         ];
-        for (sh, seg) in cases {
-            let n = sh.batch * sh.seq;
-            let (qw, kw) = (sh.heads * sh.head_dim, sh.kv_heads * sh.head_dim);
-            let q = randn(n * qw, 11);
-            let k = randn(n * kw, 12);
-            let v = randn(n * kw, 13);
-            let coef = randn(n * qw, 14);
-            let scale = 1.0 / (sh.head_dim as f32).sqrt();
-            let mut out = vec![0.0; q.len()];
-            let mut lse = vec![0.0; sh.batch * sh.heads * sh.seq];
-            attention(sh, &q, &k, &v, seg, scale, &mut out, &mut lse);
-            let f64s = |x: &[f32]| x.iter().map(|&v| v as f64).collect::<Vec<f64>>();
-            let (q64, k64, v64) = (f64s(&q), f64s(&k), f64s(&v));
-            let (_, ref_out) = reference(sh, &q64, &k64, &v64, seg, scale as f64, &coef);
-            let ref_out: Vec<f32> = ref_out.iter().map(|&x| x as f32).collect();
-            close(&out, &ref_out, 1e-5, "attention out");
-
-            let (mut dq, mut dk, mut dv) =
-                (vec![9.0; q.len()], vec![9.0; k.len()], vec![9.0; v.len()]);
-            attention_backward(
-                sh, &q, &k, &v, seg, scale, &out, &lse, &coef, &mut dq, &mut dk, &mut dv,
-            );
-            let s = scale as f64;
-            check_grad(&q, &dq, 140, 1e-3, "attention dq", &|p| {
-                reference(sh, p, &k64, &v64, seg, s, &coef).0
-            });
-            check_grad(&k, &dk, 70, 1e-3, "attention dk", &|p| {
-                reference(sh, &q64, p, &v64, seg, s, &coef).0
-            });
-            check_grad(&v, &dv, 70, 1e-3, "attention dv", &|p| {
-                reference(sh, &q64, &k64, p, seg, s, &coef).0
-            });
+        for (sh, seg, probes) in cases {
+            check_shape(sh, seg, Precision::F32, probes);
+            let bf16 = check_shape(sh, seg, Precision::Bf16, probes);
+            // Without AVX512-BF16 `Bf16` is the rounding path itself; with it, the rounding
+            // path gives what `vdpbf16ps` gives, up to the f32 sums' order (which can move a
+            // probability across a bf16 rounding boundary: hence not 1e-6).
+            if crate::bf16::available() {
+                let n = sh.batch * sh.seq;
+                let (qw, kw) = (sh.heads * sh.head_dim, sh.kv_heads * sh.head_dim);
+                let r = |x: Vec<f32>| rounded(&x);
+                let (q, k, v) = (
+                    r(randn(n * qw, 11)),
+                    r(randn(n * kw, 12)),
+                    r(randn(n * kw, 13)),
+                );
+                let coef = randn(n * qw, 14);
+                let scale = 1.0 / (sh.head_dim as f32).sqrt();
+                let mut out = vec![0.0; q.len()];
+                let mut lse = vec![0.0; n * sh.heads];
+                forward(sh, &q, &k, &v, seg, scale, &mut out, &mut lse, true);
+                let (mut dq, mut dk, mut dv) =
+                    (vec![0.0; q.len()], vec![0.0; k.len()], vec![0.0; v.len()]);
+                let g = Grads {
+                    dq: &mut dq,
+                    dk: &mut dk,
+                    dv: &mut dv,
+                };
+                backward(sh, &q, &k, &v, seg, scale, &out, &lse, &r(coef), g, true);
+                for (name, hw, emu) in [
+                    ("out", &bf16[0], &out),
+                    ("dq", &bf16[1], &dq),
+                    ("dk", &bf16[2], &dk),
+                    ("dv", &bf16[3], &dv),
+                ] {
+                    close(
+                        hw,
+                        emu,
+                        5e-3,
+                        &format!("{sh:?} vdpbf16ps vs rounding: {name}"),
+                    );
+                }
+            }
         }
     }
 }

@@ -67,9 +67,9 @@ pub fn available() -> bool {
 }
 
 /// Rows of the register tile (rows of C per A panel).
-const MR: usize = 12;
+pub(crate) const MR: usize = 12;
 /// Columns of the register tile: two vectors of 16 lanes.
-const NR: usize = 32;
+pub(crate) const NR: usize = 32;
 /// k-pairs per block: a block of one B panel (`KCP · NR` pairs, 16 KiB) stays in L1 while the
 /// task's A panels pass it.
 const KCP: usize = 128;
@@ -331,18 +331,143 @@ unsafe fn multiply(m: usize, kp: usize, ap: &[u32], outs: &[Out<'_>], accumulate
                     let (c, cols, acc) =
                         (cp.0.add(r0 * n + c0), NR.min(n - c0), accumulate || q0 > 0);
                     // As many rows as are live (a decode step of one sequence computes one, not
-                    // MR): each row's sums are the same whichever tile makes them.
-                    match rows {
-                        1 => tile::<1>(kc, a, b, c, n, rows, cols, acc),
-                        2 => tile::<2>(kc, a, b, c, n, rows, cols, acc),
-                        3 | 4 => tile::<4>(kc, a, b, c, n, rows, cols, acc),
-                        5..=8 => tile::<8>(kc, a, b, c, n, rows, cols, acc),
-                        _ => tile::<MR>(kc, a, b, c, n, rows, cols, acc),
-                    }
+                    // MR).
+                    tile_rows(kc, a, b, c, n, rows, cols, acc);
                 }
             }
         }
     });
+}
+
+/// Operand panels packed on the calling thread into a buffer kept between calls: what
+/// attention multiplies per head (thousands of small products a step, where allocating and
+/// spreading over the pool would cost more than the product).
+#[cfg(target_arch = "x86_64")]
+#[derive(Default)]
+pub(crate) struct Panels {
+    buf: Vec<u32>,
+    kp: usize,
+    w: usize,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Panels {
+    /// Packs the `rows × k` matrix `M[r][p] = src[r·rs + p·cs]` (one of `rs`, `cs` 1) as the
+    /// left operand (`lhs`: panels of [`MR`] rows) or as a right operand's transpose (panels of
+    /// [`NR`] rows), as [`pack`] does.
+    ///
+    /// # Safety
+    /// AVX512-BF16 must be available; every addressed element must lie inside `src`.
+    pub(crate) unsafe fn pack(
+        &mut self,
+        src: &[f32],
+        rows: usize,
+        k: usize,
+        rs: usize,
+        cs: usize,
+        lhs: bool,
+    ) {
+        let w = if lhs { MR } else { NR };
+        let kp = k.div_ceil(2);
+        let len = rows.div_ceil(w) * kp * w;
+        if self.buf.len() < len {
+            self.buf.resize(len, 0);
+        }
+        (self.kp, self.w) = (kp, w);
+        for (i, panel) in self.buf[..len].chunks_mut(kp * w).enumerate() {
+            let r0 = i * w;
+            let live = w.min(rows - r0);
+            if live < w {
+                // Rows past the matrix are zero (pack_* write only the live ones).
+                panel.fill(0);
+            }
+            // SAFETY: the caller's contract; `panel` holds `kp · w` pairs.
+            unsafe {
+                if cs == 1 {
+                    pack_rows(src, r0, live, k, rs, w, panel);
+                } else {
+                    pack_cols(src, r0, live, k, cs, w, panel);
+                }
+            }
+        }
+    }
+
+    /// Pair `q` of panel `i`.
+    fn at(&self, i: usize, q: usize) -> *const u32 {
+        self.buf[i * self.kp * self.w + q * self.w..].as_ptr()
+    }
+}
+
+/// `C (+)= A·B` for the `rows × cols` block of A's panel `i` and B's panel `j` over the pairs
+/// `q0..q0 + kc` (C row stride `ldc`); in blocks of [`KCP`] pairs.
+///
+/// # Safety
+/// AVX512-BF16 must be available; both panels must hold those pairs, `rows ≤ MR`, `cols ≤ NR`,
+/// and `c` must address `rows` rows of `cols` values at stride `ldc`.
+#[cfg(target_arch = "x86_64")]
+pub(crate) unsafe fn block(
+    a: &Panels,
+    i: usize,
+    b: &Panels,
+    j: usize,
+    (q0, kc): (usize, usize),
+    c: *mut f32,
+    ldc: usize,
+    (rows, cols): (usize, usize),
+    accumulate: bool,
+) {
+    debug_assert!(a.w == MR && b.w == NR && q0 + kc <= a.kp.min(b.kp));
+    for q in (q0..q0 + kc).step_by(KCP) {
+        let n = KCP.min(q0 + kc - q);
+        // SAFETY: the caller's contract.
+        unsafe {
+            tile_rows(
+                n,
+                a.at(i, q),
+                b.at(j, q),
+                c,
+                ldc,
+                rows,
+                cols,
+                accumulate || q > q0,
+            );
+        }
+    }
+    if kc == 0 && !accumulate {
+        for r in 0..rows {
+            // SAFETY: the caller's contract.
+            unsafe { std::slice::from_raw_parts_mut(c.add(r * ldc), cols).fill(0.0) };
+        }
+    }
+}
+
+/// [`tile`] with as many register rows as `rows` needs: each row's sums are the same whichever
+/// tile makes them.
+///
+/// # Safety
+/// As [`tile`].
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn tile_rows(
+    kc: usize,
+    a: *const u32,
+    b: *const u32,
+    c: *mut f32,
+    ldc: usize,
+    rows: usize,
+    cols: usize,
+    acc: bool,
+) {
+    // SAFETY: the caller's contract.
+    unsafe {
+        match rows {
+            1 => tile::<1>(kc, a, b, c, ldc, rows, cols, acc),
+            2 => tile::<2>(kc, a, b, c, ldc, rows, cols, acc),
+            3 | 4 => tile::<4>(kc, a, b, c, ldc, rows, cols, acc),
+            5..=8 => tile::<8>(kc, a, b, c, ldc, rows, cols, acc),
+            _ => tile::<MR>(kc, a, b, c, ldc, rows, cols, acc),
+        }
+    }
 }
 
 /// One `R × NR` register tile (the first `R` ≤ `MR` rows of an A panel) over `kc` pairs:
@@ -400,6 +525,39 @@ unsafe fn tile<const R: usize>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Packing a matrix from its rows (the register transpose) and from its transpose's rows
+    /// (the interleave) gives the same panels, bit for bit, for ragged shapes of both widths.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn both_packings_give_the_same_panels() {
+        if !available() {
+            return;
+        }
+        for w in [MR, NR] {
+            for rows in [1, 5, 12, 13, 17, 31, 33, 40] {
+                for k in [1, 2, 31, 32, 33, 64, 67] {
+                    let m: Vec<f32> = crate::testutil::randn(rows * k, (rows * 100 + k) as u64);
+                    let t: Vec<f32> = (0..k * rows)
+                        .map(|i| m[(i % rows) * k + i / rows])
+                        .collect();
+                    let by_rows = pack(&m, rows, k, k, 1, w);
+                    let by_cols = pack(&t, rows, k, 1, rows, w);
+                    assert!(by_rows == by_cols, "w {w} rows {rows} k {k}");
+                    let mut reused = Panels::default();
+                    // SAFETY: `available()`; the views hold the matrix.
+                    unsafe {
+                        reused.pack(&t, 40, 67, 1, 40, w == MR);
+                        reused.pack(&m, rows, k, k, 1, w == MR);
+                    }
+                    assert!(
+                        reused.buf[..by_rows.len()] == by_rows[..],
+                        "reused w {w} rows {rows} k {k}"
+                    );
+                }
+            }
+        }
+    }
 
     #[test]
     fn rounding_is_to_nearest_even_as_the_hardware_rounds() {

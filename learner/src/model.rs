@@ -198,6 +198,7 @@ struct BatchAttend<'a> {
     shape: AttnShape,
     segments: &'a [u32],
     scale: f32,
+    precision: Precision,
 }
 
 impl Attend for BatchAttend<'_> {
@@ -211,7 +212,17 @@ impl Attend for BatchAttend<'_> {
     ) -> Vec<f32> {
         let sh = self.shape;
         let mut lse = vec![0.0; sh.batch * sh.heads * sh.seq];
-        attention(sh, q, k, v, self.segments, self.scale, out, &mut lse);
+        attention(
+            sh,
+            q,
+            k,
+            v,
+            self.segments,
+            self.scale,
+            out,
+            &mut lse,
+            self.precision,
+        );
         lse
     }
 }
@@ -367,10 +378,20 @@ impl Model {
         Self::new(config, params)
     }
 
-    /// The arithmetic of its matmuls (linear layers and the head; attention, norms, softmax
-    /// and the loss stay f32): f32 unless [`Model::set_precision`] says otherwise.
+    /// The arithmetic of its matmuls (linear layers, attention's products and the head; norms,
+    /// softmax and the loss stay f32): f32 unless [`Model::set_precision`] says otherwise.
     pub fn precision(&self) -> Precision {
         self.precision
+    }
+
+    /// Attention's products: bf16 under `precision: bf16` and when served in bf16, so that
+    /// an engine serving the model attends as a bf16 learner does.
+    fn attention_precision(&self) -> Precision {
+        if self.is_bf16() {
+            Precision::Bf16
+        } else {
+            self.precision
+        }
     }
 
     /// Runs its matmuls in `p` from now on (weights stay f32: bf16 rounds them per product, as
@@ -384,8 +405,8 @@ impl Model {
     /// for bf16 products (`vdpbf16ps`: twice the f32 FMA rate, and half the bytes a decode
     /// step streams); each product rounds its input to bf16 too and sums in f32
     /// (`torch.autocast`'s rule) on the learner's kernel. The embedding rows, norms and biases
-    /// stay f32 as the learner's, and so do attention, softmax and log-probs: an engine serving
-    /// this model gives a bf16 learner's log-probs.
+    /// stay f32 as the learner's, and so do softmax and log-probs; attention rounds its operands
+    /// as the learner's does: an engine serving this model gives a bf16 learner's log-probs.
     pub fn serve_bf16(&mut self) {
         let mut matrices: Vec<usize> = self
             .layout
@@ -448,6 +469,7 @@ impl Model {
             shape: self.attn_shape(b),
             segments: &b.segments,
             scale: 1.0 / (self.config.head_dim as f32).sqrt(),
+            precision: self.attention_precision(),
         };
         self.layers(&b.tokens, &b.positions, &mut attn, keep)
     }
@@ -847,6 +869,7 @@ impl Model {
                 &mut dq,
                 &mut dk,
                 &mut dv,
+                self.attention_precision(),
             );
             drop(d_o);
             rope(&mut dq, nh, &tape.rope, true);

@@ -386,6 +386,9 @@ pub struct CachedStep<'a> {
     pub seqs: Vec<&'a SeqCache>,
     /// New tokens per sequence.
     pub counts: Vec<usize>,
+    /// Attention in bf16, as a bf16 learner's ([`learner::Model::is_bf16`]): queries, keys,
+    /// values and probabilities rounded to bf16, sums in f32.
+    pub bf16: bool,
 }
 
 impl learner::Attend for CachedStep<'_> {
@@ -398,6 +401,14 @@ impl learner::Attend for CachedStep<'_> {
         out: &mut [f32],
     ) -> Vec<f32> {
         let w = self.pool.shape.width();
+        let rounded =
+            |x: &[f32]| -> Vec<f32> { x.iter().map(|&v| kernels::bf16::round(v)).collect() };
+        let (q, k, v) = if self.bf16 {
+            (rounded(q), rounded(k), rounded(v))
+        } else {
+            (q.to_vec(), k.to_vec(), v.to_vec())
+        };
+        let (q, k, v) = (&q[..], &k[..], &v[..]);
         // 1. store this step's keys and values
         let mut row = 0;
         for (seq, &cnt) in self.seqs.iter().zip(&self.counts) {
@@ -420,6 +431,7 @@ impl learner::Attend for CachedStep<'_> {
             seqs: &self.seqs,
             layer,
             owners: &owners,
+            bf16: self.bf16,
         };
         match &self.pool.kv {
             KvData::F32 { k, v } => step.attend_all((k, v), q, out),
@@ -436,6 +448,8 @@ struct Step<'a> {
     layer: usize,
     /// Per new token: its sequence and position.
     owners: &'a [(usize, usize)],
+    /// Probabilities rounded to bf16 before they weigh the values.
+    bf16: bool,
 }
 
 impl Step<'_> {
@@ -464,6 +478,7 @@ impl Step<'_> {
                         group: s.heads / s.kv_heads,
                         head_dim: d,
                         scale,
+                        round_p: self.bf16,
                     },
                     scores,
                 );
@@ -495,6 +510,8 @@ struct OneQuery<'a, E> {
     group: usize,
     head_dim: usize,
     scale: f32,
+    /// Round the probabilities to bf16.
+    round_p: bool,
 }
 
 /// One query token's attention over its cached positions, every head. Positions are walked in
@@ -520,7 +537,7 @@ fn attend_one<E: KvElem>(a: OneQuery<'_, E>, scores: &mut Vec<f32>) {
                 E::dot(&a.q[h * d..(h + 1) * d], &krow[g * d..(g + 1) * d]) * a.scale;
         }
     }
-    softmax_rows(scores, np);
+    softmax_rows(scores, np, a.round_p);
     a.out.fill(0.0);
     for (p, &sl) in a.slots.iter().enumerate() {
         let vrow = &a.v[sl..sl + w];
@@ -535,9 +552,9 @@ fn attend_one<E: KvElem>(a: OneQuery<'_, E>, scores: &mut Vec<f32>) {
     }
 }
 
-/// Each row of `np` scores becomes its softmax.
+/// Each row of `np` scores becomes its softmax (rounded to bf16 when `round`).
 #[inline(always)]
-fn softmax_rows(scores: &mut [f32], np: usize) {
+fn softmax_rows(scores: &mut [f32], np: usize, round: bool) {
     for row in scores.chunks_exact_mut(np) {
         let max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
         let mut sum = 0.0;
@@ -547,6 +564,9 @@ fn softmax_rows(scores: &mut [f32], np: usize) {
         }
         let inv = 1.0 / sum;
         row.iter_mut().for_each(|x| *x *= inv);
+        if round {
+            row.iter_mut().for_each(|x| *x = kernels::bf16::round(*x));
+        }
     }
 }
 
@@ -582,7 +602,7 @@ unsafe fn attend_one_zmm<const DV: usize, E: KvElem>(a: OneQuery<'_, E>, scores:
             scores[h * np + p] = _mm512_reduce_add_ps(acc) * a.scale;
         }
     }
-    softmax_rows(scores, np);
+    softmax_rows(scores, np, a.round_p);
     let hc = 16 / DV;
     for h0 in (0..nh).step_by(hc) {
         let h1 = (h0 + hc).min(nh);
@@ -759,6 +779,7 @@ mod tests {
             group: s.heads / s.kv_heads,
             head_dim: s.head_dim,
             scale: 0.125,
+            round_p: false,
         };
         let mut scores = Vec::new();
         if simd {

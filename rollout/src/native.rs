@@ -715,6 +715,7 @@ impl Worker {
                 pool: &mut self.pool,
                 seqs: parents.iter().collect(),
                 counts: lens.clone(),
+                bf16: self.model.is_bf16(),
             };
             self.model.forward_hidden(&tokens, &positions, &mut step)
         };
@@ -829,6 +830,7 @@ impl Worker {
                     pool: &mut self.pool,
                     seqs,
                     counts: vec![1; idx.len()],
+                    bf16: model.is_bf16(),
                 };
                 model.forward_hidden(&tokens, &positions, &mut step)
             };

@@ -512,13 +512,21 @@ fn the_arith_recipe_shortened_lifts_held_out_accuracy_on_native_and_pjrt_engines
     for (engine, precision) in runs {
         let name = format!("{engine}-{precision}");
         // The native engine's KV cache in the same format (bf16: keys and values rounded).
-        let kv = match engine {
+        let mut kv = match engine {
             "native" => vec![
                 "-o".to_string(),
                 format!("pools.rollout.kv_cache_dtype={precision}"),
             ],
             _ => vec![],
         };
+        if precision == "bf16" {
+            // Two updates a step: the learner recomputes the samples' log-probs (`old_logp`),
+            // which measures its gap to the engine's.
+            kv.extend([
+                "-o".into(),
+                "stages.rl.algorithm.ppo_mini_batch_size=32".into(),
+            ]);
+        }
         run_ok(
             trellis()
                 .arg("train")
@@ -539,6 +547,18 @@ fn the_arith_recipe_shortened_lifts_held_out_accuracy_on_native_and_pjrt_engines
             after >= warm + 0.05,
             "GRPO on the {engine} engines ({precision} learner) did not lift accuracy: {warm} → {after}"
         );
+        if (engine, precision) == ("native", "bf16") {
+            // The bf16 engine (bf16 weights and KV cache) computes as the bf16 learner, attention
+            // included: their log-probs of the samples agree to f32 rounding, not bf16's 1e-3.
+            let gaps: Vec<f64> = metrics(&dir.join(&name))
+                .iter()
+                .filter_map(|v| v.get("rollout/logprob_diff_mean")?.as_f64())
+                .collect();
+            assert!(
+                gaps.len() == 30 && gaps.iter().all(|&g| g < 1e-4),
+                "learner-vs-engine log-prob gap per step: {gaps:?}"
+            );
+        }
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -185,10 +185,10 @@ impl Graph {
         Self::default()
     }
 
-    /// The arithmetic of the products [`Graph::linear_dot`] makes (linear layers and the output
-    /// head, as the native kernels' [`crate::matmul::Precision`]): for bf16, both operands
-    /// converted to bf16 and the result f32, and so for the gradients' products. Other dots
-    /// (attention, RoPE's rotation) stay f32, as in the native engine.
+    /// The arithmetic of the products [`Graph::linear_dot`] makes (linear layers, attention's
+    /// two products and the output head, as the native kernels' [`crate::matmul::Precision`]):
+    /// for bf16, both operands converted to bf16 and the result f32, and so for the gradients'
+    /// products. Other dots (RoPE's rotation) stay f32, as in the native engine.
     pub fn set_linear_precision(&mut self, p: crate::matmul::Precision) {
         self.linear = p;
     }

@@ -134,13 +134,15 @@ pub fn attention(g: &mut Graph, a: Attn, q: V, k: V, v: V, bias: V) -> V {
     };
     let k3 = kv3(g, k);
     let v3 = kv3(g, v);
-    let scores = g.dot(q3, k3, 1, 2, 2); // [r·kv, grp·s, l]
+    // Attention's products in the graph's linear precision (bf16 rounds q, k, v and p, as the
+    // native kernel does); the softmax stays f32.
+    let scores = g.linear_dot(q3, k3, 1, 2, 2); // [r·kv, grp·s, l]
     let scores = g.scale(scores, a.scale);
     let b5 = g.broadcast(bias, &[r, kv, grp, s, l], &[0, 3, 4]);
     let b3 = g.reshape(b5, &[r * kv, grp * s, l]);
     let z = g.add(scores, b3);
     let p = softmax_last(g, z);
-    let o = g.dot(p, v3, 1, 2, 1); // [r·kv, grp·s, d]
+    let o = g.linear_dot(p, v3, 1, 2, 1); // [r·kv, grp·s, d]
     let o5 = g.reshape(o, &[r, kv, grp, s, d]);
     let o5 = g.transpose(o5, &[0, 3, 1, 2, 4]);
     g.reshape(o5, &[r * s, a.heads * d])

@@ -148,10 +148,32 @@ fn grouped_query_attention_with_padding_matches_the_kernel() {
     );
     let mut oe = vec![0.0; n * qd];
     let mut lse = vec![0.0; sh.batch * sh.heads * sh.seq];
-    crate::attention::attention(sh, &q, &k, &v, &seg, scale, &mut oe, &mut lse);
+    crate::attention::attention(
+        sh,
+        &q,
+        &k,
+        &v,
+        &seg,
+        scale,
+        &mut oe,
+        &mut lse,
+        crate::matmul::Precision::F32,
+    );
     let (mut dq, mut dk, mut dve) = (vec![0.0; n * qd], vec![0.0; n * kd], vec![0.0; n * kd]);
     crate::attention::attention_backward(
-        sh, &q, &k, &v, &seg, scale, &oe, &lse, &dout, &mut dq, &mut dk, &mut dve,
+        sh,
+        &q,
+        &k,
+        &v,
+        &seg,
+        scale,
+        &oe,
+        &lse,
+        &dout,
+        &mut dq,
+        &mut dk,
+        &mut dve,
+        crate::matmul::Precision::F32,
     );
     close(&out[0], &oe, 1e-5, "attention out");
     close(&out[1], &dq, 1e-4, "attention dq");

@@ -525,7 +525,10 @@ fn rollout(p: &schema::Pool, e: &Errs<'_>) -> Result<RolloutPlan, PlanError> {
         _ => RolloutEngine::Native {
             kv_cache_bytes,
             weights_dtype: p.weights_dtype.unwrap_or_default(),
-            kv_cache_dtype: p.kv_cache_dtype.unwrap_or_default(),
+            // The weights' format unless said otherwise (vLLM's `auto`): an engine serving bf16
+            // rounds keys and values to bf16 before attending, so an f32 cache would only hold
+            // the same values in twice the bytes.
+            kv_cache_dtype: p.kv_cache_dtype.or(p.weights_dtype).unwrap_or_default(),
         },
     };
     Ok(RolloutPlan {

@@ -190,13 +190,14 @@ pub struct Pool {
     /// The number format of the weights the engines serve: `f32` (default) or `bf16`. For
     /// external engines, the pushed weight folders (half the bytes to write and reload; the
     /// push's probe expects the rounded weights, so it stays exact); for the native engine, its
-    /// products (the learner's `precision: bf16` rule on `vdpbf16ps`; decode steps stream bf16
-    /// matrices, half the bytes), with embeddings, norms, attention and log-probs in f32.
+    /// products (the learner's `precision: bf16` rule on `vdpbf16ps`, attention's products
+    /// included; decode steps stream bf16 matrices, half the bytes), with embeddings, norms,
+    /// softmaxes and log-probs in f32.
     #[serde(default)]
     pub weights_dtype: Option<learner::params::WeightDtype>,
-    /// The number format of a native engine's KV cache: `f32` (default) or `bf16` (keys and
-    /// values rounded as they are cached: twice the tokens in `kv_cache_mib`, half the bytes
-    /// a decode step's attention reads; the attention's arithmetic stays f32).
+    /// The number format of a native engine's KV cache: `f32` or `bf16` (keys and values
+    /// rounded as they are cached: twice the tokens in `kv_cache_mib`, half the bytes a decode
+    /// step's attention reads; sums stay f32); by default `weights_dtype`'s.
     #[serde(default)]
     pub kv_cache_dtype: Option<learner::params::WeightDtype>,
     /// Largest |log-prob difference| allowed between an engine and the learner on the probe

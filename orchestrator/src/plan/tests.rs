@@ -464,23 +464,37 @@ fn overrides_apply_and_name_their_key() {
     assert_eq!(plan.stages[1].steps, 5);
     assert_eq!(plan.spec.stages[0].sft.lr, 0.01);
     assert_eq!(plan.learner.precision, Precision::F32);
-    let plan = parse(
-        BASE,
-        "t.yaml",
-        &[
-            "pools.rollout.weights_dtype=bf16".into(),
-            "pools.rollout.kv_cache_dtype=bf16".into(),
-        ],
-    )
-    .unwrap();
-    assert!(matches!(
-        plan.rollout.engine,
-        RolloutEngine::Native {
-            weights_dtype: learner::params::WeightDtype::Bf16,
-            kv_cache_dtype: learner::params::WeightDtype::Bf16,
+    // The KV cache takes the weights' format unless said otherwise.
+    use learner::params::WeightDtype::{Bf16, F32};
+    for (overrides, weights, cache) in [
+        (&[][..], F32, F32),
+        (&["pools.rollout.weights_dtype=bf16"][..], Bf16, Bf16),
+        (&["pools.rollout.kv_cache_dtype=bf16"][..], F32, Bf16),
+        (
+            &[
+                "pools.rollout.weights_dtype=bf16",
+                "pools.rollout.kv_cache_dtype=f32",
+            ][..],
+            Bf16,
+            F32,
+        ),
+    ] {
+        let o: Vec<String> = overrides.iter().map(|s| s.to_string()).collect();
+        let plan = parse(BASE, "t.yaml", &o).unwrap();
+        let RolloutEngine::Native {
+            weights_dtype,
+            kv_cache_dtype,
             ..
-        }
-    ));
+        } = plan.rollout.engine
+        else {
+            panic!("{overrides:?}: not native")
+        };
+        assert_eq!(
+            (weights_dtype, kv_cache_dtype),
+            (weights, cache),
+            "{overrides:?}"
+        );
+    }
     for name in ["bf16", "bfloat16"] {
         let plan = parse(BASE, "t.yaml", &[format!("pools.learner.precision={name}")]).unwrap();
         assert_eq!(plan.learner.precision, Precision::Bf16, "{name}");
