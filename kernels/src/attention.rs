@@ -444,7 +444,7 @@ fn backward(
 #[cfg(target_arch = "x86_64")]
 mod dpbf16 {
     use super::{AttnShape, Grads, softmax_grad, softmax_rows};
-    use crate::bf16::{MR, NR, Panels, block};
+    use crate::bf16::{MR, NR, Panels, Part, block};
     use crate::embedding::SendPtr;
     use rayon::prelude::*;
 
@@ -561,8 +561,6 @@ mod dpbf16 {
         }
     }
 
-    const _: () = assert!(MR.is_multiple_of(2));
-
     /// [`super::attention`] in bf16 on `vdpbf16ps` (the caller checked the CPU and shapes).
     pub(super) fn forward(
         sh: AttnShape,
@@ -599,7 +597,7 @@ mod dpbf16 {
                     w.b.pack(kg, t, d, kvs, 1, false);
                     causal_scores(t, d.div_ceil(2), &w.a, &w.b, w.s.as_mut_ptr());
                     softmax_rows(&mut w.s, t, seg, scale, lse_row, false);
-                    w.a.pack(&w.s, t, t, t, 1, true);
+                    w.a.pack_part(&w.s, t, t, (t, 1), true, Part::Lower);
                     w.b.pack(vg, d, t, 1, kvs, false);
                     let o = out_ptr.0.add(row0 * qs + h * d);
                     causal_apply(t, d, &w.a, &w.b, o, qs);
@@ -659,17 +657,17 @@ mod dpbf16 {
                         causal_scores(t, d.div_ceil(2), &w.a2, &w.b2, w.ds.as_mut_ptr());
                         softmax_grad(&w.s, &mut w.ds, t, scale, None);
                         // dQ = dS · K
-                        w.a.pack(&w.ds, t, t, t, 1, true);
+                        w.a.pack_part(&w.ds, t, t, (t, 1), true, Part::Lower);
                         w.b3.pack(kg, d, t, 1, kvs, false);
                         let dqh = dq_p.0.add(row0 * qs + h * d);
                         causal_apply(t, d, &w.a, &w.b3, dqh, qs);
                         // dK (+)= dSᵀ · Q and dV (+)= Pᵀ · dO
                         let dkg = dk_p.0.add(row0 * kvs + g * d);
                         let dvg = dv_p.0.add(row0 * kvs + g * d);
-                        w.a.pack(&w.ds, t, t, 1, t, true);
+                        w.a.pack_part(&w.ds, t, t, (1, t), true, Part::Upper);
                         w.b3.pack(qh, d, t, 1, qs, false);
                         causal_apply_t(t, d, &w.a, &w.b3, dkg, kvs, !first);
-                        w.a.pack(&w.s, t, t, 1, t, true);
+                        w.a.pack_part(&w.s, t, t, (1, t), true, Part::Upper);
                         w.b3.pack(doh, d, t, 1, qs, false);
                         causal_apply_t(t, d, &w.a, &w.b3, dvg, kvs, !first);
                     }

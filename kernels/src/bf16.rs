@@ -192,24 +192,24 @@ fn pack(src: &[f32], rows: usize, k: usize, rs: usize, cs: usize, w: usize) -> V
             // (rows r0..r0+live, inner 0..k) and `panel` (`kp · w`).
             unsafe {
                 if cs == 1 {
-                    pack_rows(src, r0, live, k, rs, w, panel);
+                    pack_rows(src, r0, live, (0, k), rs, w, panel);
                 } else {
-                    pack_cols(src, r0, live, k, cs, w, panel);
+                    pack_cols(src, r0, live, (0, k), cs, w, panel);
                 }
             }
         });
     out
 }
 
-/// Rows contiguous in `p`: each row is rounded 32 values at a time into 16 pairs, which go to
-/// that row's slot of 16 consecutive k-pairs.
+/// Rows contiguous in `p`: each row's values `p0..k` (`p0` even) are rounded 32 at a time into
+/// 16 pairs, which go to that row's slot of 16 consecutive k-pairs (from pair `p0 / 2`).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
 unsafe fn pack_rows(
     src: &[f32],
     r0: usize,
     live: usize,
-    k: usize,
+    (p0, k): (usize, usize),
     rs: usize,
     w: usize,
     panel: &mut [u32],
@@ -218,7 +218,7 @@ unsafe fn pack_rows(
     let mut pairs = [0u32; 16];
     for r in 0..live {
         let row = &src[(r0 + r) * rs..(r0 + r) * rs + k];
-        let mut p = 0;
+        let mut p = p0;
         while p < k {
             let left = k - p;
             let lo_m: __mmask16 = if left >= 16 { !0 } else { (1 << left) - 1 };
@@ -248,15 +248,16 @@ unsafe fn pack_rows(
     }
 }
 
-/// Rows contiguous across `r` (a transposed operand): for each k-pair, 16 rows' values at `p`
-/// and at `p+1` are rounded together and interleaved into 16 pairs.
+/// Rows contiguous across `r` (a transposed operand): for each k-pair from `p0 / 2` (`p0`
+/// even) to the last of `k`, 16 rows' values at `p` and at `p+1` are rounded together and
+/// interleaved into 16 pairs.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
 unsafe fn pack_cols(
     src: &[f32],
     r0: usize,
     live: usize,
-    k: usize,
+    (p0, k): (usize, usize),
     cs: usize,
     w: usize,
     panel: &mut [u32],
@@ -269,7 +270,7 @@ unsafe fn pack_cols(
     }
     // SAFETY: `idx` holds 32 i16.
     let idx = unsafe { _mm512_loadu_si512(idx.as_ptr().cast()) };
-    for q in 0..k.div_ceil(2) {
+    for q in p0 / 2..k.div_ceil(2) {
         let p = 2 * q;
         let mut r = 0;
         while r < live {
@@ -367,6 +368,24 @@ impl Panels {
         cs: usize,
         lhs: bool,
     ) {
+        // SAFETY: the caller's contract.
+        unsafe { self.pack_part(src, rows, k, (rs, cs), lhs, Part::All) }
+    }
+
+    /// [`Panels::pack`] of only the pairs a triangular matrix's products read ([`Part`]); the
+    /// others keep whatever they held.
+    ///
+    /// # Safety
+    /// As [`Panels::pack`].
+    pub(crate) unsafe fn pack_part(
+        &mut self,
+        src: &[f32],
+        rows: usize,
+        k: usize,
+        (rs, cs): (usize, usize),
+        lhs: bool,
+        part: Part,
+    ) {
         let w = if lhs { MR } else { NR };
         let kp = k.div_ceil(2);
         let len = rows.div_ceil(w) * kp * w;
@@ -381,12 +400,18 @@ impl Panels {
                 // Rows past the matrix are zero (pack_* write only the live ones).
                 panel.fill(0);
             }
+            // `w` is even, so a part starts on a pair.
+            let ks = match part {
+                Part::All => (0, k),
+                Part::Lower => (0, k.min(r0 + w)),
+                Part::Upper => (r0.min(k), k),
+            };
             // SAFETY: the caller's contract; `panel` holds `kp · w` pairs.
             unsafe {
                 if cs == 1 {
-                    pack_rows(src, r0, live, k, rs, w, panel);
+                    pack_rows(src, r0, live, ks, rs, w, panel);
                 } else {
-                    pack_cols(src, r0, live, k, cs, w, panel);
+                    pack_cols(src, r0, live, ks, cs, w, panel);
                 }
             }
         }
@@ -397,6 +422,21 @@ impl Panels {
         self.buf[i * self.kp * self.w + q * self.w..].as_ptr()
     }
 }
+
+/// Which pairs of a panel [`Panels::pack_part`] packs: the products of a lower-triangular
+/// matrix (attention's probabilities and their gradient) read no more.
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Part {
+    /// Every pair.
+    All,
+    /// A lower-triangular matrix's rows: a panel's pairs up to its last row's diagonal.
+    Lower,
+    /// Its transpose's rows (upper-triangular): a panel's pairs from its first row's diagonal.
+    Upper,
+}
+
+const _: () = assert!(MR.is_multiple_of(2) && NR.is_multiple_of(2));
 
 /// `C (+)= A·B` for the `rows × cols` block of A's panel `i` and B's panel `j` over the pairs
 /// `q0..q0 + kc` (C row stride `ldc`); in blocks of [`KCP`] pairs.
