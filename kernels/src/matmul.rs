@@ -121,7 +121,9 @@ pub fn matmul(
 
 /// `Cᵢ = A · Bᵢᵀ` for several weights read by the same rows (`A` `[m,k]`, `Bᵢ` `[nᵢ,k]`
 /// with `nᵢ = Bᵢ.len() / k`, `Cᵢ` `[m,nᵢ]` overwritten): for a few rows one parallel pass over
-/// all of them ([`crate::skinny::matmul_nt_many`]), otherwise one [`matmul`] each.
+/// all of them ([`crate::skinny::matmul_nt_many`]); in bf16 `A` rounded and packed once for
+/// all of them ([`Rhs::matmul_many`], the same values as one [`matmul`] each); otherwise one
+/// [`matmul`] each.
 pub fn matmul_nt_many(
     m: usize,
     k: usize,
@@ -133,6 +135,15 @@ pub fn matmul_nt_many(
     assert_eq!(bs.len(), cs.len(), "matmul_nt_many: one output per weight");
     if precision == Precision::F32 && m <= SKINNY_ROWS && k > 0 && crate::skinny::available() {
         crate::skinny::matmul_nt_many(m, k, a, bs, cs);
+        return;
+    }
+    if precision == Precision::Bf16 && k > 0 {
+        let rhs: Vec<Rhs> = bs
+            .iter()
+            .map(|b| Rhs::new(k, b.len() / k, b, Op::T))
+            .collect();
+        let rhs: Vec<&Rhs> = rhs.iter().collect();
+        Rhs::matmul_many(&rhs, m, a, cs);
         return;
     }
     for (b, c) in bs.iter().zip(cs.iter_mut()) {
