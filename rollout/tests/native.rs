@@ -292,16 +292,27 @@ fn invalid_requests_are_refused_with_clear_errors() {
     check(req(&[1], |s| s.top_p = 2.0), "top_p");
 }
 
-/// bf16 weights: the engine's products round both operands to bf16 and sum in f32, on the
-/// learner's bf16 kernel for any number of rows, so its log-probs are those of the learner's
-/// `precision: bf16` (autocast's rule), to f32 noise — before and after a weight swap — and
-/// visibly neither the f32 model's nor those of every weight rounded with f32 inputs (what the
-/// engine served before it rounded the inputs too).
+/// bf16 weights: the engine's products round both operands to bf16 and sum in f32 — the linear
+/// layers on the learner's bf16 kernel for any number of rows, attention over the cache with
+/// the learner's bf16 attention's roundings — so its log-probs are those of the learner's
+/// `precision: bf16` (autocast's rule), to f32 noise, with an f32 or a bf16 KV cache alike —
+/// before and after a weight swap — and visibly neither the f32 model's nor those of every
+/// weight rounded with f32 inputs (what the engine served before it rounded the inputs too).
 #[test]
 fn bf16_weights_give_the_log_probs_of_a_bf16_learner() {
+    for kv in [
+        learner::params::WeightDtype::F32,
+        learner::params::WeightDtype::Bf16,
+    ] {
+        bf16_weights_with_a_cache_of(kv);
+    }
+}
+
+fn bf16_weights_with_a_cache_of(kv_cache_dtype: learner::params::WeightDtype) {
     let m = model();
     let cfg = || NativeConfig {
         weights_dtype: learner::params::WeightDtype::Bf16,
+        kv_cache_dtype,
         ..Default::default()
     };
     let engine = NativeEngine::new(m.clone(), cfg());
@@ -350,7 +361,7 @@ fn bf16_weights_give_the_log_probs_of_a_bf16_learner() {
         });
         assert!(
             learner < 1e-5 && f32s > 1e-3 && unrounded > 1e-3,
-            "median gaps to the learner's bf16 {learner}, to f32 {f32s}, to f32 inputs {unrounded}"
+            "{kv_cache_dtype:?} cache: median gaps to the learner's bf16 {learner}, to f32 {f32s}, to f32 inputs {unrounded}"
         );
     };
     check(&engine, &m.params);
