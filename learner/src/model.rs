@@ -62,6 +62,49 @@ impl Batch {
         b
     }
 
+    /// Packs `seqs` in order into rows of `width` positions (at least the longest sequence):
+    /// a sequence goes on the current row if it fits, else starts the next. Each sequence is
+    /// its own segment with positions from 0 (attention never crosses segments); the rows'
+    /// tails are padding as in [`Batch::padded`]. Returns the batch and where each sequence
+    /// starts (its first position's index). Short rows (RL prompts and responses) then cost
+    /// their tokens, not the longest row's.
+    pub fn packed(seqs: &[&[u32]], width: usize) -> (Self, Vec<usize>) {
+        let seq = seqs.iter().map(|s| s.len()).max().unwrap_or(0).max(width);
+        // (row, offset) of each sequence, next-fit.
+        let mut at = Vec::with_capacity(seqs.len());
+        let (mut row, mut used) = (0usize, 0usize);
+        for s in seqs {
+            if used > 0 && used + s.len() > seq {
+                (row, used) = (row + 1, 0);
+            }
+            at.push((row, used));
+            used += s.len();
+        }
+        let rows = if seqs.is_empty() { 0 } else { row + 1 };
+        let n = rows * seq;
+        let mut b = Batch {
+            rows,
+            seq,
+            tokens: vec![0; n],
+            positions: vec![0; n],
+            segments: vec![PAD_SEGMENT; n],
+            targets: vec![0; n],
+        };
+        let mut starts = Vec::with_capacity(seqs.len());
+        for (k, (s, &(r, off))) in seqs.iter().zip(&at).enumerate() {
+            let i0 = r * seq + off;
+            starts.push(i0);
+            for (t, &tok) in s.iter().enumerate() {
+                let i = i0 + t;
+                b.tokens[i] = tok;
+                b.positions[i] = t as u32;
+                b.segments[i] = k as u32;
+                b.targets[i] = s.get(t + 1).copied().unwrap_or(0);
+            }
+        }
+        (b, starts)
+    }
+
     /// Total positions (`rows · seq`).
     pub fn len(&self) -> usize {
         self.rows * self.seq
@@ -1078,6 +1121,35 @@ mod tests {
             .unwrap();
         for i in 0..2 {
             assert!((alone.logp[i] - padded.logp[i]).abs() < 1e-5);
+        }
+    }
+
+    /// Sequences packed several to a row score as each does alone in a padded batch, in either
+    /// precision, and the packing itself: segments, positions from 0, next-fit rows.
+    #[test]
+    fn packing_does_not_change_a_sequences_scores() {
+        let seqs: [&[u32]; 4] = [&[3, 4, 11], &[1, 5, 9, 13, 2, 7], &[8, 6], &[2, 2, 2, 2, 2]];
+        let (b, starts) = Batch::packed(&seqs, 8);
+        // Rows of 8, next-fit in order: [3 4 11 · pad…] (3 + 6 > 8), [1 5 9 13 2 7 · 8 6],
+        // [2 2 2 2 2 · pad pad pad].
+        assert_eq!((b.rows, b.seq, starts.clone()), (3, 8, vec![0, 8, 14, 16]));
+        assert_eq!(b.segments[8..16], [1, 1, 1, 1, 1, 1, 2, 2]);
+        assert_eq!(b.positions[14..21], [0, 1, 0, 1, 2, 3, 4]);
+        assert_eq!(b.targets[14..16], [6, 0]);
+        assert_eq!(b.segments[21..], [PAD_SEGMENT; 3]);
+        for p in [Precision::F32, Precision::Bf16] {
+            let mut m = tiny("qwen2", json!({}));
+            m.set_precision(p);
+            let packed = m.score(&b, 1.0).unwrap();
+            for (s, &at) in seqs.iter().zip(&starts) {
+                let alone = m.score(&Batch::padded(&[s]), 1.0).unwrap();
+                for t in 0..s.len() - 1 {
+                    let (a, b) = (alone.logp[t], packed.logp[at + t]);
+                    assert!((a - b).abs() < 1e-5, "{p:?} {s:?}[{t}]: {a} vs {b}");
+                    let (a, b) = (alone.entropy[t], packed.entropy[at + t]);
+                    assert!((a - b).abs() < 1e-5, "{p:?} {s:?}[{t}] entropy: {a} vs {b}");
+                }
+            }
         }
     }
 

@@ -129,13 +129,19 @@ impl TokenRows {
     }
 }
 
-/// Consecutive rows as one padded batch.
+/// Rows of at least this many positions hold a chunk's sequences packed ([`Batch::packed`]).
+/// Attention's work per token grows with the row (a row's causal triangle is computed whole)
+/// but is small beside the linear layers' at these widths, while padding costs the linear
+/// layers their full price: a batch of short RL rows shrinks to its tokens.
+pub const PACKED_ROW: usize = 64;
+
+/// Consecutive rows as one packed batch.
 pub struct Chunk {
     /// The first row.
     pub r0: usize,
     /// One past the last row.
     pub r1: usize,
-    /// The rows, right-padded.
+    /// The rows' sequences, packed into rows of at least [`PACKED_ROW`] positions.
     pub batch: Batch,
     /// For every response token: its index in the chunk's `[rows, cols]` layout and its index
     /// in the batch.
@@ -146,11 +152,11 @@ pub struct Chunk {
 impl Chunk {
     fn new(seqs: &[(usize, Vec<u32>)], r0: usize, cols: usize) -> Self {
         let refs: Vec<&[u32]> = seqs.iter().map(|s| s.1.as_slice()).collect();
-        let batch = Batch::padded(&refs);
+        let (batch, starts) = Batch::packed(&refs, PACKED_ROW);
         let mut slots = Vec::new();
-        for (r, (plen, tokens)) in seqs.iter().enumerate() {
+        for (r, ((plen, tokens), start)) in seqs.iter().zip(starts).enumerate() {
             for j in 0..tokens.len() - plen {
-                slots.push((r * cols + j, r * batch.seq + plen - 1 + j));
+                slots.push((r * cols + j, start + plen - 1 + j));
             }
         }
         Self {
@@ -214,8 +220,8 @@ mod tests {
         assert_eq!(rows.mask, [1., 1., 0., 1., 1., 1.]);
         assert_eq!(rows.response_tokens(), 5.0);
         let c = rows.chunks(2).next().unwrap();
-        // Rows of 5 positions: row 0's tokens 4, 5 are predicted at positions 2, 3; row 1's
-        // (prompt of one token) at 5 + 0, 1, 2.
+        // Both sequences packed in one row: the first's tokens 4, 5 are predicted at positions
+        // 2, 3; the second's (prompt of one token, starting at 5) at 5 + 0, 1, 2.
         assert_eq!(c.slots, [(0, 2), (1, 3), (3, 5), (4, 6), (5, 7)]);
         // Each position's value is its target token here: gathering gives back the responses.
         let at: Vec<f32> = c.batch.targets.iter().map(|&t| t as f32).collect();
