@@ -4,6 +4,10 @@ use rayon::prelude::*;
 
 const CHUNK: usize = 4096;
 
+fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
 /// `out = silu(gate) · up`.
 pub fn swiglu(gate: &[f32], up: &[f32], out: &mut [f32]) {
     assert!(
@@ -14,9 +18,8 @@ pub fn swiglu(gate: &[f32], up: &[f32], out: &mut [f32]) {
         .zip(gate.par_chunks(CHUNK))
         .zip(up.par_chunks(CHUNK))
         .for_each(|((o, g), u)| {
-            crate::vmath::sigmoid(g, o);
             for i in 0..o.len() {
-                o[i] *= g[i] * u[i];
+                o[i] = g[i] * sigmoid(g[i]) * u[i];
             }
         });
 }
@@ -38,9 +41,8 @@ pub fn swiglu_backward(
         .zip(up.par_chunks(CHUNK))
         .zip(d_out.par_chunks(CHUNK))
         .for_each(|((((dg, du), g), u), d)| {
-            crate::vmath::sigmoid(g, dg);
             for i in 0..dg.len() {
-                let s = dg[i];
+                let s = sigmoid(g[i]);
                 du[i] = d[i] * g[i] * s;
                 dg[i] = d[i] * u[i] * s * (1.0 + g[i] * (1.0 - s));
             }

@@ -91,41 +91,6 @@ pub fn exp_affine(xs: &mut [f32], a: f32, b: f32, c: f32) {
     }
 }
 
-/// `out = 1 / (1 + e^−x)` for every value of `xs` (SwiGLU's gate).
-pub fn sigmoid(xs: &[f32], out: &mut [f32]) {
-    assert_eq!(xs.len(), out.len(), "sigmoid: shapes");
-    #[cfg(target_arch = "x86_64")]
-    if avx512() {
-        // SAFETY: the feature was just detected.
-        return unsafe { sigmoid_avx512(xs, out) };
-    }
-    for (o, &x) in out.iter_mut().zip(xs) {
-        *o = 1.0 / (1.0 + (-x).exp());
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn sigmoid_avx512(xs: &[f32], out: &mut [f32]) {
-    use std::arch::x86_64::*;
-    let one = _mm512_set1_ps(1.0);
-    let mut outs = out.chunks_exact_mut(16);
-    let mut ins = xs.chunks_exact(16);
-    for (o, x) in (&mut outs).zip(&mut ins) {
-        // SAFETY: both chunks hold 16 floats.
-        unsafe {
-            let e = exp16(_mm512_sub_ps(
-                _mm512_setzero_ps(),
-                _mm512_loadu_ps(x.as_ptr()),
-            ));
-            _mm512_storeu_ps(o.as_mut_ptr(), _mm512_div_ps(one, _mm512_add_ps(one, e)));
-        }
-    }
-    for (o, &x) in outs.into_remainder().iter_mut().zip(ins.remainder()) {
-        *o = 1.0 / (1.0 + exp(-x));
-    }
-}
-
 #[cfg(target_arch = "x86_64")]
 fn avx512() -> bool {
     is_x86_feature_detected!("avx512f")
@@ -306,18 +271,5 @@ mod tests {
         let sum = exp_in_place(&mut w);
         let want: f64 = xs.iter().map(|&x| (x as f64).exp()).sum();
         assert!(((sum as f64 - want) / want).abs() < 1e-6);
-        // The sigmoid, to the edges (e^−x overflowing to ∞ gives 0, underflowing gives 1), in
-        // full vectors and a tail.
-        let mut ys = xs.clone();
-        ys.extend([-200.0, 200.0, f32::NEG_INFINITY, f32::INFINITY]);
-        let mut sg = vec![9.0; ys.len()];
-        sigmoid(&ys, &mut sg);
-        for (&x, &got) in ys.iter().zip(&sg) {
-            let want = (1.0 / (1.0 + (-(x as f64)).exp())) as f32;
-            assert!(
-                (got - want).abs() <= 1e-6 * want,
-                "sigmoid({x}) = {got}, want {want}"
-            );
-        }
     }
 }

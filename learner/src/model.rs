@@ -1150,6 +1150,38 @@ mod tests {
                     assert!((a - b).abs() < 1e-5, "{p:?} {s:?}[{t}] entropy: {a} vs {b}");
                 }
             }
+            // The same loss on every sequence's positions gives the same gradients packed as
+            // padded.
+            let padded = Batch::padded(&seqs);
+            let coef = |s: usize, t: usize| ((s * 5 + t * 3) % 7) as f32 * 0.1 - 0.3;
+            let grads = |b: &Batch, at: &dyn Fn(usize, usize) -> usize| {
+                let (mut dl, mut de) = (vec![0.0; b.len()], vec![0.0; b.len()]);
+                for (i, s) in seqs.iter().enumerate() {
+                    for t in 0..s.len() - 1 {
+                        dl[at(i, t)] = coef(i, t);
+                        de[at(i, t)] = 0.1 * coef(t, i);
+                    }
+                }
+                let (_, tape) = m.forward(b, 0.9).unwrap();
+                let mut g = m.params.zeros_like();
+                m.backward(tape, &dl, &de, &mut g);
+                g
+            };
+            let gp = grads(&padded, &|i, t| i * padded.seq + t);
+            let gk = grads(&b, &|i, t| starts[i] + t);
+            for (x, y) in gp.tensors.iter().zip(&gk.tensors) {
+                let scale = x.data.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+                let worst = x
+                    .data
+                    .iter()
+                    .zip(y.data.iter())
+                    .fold(0.0f32, |a, (u, v)| a.max((u - v).abs()));
+                assert!(
+                    worst <= 1e-5 * (1.0 + scale),
+                    "{p:?} grad {}: {worst}",
+                    x.name
+                );
+            }
         }
     }
 
