@@ -16,6 +16,7 @@
 //! backward recomputes the probabilities one head at a time, so nothing of size seq² outlives a
 //! single head's computation.
 
+use crate::bf16::rounded;
 use crate::embedding::SendPtr;
 use crate::matmul::{Par, Precision, strided};
 use rayon::prelude::*;
@@ -214,11 +215,6 @@ pub fn attention(
             forward(sh, &q, &k, &v, seg, scale, out, lse, true);
         }
     }
-}
-
-/// `x` rounded to bf16 values (kept as f32).
-fn rounded(x: &[f32]) -> Vec<f32> {
-    x.iter().map(|&v| crate::bf16::round(v)).collect()
 }
 
 /// Rounds the causal part of a `[t × t]` matrix (row `i`'s first `i + 1` values) to bf16.

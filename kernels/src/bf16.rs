@@ -38,6 +38,11 @@ pub fn round(x: f32) -> f32 {
     f32::from_bits((bits(x) as u32) << 16)
 }
 
+/// `xs` rounded to the nearest bf16 values (kept as f32).
+pub fn rounded(xs: &[f32]) -> Vec<f32> {
+    xs.iter().map(|&x| round(x)).collect()
+}
+
 /// The bf16 bit pattern nearest to `x` (ties to even), as `vcvtneps2bf16` rounds.
 #[inline]
 pub fn bits(x: f32) -> u16 {

@@ -209,7 +209,7 @@ impl Rhs {
             }
         }
         let _ = hardware;
-        let rounded = b[..k * n].iter().map(|&x| crate::bf16::round(x)).collect();
+        let rounded = crate::bf16::rounded(&b[..k * n]);
         Self {
             k,
             n,
@@ -279,7 +279,7 @@ impl Rhs {
                 bp.multiply(m, a, rs, cs, c, accumulate);
             }
             Form::Rounded(br, op_b) => {
-                let ar: Vec<f32> = a[..m * k].iter().map(|&x| crate::bf16::round(x)).collect();
+                let ar = crate::bf16::rounded(&a[..m * k]);
                 matmul(
                     m,
                     k,

@@ -41,25 +41,36 @@ impl Batch {
     pub fn padded(seqs: &[&[u32]]) -> Self {
         let rows = seqs.len();
         let seq = seqs.iter().map(|s| s.len()).max().unwrap_or(0);
+        let mut b = Self::empty(rows, seq);
+        for (r, s) in seqs.iter().enumerate() {
+            b.put(r * seq, s, 0);
+        }
+        b
+    }
+
+    /// `rows × seq` positions of padding.
+    fn empty(rows: usize, seq: usize) -> Self {
         let n = rows * seq;
-        let mut b = Batch {
+        Batch {
             rows,
             seq,
             tokens: vec![0; n],
             positions: vec![0; n],
             segments: vec![PAD_SEGMENT; n],
             targets: vec![0; n],
-        };
-        for (r, s) in seqs.iter().enumerate() {
-            for (t, &tok) in s.iter().enumerate() {
-                let i = r * seq + t;
-                b.tokens[i] = tok;
-                b.positions[i] = t as u32;
-                b.segments[i] = 0;
-                b.targets[i] = s.get(t + 1).copied().unwrap_or(0);
-            }
         }
-        b
+    }
+
+    /// Writes sequence `s` from position index `i0` as `segment`: positions from 0, each
+    /// token's target the next token (0 at the last).
+    fn put(&mut self, i0: usize, s: &[u32], segment: u32) {
+        for (t, &tok) in s.iter().enumerate() {
+            let i = i0 + t;
+            self.tokens[i] = tok;
+            self.positions[i] = t as u32;
+            self.segments[i] = segment;
+            self.targets[i] = s.get(t + 1).copied().unwrap_or(0);
+        }
     }
 
     /// Packs `seqs` in order into rows of `width` positions (at least the longest sequence):
@@ -81,26 +92,12 @@ impl Batch {
             used += s.len();
         }
         let rows = if seqs.is_empty() { 0 } else { row + 1 };
-        let n = rows * seq;
-        let mut b = Batch {
-            rows,
-            seq,
-            tokens: vec![0; n],
-            positions: vec![0; n],
-            segments: vec![PAD_SEGMENT; n],
-            targets: vec![0; n],
-        };
+        let mut b = Self::empty(rows, seq);
         let mut starts = Vec::with_capacity(seqs.len());
         for (k, (s, &(r, off))) in seqs.iter().zip(&at).enumerate() {
             let i0 = r * seq + off;
             starts.push(i0);
-            for (t, &tok) in s.iter().enumerate() {
-                let i = i0 + t;
-                b.tokens[i] = tok;
-                b.positions[i] = t as u32;
-                b.segments[i] = k as u32;
-                b.targets[i] = s.get(t + 1).copied().unwrap_or(0);
-            }
+            b.put(i0, s, k as u32);
         }
         (b, starts)
     }

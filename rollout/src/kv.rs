@@ -401,13 +401,16 @@ impl learner::Attend for CachedStep<'_> {
         out: &mut [f32],
     ) -> Vec<f32> {
         let w = self.pool.shape.width();
-        let rounded =
-            |x: &[f32]| -> Vec<f32> { x.iter().map(|&v| kernels::bf16::round(v)).collect() };
-        let (q, k, v) = if self.bf16 {
-            (rounded(q), rounded(k), rounded(v))
-        } else {
-            (q.to_vec(), k.to_vec(), v.to_vec())
-        };
+        // bf16: the operands as the learner's bf16 attention rounds them (f32: as given).
+        fn as_used(bf16: bool, x: &[f32]) -> std::borrow::Cow<'_, [f32]> {
+            if bf16 {
+                kernels::bf16::rounded(x).into()
+            } else {
+                x.into()
+            }
+        }
+        let b = self.bf16;
+        let (q, k, v) = (as_used(b, q), as_used(b, k), as_used(b, v));
         let (q, k, v) = (&q[..], &k[..], &v[..]);
         // 1. store this step's keys and values
         let mut row = 0;
@@ -702,8 +705,7 @@ mod tests {
             let n = 4 * 16 * kv_heads * head_dim;
             let (keys, values): (Vec<f32>, Vec<f32>) = (0..n).map(|_| (next(), next())).unzip();
             let q: Vec<f32> = (0..heads * head_dim).map(|_| next()).collect();
-            let round =
-                |v: &[f32]| -> Vec<f32> { v.iter().map(|&x| kernels::bf16::round(x)).collect() };
+            let round = kernels::bf16::rounded;
             let mut outs = Vec::new();
             for (dtype, rounded) in [
                 (WeightDtype::F32, false),
