@@ -20,6 +20,7 @@ use kernels::rope::{RopeTable, inv_freq};
 pub use libtpu_sys::pjrt::Client;
 use libtpu_sys::pjrt::{Buffer, Executable, PjrtError};
 use std::collections::HashMap;
+use std::ops::Range;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -160,18 +161,28 @@ pub struct Stats {
     pub compile_s: f64,
 }
 
-/// A model whose forward, backward and optimiser run on a PJRT device.
+/// One buffer per parameter tensor (layout order) on each device: `[device][tensor]`.
+type PerDevice = Vec<Vec<Buffer>>;
+
+/// A model whose forward, backward and optimiser run on a PJRT device, or data-parallel on
+/// the client's devices: every device holds the whole model, a batch's rows are split over
+/// them, and each program is compiled with one replica a device — the backward's gradients
+/// summed across replicas by a `stablehlo.all_reduce` in the program (the interconnect's
+/// collective: ICI on TPU, NCCL on GPU, the XLA CPU plugin's in-process one), then the same
+/// AdamW on every device, so the copies never diverge and no gradient passes through the host.
 pub struct PjrtModel {
     client: Client,
     config: ModelConfig,
     layout: Layout,
     specs: Vec<(String, Vec<usize>)>,
     inv_freq: Vec<f64>,
-    params: Vec<Buffer>,
-    moments: Option<(Vec<Buffer>, Vec<Buffer>)>,
-    /// Gradients summed since the last step, and their Σ x².
-    grads: Option<(Vec<Buffer>, f64)>,
-    rot: Buffer,
+    params: PerDevice,
+    moments: Option<(PerDevice, PerDevice)>,
+    /// Gradients summed since the last step (over every device's rows: each device holds the
+    /// same sum), and their Σ x².
+    grads: Option<(PerDevice, f64)>,
+    /// RoPE's rotation, on each device.
+    rot: Vec<Buffer>,
     /// Scoring programs per bucket, shared by concurrent scorers.
     score: Mutex<HashMap<(usize, usize), Arc<Executable>>>,
     grad: HashMap<(usize, usize), Executable>,
@@ -182,20 +193,17 @@ pub struct PjrtModel {
 }
 
 impl PjrtModel {
-    /// Copies `model`'s weights to the client's device; its programs multiply in the model's
-    /// [`Model::precision`] where the native engine does (linear layers and the head).
+    /// Copies `model`'s weights to each of the client's devices; its programs multiply in the
+    /// model's [`Model::precision`] where the native engine does (linear layers and the head).
     pub fn new(client: Client, model: &Model) -> Result<Self> {
         let c = model.config.clone();
         let (layout, specs) = Layout::new(&c);
-        let params = model
-            .params
-            .tensors
-            .iter()
-            .map(|t| client.f32(&t.data, &t.shape).map_err(dev))
-            .collect::<Result<Vec<_>>>()?;
-        let rot = client
-            .f32(&ops::rotate_half(c.head_dim), &[c.head_dim, c.head_dim])
-            .map_err(dev)?;
+        let params = upload(&client, &model.params)?;
+        let rot = everywhere(
+            &client,
+            &ops::rotate_half(c.head_dim),
+            &[c.head_dim, c.head_dim],
+        )?;
         Ok(Self {
             inv_freq: inv_freq(c.head_dim, c.rope_theta, c.rope_scaling),
             client,
@@ -231,14 +239,23 @@ impl PjrtModel {
         self.client.platform()
     }
 
+    /// The devices the model is replicated on (data-parallel when more than one).
+    pub fn devices(&self) -> usize {
+        self.client.device_count()
+    }
+
     /// What compiling has cost so far.
     pub fn stats(&self) -> Stats {
         self.stats.lock().map(|s| *s).unwrap_or_default()
     }
 
+    /// Compiles `text` with one replica on each device.
     fn compile(&self, text: &str) -> Result<Executable> {
         let t = Instant::now();
-        let exe = self.client.compile(text).map_err(dev)?;
+        let exe = self
+            .client
+            .compile_replicated(text, self.devices())
+            .map_err(dev)?;
         if let Ok(mut s) = self.stats.lock() {
             s.compiles += 1;
             s.compile_s += t.elapsed().as_secs_f64();
@@ -251,16 +268,16 @@ impl PjrtModel {
         Ok(exe)
     }
 
-    /// The batch padded to its bucket, as the trace's inputs.
-    fn inputs(&self, b: &Batch, rows: usize, seq: usize) -> Inputs {
+    /// Rows `share` of the batch padded to its bucket, as the trace's inputs.
+    fn inputs(&self, b: &Batch, share: Range<usize>, rows: usize, seq: usize) -> Inputs {
         let n = rows * seq;
         let mut tokens = vec![0i32; n];
         let mut targets = vec![0i32; n];
         let mut positions = vec![0u32; n];
         let mut segments = vec![PAD_SEGMENT; n];
-        for r in 0..b.rows {
+        for (k, r) in share.enumerate() {
             for t in 0..b.seq {
-                let (i, j) = (r * b.seq + t, r * seq + t);
+                let (i, j) = (r * b.seq + t, k * seq + t);
                 tokens[j] = b.tokens[i] as i32;
                 targets[j] = b.targets[i] as i32;
                 positions[j] = b.positions[i];
@@ -278,32 +295,83 @@ impl PjrtModel {
         }
     }
 
+    /// The inputs of device `device`'s share of `b` on that device, in argument order.
     fn batch_buffers(
         &self,
-        x: &Inputs,
-        rows: usize,
-        seq: usize,
+        device: usize,
+        b: &Batch,
+        share: Range<usize>,
+        (rows, seq): (usize, usize),
         temperature: f32,
     ) -> Result<Vec<Buffer>> {
+        let x = self.inputs(b, share, rows, seq);
         let (n, d) = (rows * seq, self.config.head_dim);
         let c = &self.client;
         Ok(vec![
-            c.i32(&x.tokens, &[n]).map_err(dev)?,
-            c.i32(&x.targets, &[n]).map_err(dev)?,
-            c.f32(&x.cos, &[n, d]).map_err(dev)?,
-            c.f32(&x.sin, &[n, d]).map_err(dev)?,
-            c.f32(&x.bias, &[rows, seq, seq]).map_err(dev)?,
-            c.f32(&[1.0 / temperature], &[]).map_err(dev)?,
+            c.i32_on(device, &x.tokens, &[n]).map_err(dev)?,
+            c.i32_on(device, &x.targets, &[n]).map_err(dev)?,
+            c.f32_on(device, &x.cos, &[n, d]).map_err(dev)?,
+            c.f32_on(device, &x.sin, &[n, d]).map_err(dev)?,
+            c.f32_on(device, &x.bias, &[rows, seq, seq]).map_err(dev)?,
+            c.f32_on(device, &[1.0 / temperature], &[]).map_err(dev)?,
         ])
     }
 
-    /// Unpads `[rows·seq]` values of the bucket to the batch's `[b.rows·b.seq]`.
-    fn unpad(b: &Batch, seq: usize, v: &[f32]) -> Vec<f32> {
-        let mut out = Vec::with_capacity(b.len());
-        for r in 0..b.rows {
-            out.extend_from_slice(&v[r * seq..r * seq + b.seq]);
+    /// The rows of `b` device `d` takes (contiguous, the first devices one more when they do
+    /// not divide evenly), and the bucket every device's share is padded to.
+    fn shares(&self, b: &Batch) -> (Vec<Range<usize>>, (usize, usize)) {
+        let n = self.devices();
+        let shares: Vec<Range<usize>> = (0..n)
+            .map(|d| (d * b.rows / n)..((d + 1) * b.rows / n))
+            .collect();
+        let most = shares.iter().map(|s| s.len()).max().unwrap_or(0);
+        (shares, bucket(most, b.seq))
+    }
+
+    /// The arguments of device `d`: its parameters, then the batch's first four inputs,
+    /// RoPE's rotation, the rest, then `extra`.
+    fn args<'a>(&'a self, d: usize, batch: &'a [Buffer], extra: &[&'a Buffer]) -> Vec<&'a Buffer> {
+        let mut args: Vec<&Buffer> = self.params[d].iter().collect();
+        args.extend(&batch[..4]);
+        args.push(&self.rot[d]);
+        args.extend(&batch[4..]);
+        args.extend(extra);
+        args
+    }
+
+    /// Runs `exe`'s replicas, device `d`'s on `args[d]`; the results by device.
+    fn run(exe: &Executable, args: Vec<Vec<&Buffer>>) -> Result<PerDevice> {
+        let mut args: Vec<Option<Vec<&Buffer>>> = args.into_iter().map(Some).collect();
+        let lists = exe
+            .devices()
+            .iter()
+            .map(|&d| args.get_mut(d).and_then(Option::take))
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| Error::Device("a program's replicas are not one a device".into()))?;
+        let outs = exe.run_replicated(&lists).map_err(dev)?;
+        let mut by_device: Vec<Option<Vec<Buffer>>> = (0..outs.len()).map(|_| None).collect();
+        for (&d, o) in exe.devices().iter().zip(outs) {
+            by_device[d] = Some(o);
         }
-        out
+        Ok(by_device.into_iter().flatten().collect())
+    }
+
+    /// The scores of every device's share (results 0 and 1 of `outs`), unpadded, in row order.
+    fn scores(b: &Batch, shares: &[Range<usize>], seq: usize, outs: &PerDevice) -> Result<Scores> {
+        let mut s = Scores {
+            logp: Vec::with_capacity(b.len()),
+            entropy: Vec::with_capacity(b.len()),
+        };
+        for (share, out) in shares.iter().zip(outs) {
+            let logp = out[0].to_f32().map_err(dev)?;
+            let entropy = out[1].to_f32().map_err(dev)?;
+            for r in 0..share.len() {
+                s.logp.extend_from_slice(&logp[r * seq..r * seq + b.seq]);
+                s.entropy
+                    .extend_from_slice(&entropy[r * seq..r * seq + b.seq]);
+            }
+        }
+        Ok(s)
     }
 
     fn check(&self, b: &Batch, temperature: f32) -> Result<()> {
@@ -320,7 +388,7 @@ impl PjrtModel {
     /// [`Model::score`]).
     pub fn score(&self, b: &Batch, temperature: f32) -> Result<Scores> {
         self.check(b, temperature)?;
-        let (rows, seq) = bucket(b.rows, b.seq);
+        let (shares, (rows, seq)) = self.shares(b);
         let exe = {
             // Held while compiling: two scorers of one new bucket compile it once.
             let mut cache = self
@@ -338,19 +406,16 @@ impl PjrtModel {
                 }
             }
         };
-        let x = self.inputs(b, rows, seq);
-        let extra = self.batch_buffers(&x, rows, seq, temperature)?;
-        let mut args: Vec<&Buffer> = self.params.iter().collect();
-        args.extend(&extra[..4]);
-        args.push(&self.rot);
-        args.extend(&extra[4..]);
-        let out = exe.run(&args).map_err(dev)?;
-        let logp = out[0].to_f32().map_err(dev)?;
-        let entropy = out[1].to_f32().map_err(dev)?;
-        Ok(Scores {
-            logp: Self::unpad(b, seq, &logp),
-            entropy: Self::unpad(b, seq, &entropy),
-        })
+        let inputs = shares
+            .iter()
+            .enumerate()
+            .map(|(d, sh)| self.batch_buffers(d, b, sh.clone(), (rows, seq), temperature))
+            .collect::<Result<Vec<_>>>()?;
+        let args = (0..self.devices())
+            .map(|d| self.args(d, &inputs[d], &[]))
+            .collect();
+        let outs = Self::run(&exe, args)?;
+        Self::scores(b, &shares, seq, &outs)
     }
 
     /// Forward and backward from d(loss)/d(logp) and d(loss)/d(entropy) per position (as
@@ -372,8 +437,9 @@ impl PjrtModel {
                 b.len()
             )));
         }
-        let (rows, seq) = bucket(b.rows, b.seq);
-        let np = self.params.len();
+        let (shares, (rows, seq)) = self.shares(b);
+        let np = self.specs.len();
+        let replicas = self.devices();
         if !self.grad.contains_key(&(rows, seq)) {
             let mut t = self.trace(rows, seq);
             let n = rows * seq;
@@ -385,10 +451,14 @@ impl PjrtModel {
                 .map(|(_, s)| t.g.arg(Shape::f32(s)))
                 .collect();
             let grads = t.g.vjp(&[(t.logp, dl), (t.entropy, de)], &t.params);
+            // Every device's share summed on the interconnect (nothing on one device).
             let sums: Vec<V> = grads
                 .iter()
                 .zip(&acc)
-                .map(|(gr, a)| t.g.add(*gr, *a))
+                .map(|(gr, a)| {
+                    let all = t.g.all_reduce(*gr, replicas);
+                    t.g.add(all, *a)
+                })
                 .collect();
             // Σ grad² of the sums, for the clipping norm, without copying gradients back.
             let mut sq = None;
@@ -409,53 +479,47 @@ impl PjrtModel {
             let exe = self.compile(&text)?;
             self.grad.insert((rows, seq), exe);
         }
-        let x = self.inputs(b, rows, seq);
-        let extra = self.batch_buffers(&x, rows, seq, temperature)?;
-        let pad = |v: &[f32]| {
+        let pad = |v: &[f32], share: &Range<usize>| {
             let mut out = vec![0.0f32; rows * seq];
-            for r in 0..b.rows {
-                out[r * seq..r * seq + b.seq].copy_from_slice(&v[r * b.seq..(r + 1) * b.seq]);
+            for (k, r) in share.clone().enumerate() {
+                out[k * seq..k * seq + b.seq].copy_from_slice(&v[r * b.seq..(r + 1) * b.seq]);
             }
             out
         };
-        let dl = self.client.f32(&pad(d_logp), &[rows * seq]).map_err(dev)?;
-        let de = self
-            .client
-            .f32(&pad(d_entropy), &[rows * seq])
-            .map_err(dev)?;
+        let mut inputs = Vec::with_capacity(replicas);
+        for (d, sh) in shares.iter().enumerate() {
+            let mut x = self.batch_buffers(d, b, sh.clone(), (rows, seq), temperature)?;
+            let c = &self.client;
+            x.push(c.f32_on(d, &pad(d_logp, sh), &[rows * seq]).map_err(dev)?);
+            x.push(
+                c.f32_on(d, &pad(d_entropy, sh), &[rows * seq])
+                    .map_err(dev)?,
+            );
+            inputs.push(x);
+        }
         let acc = match self.grads.take() {
             Some((g, _)) => g,
             None => self.zeros()?,
         };
-        let mut args: Vec<&Buffer> = self.params.iter().collect();
-        args.extend(&extra[..4]);
-        args.push(&self.rot);
-        args.extend(&extra[4..]);
-        args.push(&dl);
-        args.push(&de);
-        args.extend(acc.iter());
-        let mut out = self.grad[&(rows, seq)].run(&args).map_err(dev)?;
-        drop(args);
+        let args = (0..replicas)
+            .map(|d| {
+                let mut extra: Vec<&Buffer> = inputs[d][6..].iter().collect();
+                extra.extend(acc[d].iter());
+                self.args(d, &inputs[d][..6], &extra)
+            })
+            .collect();
+        let mut outs = Self::run(&self.grad[&(rows, seq)], args)?;
         drop(acc);
-        let grads = out.split_off(3);
-        let sq = out[2].to_f32().map_err(dev)?;
+        let sq = outs[0][2].to_f32().map_err(dev)?;
+        let scores = Self::scores(b, &shares, seq, &outs)?;
+        let grads = outs.iter_mut().map(|o| o.split_off(3)).collect();
         self.grads = Some((grads, sq.first().copied().unwrap_or(f32::NAN) as f64));
-        let logp = out[0].to_f32().map_err(dev)?;
-        let entropy = out[1].to_f32().map_err(dev)?;
-        Ok(Scores {
-            logp: Self::unpad(b, seq, &logp),
-            entropy: Self::unpad(b, seq, &entropy),
-        })
+        Ok(scores)
     }
 
-    fn zeros(&self) -> Result<Vec<Buffer>> {
-        self.specs
-            .iter()
-            .map(|(_, s)| {
-                let n: usize = s.iter().product();
-                self.client.f32(&vec![0.0; n], s).map_err(dev)
-            })
-            .collect()
+    fn zeros(&self) -> Result<PerDevice> {
+        let zero = Params::zeros(&self.specs);
+        upload(&self.client, &zero)
     }
 
     /// Applies the gradients summed since the last step with `opt`'s schedule and clipping
@@ -466,7 +530,7 @@ impl PjrtModel {
             .grads
             .take()
             .ok_or_else(|| Error::Batch("step without a backward".into()))?;
-        let np = self.params.len();
+        let np = self.specs.len();
         let key = [opt.hparams.beta1, opt.hparams.beta2, opt.hparams.eps].map(f32::to_bits);
         if self.adamw.as_ref().is_none_or(|(_, k)| *k != key) {
             let mut g = Graph::new();
@@ -519,50 +583,52 @@ impl PjrtModel {
             None => self.moments_from(opt)?,
         };
         let sc = ops::AdamwScalars::new(&plan.hparams, plan.step, plan.clip).to_vec();
-        let scalars = sc
-            .iter()
-            .map(|x| self.client.f32(&[*x], &[]).map_err(dev))
+        let scalars = (0..self.devices())
+            .map(|d| {
+                sc.iter()
+                    .map(|x| self.client.f32_on(d, &[*x], &[]).map_err(dev))
+                    .collect::<Result<Vec<_>>>()
+            })
             .collect::<Result<Vec<_>>>()?;
-        let mut args: Vec<&Buffer> = self.params.iter().collect();
-        args.extend(grads.iter());
-        args.extend(m.iter());
-        args.extend(v.iter());
-        args.extend(scalars.iter());
-        let out = self
+        let exe = &self
             .adamw
             .as_ref()
-            .map(|(e, _)| e.run(&args))
-            .transpose()
-            .map_err(dev)?;
-        drop(args);
-        let mut out = out.ok_or_else(|| Error::Device("no AdamW program".into()))?;
-        let v2 = out.split_off(2 * np);
-        let m2 = out.split_off(np);
-        self.params = out;
+            .ok_or_else(|| Error::Device("no AdamW program".into()))?
+            .0;
+        // Every device applies the same sum with the same scalars: the copies stay equal.
+        let args = (0..self.devices())
+            .map(|d| {
+                let mut a: Vec<&Buffer> = self.params[d].iter().collect();
+                a.extend(grads[d].iter());
+                a.extend(m[d].iter());
+                a.extend(v[d].iter());
+                a.extend(scalars[d].iter());
+                a
+            })
+            .collect();
+        let outs = Self::run(exe, args)?;
+        drop((grads, m, v));
+        let (mut params, mut m2, mut v2) = (Vec::new(), Vec::new(), Vec::new());
+        for mut out in outs {
+            v2.push(out.split_off(2 * np));
+            m2.push(out.split_off(np));
+            params.push(out);
+        }
+        self.params = params;
         self.moments = Some((m2, v2));
         Ok(report)
     }
 
-    fn moments_from(&self, opt: &mut Optimizer) -> Result<(Vec<Buffer>, Vec<Buffer>)> {
+    fn moments_from(&self, opt: &mut Optimizer) -> Result<(PerDevice, PerDevice)> {
         let (m, v) = opt.moments_mut();
-        let up = |p: &Params| -> Result<Vec<Buffer>> {
-            p.tensors
-                .iter()
-                .map(|t| self.client.f32(&t.data, &t.shape).map_err(dev))
-                .collect()
-        };
-        Ok((up(m)?, up(v)?))
+        Ok((upload(&self.client, m)?, upload(&self.client, v)?))
     }
 
     /// Copies the gradients summed since the last step into `grads` (same layout as the
     /// parameters); zeros when there are none.
     pub fn read_grads(&self, grads: &mut Params) -> Result<()> {
         match &self.grads {
-            Some((g, _)) => {
-                for (b, t) in g.iter().zip(&mut grads.tensors) {
-                    b.read_f32(&mut t.data).map_err(dev)?;
-                }
-            }
+            Some((g, _)) => read(&g[0], grads)?,
             None => grads.fill_zero(),
         }
         Ok(())
@@ -573,21 +639,15 @@ impl PjrtModel {
         self.grads = None;
     }
 
-    /// Copies the device's parameters into `params` (for a weight push or a checkpoint).
+    /// Copies the device's parameters into `params` (for a weight push or a checkpoint; every
+    /// device holds the same, the first is read).
     pub fn read_params(&self, params: &mut Params) -> Result<()> {
-        for (b, t) in self.params.iter().zip(&mut params.tensors) {
-            b.read_f32(&mut t.data).map_err(dev)?;
-        }
-        Ok(())
+        read(&self.params[0], params)
     }
 
-    /// Replaces the device's parameters with `params` (after a resume or a host-side change).
+    /// Replaces the devices' parameters with `params` (after a resume or a host-side change).
     pub fn write_params(&mut self, params: &Params) -> Result<()> {
-        self.params = params
-            .tensors
-            .iter()
-            .map(|t| self.client.f32(&t.data, &t.shape).map_err(dev))
-            .collect::<Result<Vec<_>>>()?;
+        self.params = upload(&self.client, params)?;
         Ok(())
     }
 
@@ -596,12 +656,8 @@ impl PjrtModel {
     pub fn sync_optimizer(&self, opt: &mut Optimizer) -> Result<()> {
         if let Some((m, v)) = &self.moments {
             let (hm, hv) = opt.moments_mut();
-            for (b, t) in m.iter().zip(&mut hm.tensors) {
-                b.read_f32(&mut t.data).map_err(dev)?;
-            }
-            for (b, t) in v.iter().zip(&mut hv.tensors) {
-                b.read_f32(&mut t.data).map_err(dev)?;
-            }
+            read(&m[0], hm)?;
+            read(&v[0], hv)?;
         }
         Ok(())
     }
@@ -610,6 +666,33 @@ impl PjrtModel {
     pub fn reset_optimizer(&mut self) {
         self.moments = None;
     }
+}
+
+/// `set`'s tensors on each of the client's devices.
+fn upload(client: &Client, set: &Params) -> Result<PerDevice> {
+    (0..client.device_count())
+        .map(|d| {
+            set.tensors
+                .iter()
+                .map(|t| client.f32_on(d, &t.data, &t.shape).map_err(dev))
+                .collect()
+        })
+        .collect()
+}
+
+/// `data` (shape `dims`) on each of the client's devices.
+fn everywhere(client: &Client, data: &[f32], dims: &[usize]) -> Result<Vec<Buffer>> {
+    (0..client.device_count())
+        .map(|d| client.f32_on(d, data, dims).map_err(dev))
+        .collect()
+}
+
+/// Copies one device's buffers into `set`'s tensors.
+fn read(bufs: &[Buffer], set: &mut Params) -> Result<()> {
+    for (b, t) in bufs.iter().zip(&mut set.tensors) {
+        b.read_f32(&mut t.data).map_err(dev)?;
+    }
+    Ok(())
 }
 
 /// The KV caches of one batch of rows on the device (keys and values of every layer, each

@@ -227,6 +227,63 @@ fn llama_with_biases_and_rope_scaling_trains_as_the_native_engine() {
     ));
 }
 
+/// Data parallelism over the devices of one client: a batch's rows split over 2 or 3 host
+/// devices of the XLA CPU plugin, the gradients summed by the program's
+/// `stablehlo.all_reduce`, AdamW on every device: scores, norms and weights equal one
+/// device's to the f32 rounding of the sums' order. A device with no rows (2 rows on 3
+/// devices) contributes nothing.
+#[test]
+fn data_parallel_devices_train_as_one_device() {
+    let Some(one) = client() else { return };
+    let model = tiny("qwen2", json!({}));
+    let five = Batch::padded(&[
+        &[1u32, 5, 9, 13, 2, 7][..],
+        &[3, 4, 11][..],
+        &[8, 8, 1, 2][..],
+        &[20, 21, 22, 23, 24, 25, 26, 27][..],
+        &[6][..],
+    ]);
+    let two = Batch::padded(&[&[1u32, 5, 9, 13, 2, 7][..], &[3, 4, 11][..]]);
+    let hp = AdamW {
+        lr: 1e-2,
+        weight_decay: 0.1,
+        ..Default::default()
+    };
+    let opt0 = Optimizer::new(&model.params, hp, LrSchedule::constant(1e-2), Some(0.5));
+    for (devices, batch) in [(2, &five), (3, &five), (3, &two)] {
+        let many = libtpu_sys::testing::cpu_client_of(devices).unwrap();
+        let mut a = PjrtModel::new(one.clone(), &model).unwrap();
+        let mut b = PjrtModel::new(many, &model).unwrap();
+        assert_eq!((a.devices(), b.devices()), (1, devices));
+        let (mut oa, mut ob) = (opt0.clone(), opt0.clone());
+        let n = batch.len();
+        let coef: Vec<f32> = (0..n).map(|i| ((i * 7 % 5) as f32 - 2.0) * 0.3).collect();
+        let ent: Vec<f32> = (0..n).map(|i| ((i * 3 % 4) as f32 - 1.5) * 0.02).collect();
+        for step in 0..3 {
+            let sa = a.backward(batch, 0.9, &coef, &ent).unwrap();
+            let sb = b.backward(batch, 0.9, &coef, &ent).unwrap();
+            let at = format!("{devices} devices, {} rows, step {step}", batch.rows);
+            assert!(worst(&sa.logp, &sb.logp) <= 1e-5, "{at}: logp");
+            assert!(worst(&sa.entropy, &sb.entropy) <= 1e-5, "{at}: entropy");
+            let scored = b.score(batch, 0.9).unwrap();
+            assert!(worst(&scored.logp, &sb.logp) <= 1e-6, "{at}: score");
+            let (ra, rb) = (a.step(&mut oa).unwrap(), b.step(&mut ob).unwrap());
+            assert!(
+                (ra.grad_norm - rb.grad_norm).abs() <= 1e-5 * ra.grad_norm,
+                "{at}: {ra:?} vs {rb:?}"
+            );
+            assert_eq!((ra.lr, ra.skipped), (rb.lr, rb.skipped), "{at}");
+        }
+        let (mut pa, mut pb) = (model.params.clone(), model.params.clone());
+        a.read_params(&mut pa).unwrap();
+        b.read_params(&mut pb).unwrap();
+        for (x, y) in pa.tensors.iter().zip(&pb.tensors) {
+            let w = worst(&x.data, &y.data);
+            assert!(w <= 1e-4, "{devices} devices: {}: max |diff| {w}", x.name);
+        }
+    }
+}
+
 /// bf16 matmuls on the device (`stablehlo.convert` to bf16 before each linear layer's and the
 /// head's `dot_general`, f32 results; attention and RoPE stay f32) follow the native engine's
 /// `vdpbf16ps` products, gradients and steps included.

@@ -146,6 +146,9 @@ pub mod buffer_type {
 /// `PJRT_HostBufferSemantics_kImmutableOnlyDuringCall`: the plugin copies during the call.
 pub const IMMUTABLE_ONLY_DURING_CALL: i32 = 0;
 
+/// `PJRT_NamedValue_kInt64`.
+pub const NAMED_INT64: i32 = 1;
+
 /// Declares a `PJRT_*_Args` struct: `struct_size` and `extension_start` first, then the fields;
 /// `new()` zeroes it and sets `struct_size`.
 macro_rules! args {
@@ -247,6 +250,12 @@ args!(LoadedExecutableExecuteArgs {
     execute_device: *mut c_void,
 });
 args!(LoadedExecutableDestroyArgs { executable: *mut c_void });
+args!(LoadedExecutableAddressableDevicesArgs {
+    executable: *mut c_void,
+    addressable_devices: *const *mut c_void,
+    num_addressable_devices: usize,
+});
+args!(NamedValue { name: *const c_char, name_size: usize, type_: c_int, int64_value: i64, value_size: usize });
 args!(LoadedExecutableGetExecutableArgs { loaded_executable: *mut c_void, executable: *mut c_void });
 args!(ExecutableNumOutputsArgs { executable: *mut c_void, num_outputs: usize });
 args!(ExecutableDestroyArgs { executable: *mut c_void });

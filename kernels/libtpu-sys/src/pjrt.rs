@@ -172,7 +172,8 @@ impl Plugin {
 struct ClientInner {
     plugin: Arc<Plugin>,
     raw: *mut c_void,
-    device: *mut c_void,
+    /// The addressable devices this client uses, in the plugin's order.
+    devices: Vec<*mut c_void>,
 }
 
 // SAFETY: PJRT clients, buffers and executables are thread-safe by the C API's contract.
@@ -197,7 +198,8 @@ impl Drop for ClientInner {
     }
 }
 
-/// A PJRT client on one plugin, using its first addressable device.
+/// A PJRT client on one plugin, using its first addressable device, or its first N for
+/// replicated programs ([`Client::with_devices`], [`Client::compile_replicated`]).
 #[derive(Clone)]
 pub struct Client {
     inner: Arc<ClientInner>,
@@ -215,11 +217,13 @@ unsafe impl Send for Buffer {}
 // SAFETY: see `ClientInner`.
 unsafe impl Sync for Buffer {}
 
-/// A compiled program, loaded on the client's device.
+/// A compiled program, loaded on the client's device (or devices: one replica each).
 pub struct Executable {
     client: Arc<ClientInner>,
     raw: *mut c_void,
     num_outputs: usize,
+    /// The client device (index into its devices) that runs each replica, in replica order.
+    devices: Vec<usize>,
 }
 
 // SAFETY: see `ClientInner`.
@@ -227,15 +231,77 @@ unsafe impl Send for Executable {}
 // SAFETY: see `ClientInner`.
 unsafe impl Sync for Executable {}
 
-/// `xla.CompileOptionsProto{executable_build_options: {num_replicas: 1, num_partitions: 1}}`:
-/// the smallest options the plugins accept (empty options abort the CPU plugin).
-const COMPILE_OPTIONS: [u8; 6] = [0x1a, 0x04, 0x20, 0x01, 0x28, 0x01];
+/// `xla.CompileOptionsProto{executable_build_options: {num_replicas: N, num_partitions: 1}}`:
+/// the smallest options the plugins accept (empty options abort the CPU plugin), with the
+/// default device assignment (replica `i` on the plugin's `i`-th device of its choice).
+fn compile_options(replicas: usize) -> Vec<u8> {
+    let mut build = vec![0x20];
+    let mut n = replicas as u64;
+    loop {
+        let b = (n & 0x7f) as u8;
+        n >>= 7;
+        if n == 0 {
+            build.push(b);
+            break;
+        }
+        build.push(b | 0x80);
+    }
+    build.extend([0x28, 0x01]);
+    let mut out = vec![0x1a, build.len() as u8];
+    out.extend(build);
+    out
+}
 
 impl Client {
     /// Creates a client on `plugin` (loaded and initialised by [`Plugin::load`]).
     pub fn new(plugin: Arc<Plugin>) -> Result<Self, PjrtError> {
+        Self::with_devices(plugin, 1)
+    }
+
+    /// A client that uses the first `devices` addressable devices of `plugin`, for programs
+    /// replicated over them. The XLA CPU plugin is asked for that many host devices
+    /// (`cpu_device_count`); other plugins must see them (a TPU host's chips, a node's GPUs).
+    pub fn with_devices(plugin: Arc<Plugin>, devices: usize) -> Result<Self, PjrtError> {
+        if devices == 0 {
+            return Err(PjrtError::Usage(
+                "a client needs at least one device".into(),
+            ));
+        }
+        let mut c = Self::create(plugin.clone(), None)?;
+        if c.inner.devices.len() < devices && c.platform() == "cpu" {
+            drop(c);
+            c = Self::create(plugin.clone(), Some(devices))?;
+        }
+        if c.inner.devices.len() >= devices {
+            if let Some(inner) = Arc::get_mut(&mut c.inner) {
+                inner.devices.truncate(devices);
+                return Ok(c);
+            }
+        }
+        Err(PjrtError::Usage(format!(
+            "{} devices wanted, but the plugin {} sees {} ({})",
+            devices,
+            plugin.info.path.display(),
+            c.inner.devices.len(),
+            c.platform()
+        )))
+    }
+
+    /// A client of every addressable device; `cpu_devices`: asks the CPU plugin for that many.
+    fn create(plugin: Arc<Plugin>, cpu_devices: Option<usize>) -> Result<Self, PjrtError> {
         let api = plugin.api;
         let mut c = ClientCreateArgs::new();
+        let name = "cpu_device_count";
+        let mut option = NamedValue::new();
+        if let Some(n) = cpu_devices {
+            option.name = name.as_ptr() as *const c_char;
+            option.name_size = name.len();
+            option.type_ = NAMED_INT64;
+            option.int64_value = n as i64;
+            option.value_size = 1;
+            c.create_options = &option as *const NamedValue as *const c_void;
+            c.num_options = 1;
+        }
         plugin.call(
             offset_of!(PjrtApi, client_create),
             api.client_create,
@@ -249,7 +315,7 @@ impl Client {
         let mut inner = ClientInner {
             plugin: plugin.clone(),
             raw: c.client,
-            device: std::ptr::null_mut(),
+            devices: Vec::new(),
         };
         plugin.call(
             offset_of!(PjrtApi, client_addressable_devices),
@@ -272,7 +338,9 @@ impl Client {
         // SAFETY: the plugin returned `num_addressable_devices` (> 0) device pointers, and a
         // platform name of `platform_name_size` bytes, both owned by the client.
         let platform = unsafe {
-            inner.device = *d.addressable_devices;
+            inner.devices =
+                std::slice::from_raw_parts(d.addressable_devices, d.num_addressable_devices)
+                    .to_vec();
             String::from_utf8_lossy(std::slice::from_raw_parts(
                 name.platform_name as *const u8,
                 name.platform_name_size,
@@ -299,8 +367,26 @@ impl Client {
         &self.inner.plugin
     }
 
-    /// Compiles a StableHLO module given as MLIR text.
+    /// How many devices the client uses.
+    pub fn device_count(&self) -> usize {
+        self.inner.devices.len()
+    }
+
+    /// Compiles a StableHLO module given as MLIR text, for the client's first device.
     pub fn compile(&self, mlir: &str) -> Result<Executable, PjrtError> {
+        self.compile_replicated(mlir, 1)
+    }
+
+    /// Compiles a StableHLO module to run as `replicas` copies, one on each of the client's
+    /// first devices (its collectives, e.g. `stablehlo.all_reduce`, span the replicas).
+    pub fn compile_replicated(&self, mlir: &str, replicas: usize) -> Result<Executable, PjrtError> {
+        if replicas == 0 || replicas > self.device_count() {
+            return Err(PjrtError::Usage(format!(
+                "{replicas} replicas on a client of {} devices",
+                self.device_count()
+            )));
+        }
+        let options = compile_options(replicas);
         let p = self.plugin();
         let format = "mlir";
         let mut prog = Program::new();
@@ -311,8 +397,8 @@ impl Client {
         let mut a = ClientCompileArgs::new();
         a.client = self.inner.raw;
         a.program = &prog;
-        a.compile_options = COMPILE_OPTIONS.as_ptr() as *const c_char;
-        a.compile_options_size = COMPILE_OPTIONS.len();
+        a.compile_options = options.as_ptr() as *const c_char;
+        a.compile_options_size = options.len();
         p.call(
             offset_of!(PjrtApi, client_compile),
             p.api.client_compile,
@@ -326,6 +412,7 @@ impl Client {
             client: self.inner.clone(),
             raw: loaded,
             num_outputs: 0,
+            devices: Vec::new(),
         };
         p.call(
             offset_of!(PjrtApi, loaded_executable_get_executable),
@@ -351,11 +438,51 @@ impl Client {
         );
         r?;
         exe.num_outputs = n.num_outputs;
+        let mut ad = LoadedExecutableAddressableDevicesArgs::new();
+        ad.executable = loaded;
+        p.call(
+            offset_of!(PjrtApi, loaded_executable_addressable_devices),
+            p.api.loaded_executable_addressable_devices,
+            "PJRT_LoadedExecutable_AddressableDevices",
+            &mut ad,
+        )?;
+        let raw: &[*mut c_void] = if ad.addressable_devices.is_null() {
+            &[]
+        } else {
+            // SAFETY: the plugin returned `num_addressable_devices` pointers owned by the
+            // executable, which outlives this borrow.
+            unsafe {
+                std::slice::from_raw_parts(ad.addressable_devices, ad.num_addressable_devices)
+            }
+        };
+        exe.devices = raw
+            .iter()
+            .map(|d| self.inner.devices.iter().position(|x| x == d))
+            .collect::<Option<Vec<usize>>>()
+            .filter(|v| v.len() == replicas)
+            .ok_or_else(|| {
+                PjrtError::Usage(format!(
+                    "the plugin placed {replicas} replicas on {} devices, not on the client's first {replicas}",
+                    raw.len()
+                ))
+            })?;
         Ok(exe)
     }
 
-    fn buffer(&self, data: *const c_void, ty: c_int, dims: &[usize]) -> Result<Buffer, PjrtError> {
+    fn buffer(
+        &self,
+        device: usize,
+        data: *const c_void,
+        ty: c_int,
+        dims: &[usize],
+    ) -> Result<Buffer, PjrtError> {
         let p = self.plugin();
+        let device = *self.inner.devices.get(device).ok_or_else(|| {
+            PjrtError::Usage(format!(
+                "device {device} of a client of {}",
+                self.device_count()
+            ))
+        })?;
         let dims: Vec<i64> = dims.iter().map(|&d| d as i64).collect();
         let mut a = ClientBufferFromHostBufferArgs::new();
         a.client = self.inner.raw;
@@ -364,7 +491,7 @@ impl Client {
         a.dims = dims.as_ptr();
         a.num_dims = dims.len();
         a.host_buffer_semantics = IMMUTABLE_ONLY_DURING_CALL;
-        a.device = self.inner.device;
+        a.device = device;
         p.call(
             offset_of!(PjrtApi, client_buffer_from_host_buffer),
             p.api.client_buffer_from_host_buffer,
@@ -389,16 +516,36 @@ impl Client {
         Ok(())
     }
 
-    /// Copies `data` (row-major, shape `dims`) to a new f32 device buffer.
+    /// Copies `data` (row-major, shape `dims`) to a new f32 buffer on the first device.
     pub fn f32(&self, data: &[f32], dims: &[usize]) -> Result<Buffer, PjrtError> {
-        Self::check(data.len(), dims)?;
-        self.buffer(data.as_ptr() as *const c_void, buffer_type::F32, dims)
+        self.f32_on(0, data, dims)
     }
 
-    /// Copies `data` (row-major, shape `dims`) to a new i32 device buffer.
+    /// Copies `data` (row-major, shape `dims`) to a new i32 buffer on the first device.
     pub fn i32(&self, data: &[i32], dims: &[usize]) -> Result<Buffer, PjrtError> {
+        self.i32_on(0, data, dims)
+    }
+
+    /// Copies `data` (row-major, shape `dims`) to a new f32 buffer on the client's `device`.
+    pub fn f32_on(&self, device: usize, data: &[f32], dims: &[usize]) -> Result<Buffer, PjrtError> {
         Self::check(data.len(), dims)?;
-        self.buffer(data.as_ptr() as *const c_void, buffer_type::S32, dims)
+        self.buffer(
+            device,
+            data.as_ptr() as *const c_void,
+            buffer_type::F32,
+            dims,
+        )
+    }
+
+    /// Copies `data` (row-major, shape `dims`) to a new i32 buffer on the client's `device`.
+    pub fn i32_on(&self, device: usize, data: &[i32], dims: &[usize]) -> Result<Buffer, PjrtError> {
+        Self::check(data.len(), dims)?;
+        self.buffer(
+            device,
+            data.as_ptr() as *const c_void,
+            buffer_type::S32,
+            dims,
+        )
     }
 }
 
@@ -501,23 +648,47 @@ impl Executable {
         self.num_outputs
     }
 
-    /// Runs the program on `args` and waits for it. Arguments the program marks as donated
-    /// (`tf.aliasing_output`) are consumed: their buffers must not be used afterwards, which
-    /// is why they are passed by value in `donated` positions.
+    /// The client device (an index for [`Client::f32_on`]) that runs each replica, in replica
+    /// order: replica `r`'s arguments must live there, and its results come back there.
+    pub fn devices(&self) -> &[usize] {
+        &self.devices
+    }
+
+    /// Runs a single-replica program on `args` and waits for it. Arguments the program marks
+    /// as donated (`tf.aliasing_output`) are consumed: their buffers must not be used
+    /// afterwards.
     pub fn run(&self, args: &[&Buffer]) -> Result<Vec<Buffer>, PjrtError> {
+        let mut outs = self.run_replicated(&[args.to_vec()])?;
+        Ok(outs.pop().unwrap_or_default())
+    }
+
+    /// Runs every replica at once, replica `r` on `args[r]` (buffers on
+    /// [`Executable::devices`]`[r]`), and waits for all; returns each replica's results.
+    pub fn run_replicated(&self, args: &[Vec<&Buffer>]) -> Result<Vec<Vec<Buffer>>, PjrtError> {
         let p = &self.client.plugin;
-        let raw_args: Vec<*mut c_void> = args.iter().map(|b| b.raw).collect();
-        let lists: [*const *mut c_void; 1] = [raw_args.as_ptr()];
-        let mut outs: Vec<*mut c_void> = vec![std::ptr::null_mut(); self.num_outputs];
-        let out_lists: [*mut *mut c_void; 1] = [outs.as_mut_ptr()];
-        let mut events: [*mut c_void; 1] = [std::ptr::null_mut()];
+        let n = args.len();
+        if n != self.devices.len() || args.iter().any(|a| a.len() != args[0].len()) {
+            return Err(PjrtError::Usage(format!(
+                "a program of {} replicas run on {n} argument lists of lengths {:?}",
+                self.devices.len(),
+                args.iter().map(Vec::len).collect::<Vec<_>>()
+            )));
+        }
+        let raw_args: Vec<Vec<*mut c_void>> = args
+            .iter()
+            .map(|l| l.iter().map(|b| b.raw).collect())
+            .collect();
+        let lists: Vec<*const *mut c_void> = raw_args.iter().map(|l| l.as_ptr()).collect();
+        let mut outs: Vec<Vec<*mut c_void>> = vec![vec![std::ptr::null_mut(); self.num_outputs]; n];
+        let out_lists: Vec<*mut *mut c_void> = outs.iter_mut().map(|o| o.as_mut_ptr()).collect();
+        let mut events: Vec<*mut c_void> = vec![std::ptr::null_mut(); n];
         let mut opts = ExecuteOptions::new();
         let mut a = LoadedExecutableExecuteArgs::new();
         a.executable = self.raw;
         a.options = &mut opts;
         a.argument_lists = lists.as_ptr();
-        a.num_devices = 1;
-        a.num_args = raw_args.len();
+        a.num_devices = n;
+        a.num_args = args[0].len();
         a.output_lists = out_lists.as_ptr();
         a.device_complete_events = events.as_mut_ptr();
         p.call(
@@ -526,15 +697,25 @@ impl Executable {
             "PJRT_LoadedExecutable_Execute",
             &mut a,
         )?;
-        let outs: Vec<Buffer> = outs
+        let outs: Vec<Vec<Buffer>> = outs
             .into_iter()
-            .map(|raw| Buffer {
-                client: self.client.clone(),
-                raw,
+            .map(|o| {
+                o.into_iter()
+                    .map(|raw| Buffer {
+                        client: self.client.clone(),
+                        raw,
+                    })
+                    .collect()
             })
             .collect();
-        p.await_event(events[0], "PJRT_Event_Await (execute)")?;
-        Ok(outs)
+        let mut first = Ok(());
+        for e in events {
+            let r = p.await_event(e, "PJRT_Event_Await (execute)");
+            if first.is_ok() {
+                first = r;
+            }
+        }
+        first.map(|()| outs)
     }
 }
 
@@ -602,6 +783,58 @@ mod tests {
         // Buffers stay usable: run again on the same inputs.
         let again = exe.run(&[&a, &b]).unwrap();
         assert_eq!(again[0].to_f32().unwrap(), vec![4., 5., 10., 11.]);
+    }
+
+    #[test]
+    fn a_replicated_program_sums_across_devices_with_an_all_reduce() {
+        let Some(path) = crate::testing::cpu_plugin() else {
+            return;
+        };
+        let plugin = Plugin::load(&path).unwrap();
+        let c = Client::with_devices(plugin.clone(), 3).unwrap();
+        assert_eq!(c.device_count(), 3);
+        let exe = c
+            .compile_replicated(
+                r#"func.func @main(%a: tensor<2xf32>) -> (tensor<2xf32>, tensor<2xf32>) {
+  %0 = "stablehlo.all_reduce"(%a) ({
+  ^bb0(%x: tensor<f32>, %y: tensor<f32>):
+    %s = stablehlo.add %x, %y : tensor<f32>
+    stablehlo.return %s : tensor<f32>
+  }) {replica_groups = dense<[[0, 1, 2]]> : tensor<1x3xi64>} : (tensor<2xf32>) -> tensor<2xf32>
+  %1 = stablehlo.add %a, %a : tensor<2xf32>
+  return %0, %1 : tensor<2xf32>, tensor<2xf32>
+}"#,
+                3,
+            )
+            .unwrap();
+        let mut on = exe.devices().to_vec();
+        on.sort();
+        assert_eq!(on, vec![0, 1, 2], "one replica a device");
+        let bufs: Vec<Buffer> = exe
+            .devices()
+            .iter()
+            .enumerate()
+            .map(|(r, &d)| c.f32_on(d, &[r as f32, 10.0 * r as f32], &[2]).unwrap())
+            .collect();
+        let out = exe
+            .run_replicated(&bufs.iter().map(|b| vec![b]).collect::<Vec<_>>())
+            .unwrap();
+        assert_eq!(out.len(), 3);
+        for (r, o) in out.iter().enumerate() {
+            assert_eq!(o[0].to_f32().unwrap(), vec![3.0, 30.0], "replica {r}");
+            assert_eq!(
+                o[1].to_f32().unwrap(),
+                vec![2.0 * r as f32, 20.0 * r as f32]
+            );
+        }
+        let Err(e) = exe.run(&[&bufs[0]]) else {
+            panic!("a 3-replica program ran on one argument list");
+        };
+        assert!(e.to_string().contains("3 replicas"), "{e}");
+        let Err(e) = c.compile_replicated("func.func @main() -> () { return }", 4) else {
+            panic!("4 replicas compiled on 3 devices");
+        };
+        assert!(e.to_string().contains("3 devices"), "{e}");
     }
 
     #[test]

@@ -56,6 +56,13 @@ pub fn cpu_plugin() -> Option<PathBuf> {
 
 /// A client of the XLA CPU plugin (see [`cpu_plugin`]).
 pub fn cpu_client() -> Option<Client> {
+    cpu_client_of(1)
+}
+
+/// A client of `devices` host devices of the XLA CPU plugin (see [`cpu_plugin`]), for
+/// replicated programs.
+pub fn cpu_client_of(devices: usize) -> Option<Client> {
     let p = cpu_plugin()?;
-    Some(Client::open(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display())))
+    let plugin = crate::pjrt::Plugin::load(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+    Some(Client::with_devices(plugin, devices).unwrap_or_else(|e| panic!("{}: {e}", p.display())))
 }

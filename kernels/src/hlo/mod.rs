@@ -162,6 +162,9 @@ enum Op {
     /// differentiable (KV-cache writes in inference programs).
     ScatterSet(V, V, V),
     Convert(V),
+    /// The sum of `x` over all replicas of a replicated program (`stablehlo.all_reduce` over
+    /// one group of this many); not differentiable (it sums gradients after the backward).
+    AllReduce(V, usize),
 }
 
 #[derive(Clone, Debug)]
@@ -441,6 +444,18 @@ impl Graph {
         self.push(Op::Convert(x), Shape::f32(&dims))
     }
 
+    /// The sum of f32 `x` over the `replicas` copies of a program compiled with that many
+    /// replicas (one all-reduce group of all of them: data parallelism's gradient sum on the
+    /// device's interconnect). Emitted only when `replicas > 1`: one replica is `x` itself.
+    pub fn all_reduce(&mut self, x: V, replicas: usize) -> V {
+        assert_eq!(self.shape(x).ty, Ty::F32, "all_reduce of a non-f32 value");
+        if replicas <= 1 {
+            return x;
+        }
+        let s = self.shape(x).clone();
+        self.push(Op::AllReduce(x, replicas), s)
+    }
+
     fn inputs(op: &Op) -> Vec<V> {
         match op {
             Op::Arg | Op::Const(_) | Op::Iota(_) => vec![],
@@ -449,7 +464,8 @@ impl Graph {
             | Op::Reduce { x, .. }
             | Op::Reshape(x)
             | Op::Transpose(x, _)
-            | Op::Convert(x) => vec![*x],
+            | Op::Convert(x)
+            | Op::AllReduce(x, _) => vec![*x],
             Op::Bin(_, a, b)
             | Op::Cmp(_, a, b)
             | Op::Dot { a, b, .. }
@@ -498,6 +514,7 @@ impl Graph {
         match op {
             Op::Arg | Op::Const(_) | Op::Iota(_) | Op::Cmp(..) | Op::Convert(_) => {}
             Op::ScatterSet(..) => panic!("vjp through scatter_set: inference programs only"),
+            Op::AllReduce(..) => panic!("vjp through all_reduce: it sums finished gradients"),
             Op::Un(f, x) => {
                 let d = match f {
                     Un::Neg => self.un(Un::Neg, g),
@@ -904,6 +921,15 @@ impl Graph {
                 let _ = writeln!(
                     s,
                     "  %v{r} = \"stablehlo.convert\"(%v{}) : ({}) -> {out}",
+                    x.0,
+                    ty(*x)
+                );
+            }
+            Op::AllReduce(x, n) => {
+                let group = list(&(0..*n).collect::<Vec<_>>());
+                let _ = writeln!(
+                    s,
+                    "  %v{r} = \"stablehlo.all_reduce\"(%v{}) ({{\n  ^bb0(%a{r}: tensor<f32>, %b{r}: tensor<f32>):\n    %c{r} = \"stablehlo.add\"(%a{r}, %b{r}) : (tensor<f32>, tensor<f32>) -> tensor<f32>\n    \"stablehlo.return\"(%c{r}) : (tensor<f32>) -> ()\n  }}) {{replica_groups = dense<[[{group}]]> : tensor<1x{n}xi64>}} : ({}) -> {out}",
                     x.0,
                     ty(*x)
                 );
