@@ -272,11 +272,11 @@ impl Client {
             drop(c);
             c = Self::create(plugin.clone(), Some(devices))?;
         }
-        if c.inner.devices.len() >= devices {
-            if let Some(inner) = Arc::get_mut(&mut c.inner) {
-                inner.devices.truncate(devices);
-                return Ok(c);
-            }
+        if c.inner.devices.len() >= devices
+            && let Some(inner) = Arc::get_mut(&mut c.inner)
+        {
+            inner.devices.truncate(devices);
+            return Ok(c);
         }
         Err(PjrtError::Usage(format!(
             "{} devices wanted, but the plugin {} sees {} ({})",
