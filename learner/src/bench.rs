@@ -118,6 +118,10 @@ pub struct TrainBenchReport {
 pub struct PjrtBenchReport {
     /// The plugin's platform.
     pub platform: String,
+    /// Devices the step is data-parallel over (rows split, gradients all-reduced on them).
+    pub devices: usize,
+    /// With several devices: the same step on one device of the plugin, same run.
+    pub one_device_step_seconds: Option<f64>,
     /// Seconds spent compiling (the first step's programs).
     pub compile_seconds: f64,
     pub step_seconds_median: f64,
@@ -252,26 +256,41 @@ pub fn train_bench(
         None => None,
         Some(client) => {
             let model = Model::init(c.clone(), 0);
-            let mut dev = crate::pjrt::PjrtModel::new(client, &model)?;
-            let mut opt = Optimizer::new(
-                &model.params,
-                AdamW::default(),
-                LrSchedule::constant(1e-4),
-                Some(1.0),
-            );
-            let mut ptimes = Vec::new();
-            for i in 0..=opts.steps {
-                let t = Instant::now();
-                dev.backward(&batch, 1.0, &d_logp, &d_ent)?;
-                dev.step(&mut opt)?;
-                if i > 0 {
-                    ptimes.push(t.elapsed().as_secs_f64());
+            let steps = |client: libtpu_sys::pjrt::Client| -> crate::Result<_> {
+                let mut dev = crate::pjrt::PjrtModel::new(client, &model)?;
+                let mut opt = Optimizer::new(
+                    &model.params,
+                    AdamW::default(),
+                    LrSchedule::constant(1e-4),
+                    Some(1.0),
+                );
+                let mut ptimes = Vec::new();
+                for i in 0..=opts.steps {
+                    let t = Instant::now();
+                    dev.backward(&batch, 1.0, &d_logp, &d_ent)?;
+                    dev.step(&mut opt)?;
+                    if i > 0 {
+                        ptimes.push(t.elapsed().as_secs_f64());
+                    }
                 }
-            }
+                Ok((dev, ptimes))
+            };
+            let devices = client.device_count();
+            let one = if devices > 1 {
+                let single = client
+                    .with_device_count(1)
+                    .map_err(|e| crate::Error::Device(e.to_string()))?;
+                Some(median(&steps(single)?.1))
+            } else {
+                None
+            };
+            let (dev, ptimes) = steps(client)?;
             let ps = median(&ptimes);
             let pa = flops / ps / 1e9;
             Some(PjrtBenchReport {
                 platform: dev.platform().to_string(),
+                devices,
+                one_device_step_seconds: one,
                 compile_seconds: dev.stats().compile_s,
                 step_seconds_median: ps,
                 step_seconds_all: ptimes,

@@ -154,6 +154,17 @@ pub enum LocateError {
 
 /// A client of `plugin` (default: [`find_plugin`]), checked to run on `device`.
 pub fn open(device: Device, plugin: Option<&Path>) -> Result<Client, LocateError> {
+    open_devices(device, plugin, 1)
+}
+
+/// A client of the first `devices` devices `plugin` sees (default: [`find_plugin`]), checked
+/// to run on `device`: for data parallelism over them. The XLA CPU plugin makes that many
+/// host devices; a TPU host or a GPU node must have them.
+pub fn open_devices(
+    device: Device,
+    plugin: Option<&Path>,
+    devices: usize,
+) -> Result<Client, LocateError> {
     let path = match plugin {
         Some(p) => p.to_path_buf(),
         None => find_plugin(device).ok_or(LocateError::NotFound {
@@ -166,7 +177,9 @@ pub fn open(device: Device, plugin: Option<&Path>) -> Result<Client, LocateError
         source,
     };
     crate::probe(&path).map_err(|e| fail(e.into()))?;
-    let client = Client::open(&path).map_err(fail)?;
+    let client = crate::pjrt::Plugin::load(&path)
+        .and_then(|p| Client::with_devices(p, devices))
+        .map_err(fail)?;
     let platform = client.platform().to_string();
     let fits = match device {
         Device::Gpu => ["cuda", "rocm", "gpu"].contains(&platform.as_str()),

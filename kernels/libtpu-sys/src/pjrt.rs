@@ -353,6 +353,11 @@ impl Client {
         })
     }
 
+    /// Another client of the same plugin, using its first `devices` devices.
+    pub fn with_device_count(&self, devices: usize) -> Result<Self, PjrtError> {
+        Self::with_devices(self.inner.plugin.clone(), devices)
+    }
+
     /// Loads the plugin at `path` and creates a client on it.
     pub fn open(path: &Path) -> Result<Self, PjrtError> {
         Self::new(Plugin::load(path)?)

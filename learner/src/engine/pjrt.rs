@@ -1,6 +1,7 @@
 //! The `pjrt` training engine: [`crate::pjrt::PjrtModel`] (forward, backward with gradients
-//! summed on the device, AdamW with donated weights and moments) plus a host copy of the
-//! weights, refreshed from the device when someone reads it after an update.
+//! summed on the device — across the client's devices when it has several — AdamW with
+//! donated weights and moments) plus a host copy of the weights, refreshed from the device
+//! when someone reads it after an update.
 
 use super::TrainEngine;
 use crate::error::{Error, Result};
@@ -68,7 +69,7 @@ impl TrainEngine for PjrtTrainer {
 
     fn gradients_mut(&mut self) -> Result<&mut crate::Params> {
         Err(Error::Device(
-            "the pjrt engine keeps its gradients on the device: data parallelism over pjrt ranks needs the device's collectives, not built yet".into(),
+            "the pjrt engine keeps its gradients on the device: its data parallelism is over the devices of its client (pools.learner.count), summed there, not over ranks".into(),
         ))
     }
 
@@ -110,6 +111,12 @@ impl TrainEngine for PjrtTrainer {
     }
 
     fn describe(&self) -> String {
-        format!("{} (pjrt)", self.device.platform())
+        match self.device.devices() {
+            1 => format!("{} (pjrt)", self.device.platform()),
+            n => format!(
+                "{} (pjrt), data-parallel on {n} devices",
+                self.device.platform()
+            ),
+        }
     }
 }

@@ -301,9 +301,10 @@ pub fn open_backend(plan: &Plan) -> Result<Backend, JobError> {
     }
     Ok(match &plan.learner.engine {
         LearnerEngine::Native => Backend::Native,
-        LearnerEngine::Pjrt { device, plugin } => Backend::Pjrt(libtpu_sys::locate::open(
+        LearnerEngine::Pjrt { device, plugin } => Backend::Pjrt(libtpu_sys::locate::open_devices(
             crate::kinds::rollout::pjrt_device(*device),
             plugin.as_deref(),
+            plan.learner.count,
         )?),
     })
 }

@@ -571,20 +571,11 @@ fn learner(p: &schema::Pool, e: &Errs<'_>) -> Result<LearnerPlan, PlanError> {
             ));
         }
         Engine::Native => LearnerEngine::Native,
-        Engine::Pjrt if p.count != 1 => {
-            return Err(e.at(
-                "pools.learner.count",
-                format!(
-                    "is {}: the pjrt learner trains on one device (data parallelism over pjrt devices needs the device's collectives, not built yet; engine: native takes several ranks)",
-                    p.count
-                ),
-            ));
-        }
         Engine::Pjrt if p.placement != schema::Placement::Local => {
             return Err(e.at(
                 "pools.learner.placement",
                 format!(
-                    "`{}` cannot be placed: the pjrt learner trains in the driver process (placement: local); engine: native ranks run on agents",
+                    "`{}` cannot be placed: the pjrt learner trains in the driver process (placement: local), data-parallel over `count` devices of its plugin; engine: native ranks run on agents",
                     placement_name(p.placement)
                 ),
             ));

@@ -165,10 +165,12 @@ pub struct ExternalPlan {
 pub struct LearnerPlan {
     /// Which engine trains the policy.
     pub engine: LearnerEngine,
-    /// Data-parallel ranks (1: the policy trains on one engine).
+    /// Data-parallel ranks (1: the policy trains on one engine): native learner actors, or
+    /// the devices of the pjrt engine's one client (replicas of its programs, in the driver).
     pub count: usize,
-    /// Where the ranks run. One rank in the driver process (`count: 1`, `local`) is the
-    /// policy on an engine of this process; anything else is learner actors.
+    /// Where the ranks run. One native rank in the driver process (`count: 1`, `local`), or a
+    /// pjrt engine on any number of devices, is the policy on an engine of this process;
+    /// anything else is learner actors.
     pub placement: Placement,
     /// The device each rank occupies.
     pub device: Device,
@@ -185,7 +187,8 @@ impl LearnerPlan {
     /// Whether the policy trains on learner actors (several ranks, or ranks on agents) rather
     /// than on one engine in the driver process.
     pub fn on_actors(&self) -> bool {
-        self.count > 1 || self.placement != Placement::Local
+        self.engine == LearnerEngine::Native
+            && (self.count > 1 || self.placement != Placement::Local)
     }
 }
 

@@ -144,7 +144,9 @@ pub struct Pool {
     #[serde(default = "default_device")]
     pub device: Device,
     /// Devices (or engines) in the pool: a native rollout pool runs this many engines, prompts
-    /// spread over them; the native learner trains on one.
+    /// spread over them; the learner trains data-parallel on this many ranks (native: learner
+    /// actors; pjrt: devices of one plugin client in the driver, gradients summed by an
+    /// all-reduce compiled into the program).
     #[serde(default = "one")]
     pub count: usize,
     /// `native` (this build's CPU engine); `pjrt` (the model compiled to StableHLO and run by a

@@ -53,6 +53,25 @@ fn the_base_workflow_plans() {
     assert!(Arc::ptr_eq(&plan.stages[1].data, &plan.stages[2].data));
 }
 
+/// `count` means learner actors for the native engine and devices of one client for pjrt
+/// (which trains in the driver).
+#[test]
+fn a_learner_count_is_ranks_on_native_and_devices_on_pjrt() {
+    for (pools, count, on_actors) in [
+        ("pools: {learner: {count: 2}}\n", 2, true),
+        ("pools: {learner: {placement: spread}}\n", 1, true),
+        ("pools: {learner: {engine: pjrt, count: 4}}\n", 4, false),
+        ("pools: {learner: {engine: pjrt}}\n", 1, false),
+    ] {
+        let plan = parse(&format!("{pools}{BASE}"), "t.yaml", &[]).unwrap();
+        assert_eq!(
+            (plan.learner.count, plan.learner.on_actors()),
+            (count, on_actors),
+            "{pools}"
+        );
+    }
+}
+
 #[test]
 fn bad_workflows_get_messages_that_say_where_and_why() {
     let cases: &[(&str, &str, &str)] = &[
@@ -325,7 +344,7 @@ fn bad_workflows_get_messages_that_say_where_and_why() {
         (
             "stages:\n",
             "pools: {learner: {engine: pjrt, placement: spread}}\nstages:\n",
-            "t.yaml: pools.learner.placement: `spread` cannot be placed: the pjrt learner trains in the driver process (placement: local); engine: native ranks run on agents",
+            "t.yaml: pools.learner.placement: `spread` cannot be placed: the pjrt learner trains in the driver process (placement: local), data-parallel over `count` devices of its plugin; engine: native ranks run on agents",
         ),
         (
             "stages:\n",

@@ -167,6 +167,10 @@ pub struct TrainBench {
     /// `--device`).
     #[arg(long)]
     plugin: Option<PathBuf>,
+    /// `pjrt`: the step data-parallel over this many devices of the plugin (rows split,
+    /// gradients all-reduced in the program), timed against one device in the same run.
+    #[arg(long, default_value_t = 1)]
+    devices: usize,
     /// Hidden size instead of the reference model's 512 (the MLP scales with it).
     #[arg(long)]
     hidden: Option<usize>,
@@ -214,7 +218,10 @@ fn bench_train(a: TrainBench) -> Result<()> {
                 BenchDevice::Gpu => Device::Gpu,
                 BenchDevice::Tpu => Device::Tpu,
             };
-            Some(libtpu_sys::locate::open(device, plugin.as_deref()).context("--engine pjrt")?)
+            Some(
+                libtpu_sys::locate::open_devices(device, plugin.as_deref(), a.devices)
+                    .context("--engine pjrt")?,
+            )
         }
     };
     let mut shape = serde_json::Map::new();
@@ -286,12 +293,24 @@ fn bench_train(a: TrainBench) -> Result<()> {
     );
     println!("  peak RSS                   {:.0} MiB", r.peak_rss_mib);
     if let Some(p) = &r.pjrt {
-        println!("pjrt engine ({}), same step, same run", p.platform);
+        println!(
+            "pjrt engine ({}, {} device{}), same step, same run",
+            p.platform,
+            p.devices,
+            if p.devices == 1 { "" } else { "s" }
+        );
         println!("  compile (first step)       {:.1} s", p.compile_seconds);
         println!(
             "  step time (median of {steps}) {:.3} s ({:.2}× native)",
             p.step_seconds_median, p.speedup_vs_native
         );
+        if let Some(one) = p.one_device_step_seconds {
+            println!(
+                "  one device, same run       {one:.3} s ({:.2}× faster on {})",
+                one / p.step_seconds_median,
+                p.devices
+            );
+        }
         println!("  tokens/s                   {:.0}", p.tokens_per_second);
         println!(
             "  achieved                   {:.1} GFLOP/s ({:.1}% of the host's FMA peak)",
