@@ -551,6 +551,43 @@ impl Reader {
     }
 }
 
+/// Where a group's members publish a vector (the learner ranks' weights after a step), for a
+/// reader outside the group — a rollout engine on another agent reading the new weights from
+/// the ranks themselves, each rank serving its shard, instead of from one sender.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Source {
+    /// The members, rank order.
+    pub members: Vec<Member>,
+    /// Each member's (offset, length) of the vector.
+    pub shards: Vec<(usize, usize)>,
+    /// The vector's length.
+    pub values: usize,
+    /// The group's key (sent only over the actor channels, which the cluster authenticates).
+    pub key: String,
+    /// How the members' outboxes are reached.
+    pub reach: Reach,
+}
+
+impl Source {
+    /// Reads the whole vector, each member's shard from its outbox, piece by piece, to
+    /// `take(offset, values)` (mapped where the member is on this host, streamed with CRC-32C
+    /// checks otherwise).
+    pub fn read<E: From<ExchangeError>>(
+        &self,
+        take: impl FnMut(usize, &[f32]) -> Result<(), E>,
+    ) -> Result<(), E> {
+        let key = Token::new(&self.key).map_err(|e| ExchangeError::Group(e.to_string()))?;
+        let mut reader = Reader::connect(
+            &self.members,
+            self.shards.clone(),
+            self.values,
+            &key,
+            self.reach,
+        )?;
+        reader.read_shards(take)
+    }
+}
+
 /// One rank's view of a group of ranks that reduce a vector of `values` f32 together: its
 /// outbox, the others', and the contiguous shard of the vector each rank owns.
 pub struct Group {

@@ -82,6 +82,13 @@ pub trait Policy: Send + Sync {
     /// Its weights, as `version`.
     fn snapshot(&mut self, version: u64) -> Result<WeightSnapshot>;
 
+    /// Where rollout engines on agents can read the weights of the last
+    /// [`Policy::snapshot`] themselves, from the learner ranks that hold them (each rank
+    /// serving its shard) rather than from the driver; `None`: only from the snapshot.
+    fn weight_source(&self) -> Option<actors::exchange::Source> {
+        None
+    }
+
     /// Writes a checkpoint folder: the model in Hugging Face layout with its side files, and
     /// the optimiser's state when `with_optimizer`.
     fn save(&mut self, dir: &Path, with_optimizer: bool, dtype: WeightDtype) -> Result<()>;
@@ -116,8 +123,13 @@ pub trait Rollouts: Send + Sync {
     /// Completions of `reqs`, ordered by request, then sample.
     fn generate(&self, reqs: Vec<GenerateRequest>) -> Result<Vec<Completion>>;
 
-    /// Swaps in new weights before returning: no generation sees two versions.
-    fn update_weights(&self, snapshot: WeightSnapshot) -> Result<()>;
+    /// Swaps in new weights before returning: no generation sees two versions. Engines on
+    /// agents read them from `source` (the learner ranks) when given; returns how many did.
+    fn update_weights(
+        &self,
+        snapshot: WeightSnapshot,
+        source: Option<actors::exchange::Source>,
+    ) -> Result<usize>;
 
     /// Where each engine runs.
     fn locations(&self) -> Vec<String>;
@@ -131,8 +143,12 @@ impl Rollouts for RolloutPool {
         Ok(RolloutPool::generate(self, reqs)?)
     }
 
-    fn update_weights(&self, snapshot: WeightSnapshot) -> Result<()> {
-        Ok(RolloutPool::update_weights(self, snapshot)?)
+    fn update_weights(
+        &self,
+        snapshot: WeightSnapshot,
+        source: Option<actors::exchange::Source>,
+    ) -> Result<usize> {
+        Ok(RolloutPool::update_weights_from(self, snapshot, source)?)
     }
 
     fn locations(&self) -> Vec<String> {
@@ -172,6 +188,10 @@ impl Policy for LearnerPool {
 
     fn snapshot(&mut self, version: u64) -> Result<WeightSnapshot> {
         Ok(LearnerPool::snapshot(self, version)?)
+    }
+
+    fn weight_source(&self) -> Option<actors::exchange::Source> {
+        LearnerPool::weight_source(self)
     }
 
     fn save(&mut self, dir: &Path, with_optimizer: bool, dtype: WeightDtype) -> Result<()> {

@@ -259,18 +259,40 @@ fn learner_ranks_on_two_agents_train_as_in_process_ones_and_recover_from_a_kille
     assert!(!said.contains("spawned"), "nothing started: {said}");
     drop(only);
 
-    // Over TCP streams between the agents, as ranks on two hosts sum.
-    let streams = [&args[..], &["-o", "pools.learner.allreduce=streams"]].concat();
+    // Over TCP streams between the agents, as ranks on two hosts sum; the rollout engine on
+    // an agent too, reading every new version of the weights from the ranks' outboxes (each
+    // rank serving its shard) instead of from the driver.
+    let streams = [
+        &args[..],
+        &["-o", "pools.learner.allreduce=streams"],
+        &["-o", "pools.rollout.placement=spread"],
+    ]
+    .concat();
     let (mut train, url, lines) = train_on_agents(&dir, &token, &streams);
     let _a1 = agent(&url, &token, "a1");
     let _a2 = agent(&url, &token, "a2");
     let said = wait_ok(&mut train, &lines);
     assert!(
-        said.iter().any(|l| l == "learner ranks: a1, a2"),
+        said.iter()
+            .any(|l| l == "learner ranks: a1, a2" || l == "learner ranks: a2, a1"),
         "one rank on each agent:\n{}",
         said.join("\n")
     );
     assert_eq!(metric_rows(&dir.join("run")), reference);
+    let rows = std::fs::read_to_string(dir.join("run/metrics.jsonl")).unwrap();
+    let from_ranks = rows
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|r| r["perf/weight_sync_from_ranks"].as_f64() == Some(1.0))
+        .count();
+    let trained = reference
+        .iter()
+        .filter(|r| r.get("actor/grad_norm").is_some())
+        .count();
+    assert_eq!(
+        from_ranks, trained,
+        "after every update the engine read the weights from the ranks"
+    );
     std::fs::remove_dir_all(dir.join("run")).unwrap();
 
     let (mut train, url, lines) = train_on_agents(&dir, &token, &args);

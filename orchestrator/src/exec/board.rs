@@ -242,16 +242,22 @@ pub(crate) struct StepCx<'s, 'a> {
     pub version: &'s mut u64,
 }
 
-/// The policy's weights to the rollout engines as the next version (`version` advances);
-/// returns the seconds it took.
+/// The policy's weights to the rollout engines as the next version (`version` advances):
+/// engines on agents read them from the learner ranks where the policy has ranks on agents.
+/// Returns the seconds it took and its metrics (`perf/weight_sync_from_ranks`: engines that
+/// read the weights from the ranks themselves).
 pub(super) fn push_weights(
     policy: &mut dyn Policy,
     rollouts: &dyn Rollouts,
     version: &mut u64,
-) -> Result<f64, ExecError> {
+) -> Result<(f64, Metrics), ExecError> {
     let t = Instant::now();
     *version += 1;
     let snapshot = policy.snapshot(*version)?;
-    rollouts.update_weights(snapshot)?;
-    Ok(t.elapsed().as_secs_f64())
+    let from_ranks = rollouts.update_weights(snapshot, policy.weight_source())?;
+    let mut metrics = Metrics::new();
+    if from_ranks > 0 {
+        metrics.insert("perf/weight_sync_from_ranks".into(), from_ranks as f64);
+    }
+    Ok((t.elapsed().as_secs_f64(), metrics))
 }

@@ -239,21 +239,21 @@ impl<'a> Executor<'a> {
             .map(|p| self.prompts.encode(p, data.chat_template))
             .collect::<Result<Vec<_>, _>>()?;
         let out = self.roles.policy.sft_step(&examples)?;
-        let sync = push_weights(
+        let (sync, mut metrics) = push_weights(
             &mut *self.roles.policy,
             &*self.roles.rollouts,
             &mut self.version,
         )?;
         let secs = t.elapsed().as_secs_f64();
-        Ok([
+        metrics.extend([
             ("sft/loss".to_string(), out.loss),
             ("actor/grad_norm".into(), out.report.grad_norm),
             ("actor/lr".into(), out.report.lr as f64),
             ("timing_s/step".into(), secs),
             ("timing_s/update_weights".into(), sync),
             ("perf/throughput".into(), out.positions as f64 / secs),
-        ]
-        .into())
+        ]);
+        Ok(metrics)
     }
 
     /// Checkpoints `stage` at `step`: the policy (with its optimiser when `with_optimizer`),

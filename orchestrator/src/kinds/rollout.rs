@@ -55,6 +55,24 @@ pub enum RolloutRequest {
     /// Generate completions (ordered by request, then sample); a request with an episode is
     /// played here, every turn beside the engine.
     Generate(Vec<GenerateRequest>),
+    /// Serve weights `version`, read from the learner ranks' outboxes (each rank's shard from
+    /// its rank: mapped on this host, streamed with CRC-32C checks from others), in the layout
+    /// of the weights served now; `content_crc` ([`actors::snapshot::content_crc`]) must match
+    /// what arrived, or nothing is swapped in.
+    Pull {
+        version: u64,
+        source: actors::exchange::Source,
+        content_crc: u32,
+    },
+}
+
+/// What a rollout actor answers.
+#[derive(Debug, Serialize, Deserialize)]
+pub enum RolloutResponse {
+    /// The completions of a `Generate`.
+    Completions(Vec<Completion>),
+    /// A `Pull`'s weights are served.
+    Pulled,
 }
 
 /// An inference engine as an actor.
@@ -63,6 +81,8 @@ pub struct RolloutActor {
     start: RolloutConfig,
     engine: Option<Box<dyn InferenceEngine>>,
     agent: Option<Agent>,
+    /// The served weights' names and shapes, the layout a pull fills.
+    layout: Vec<(String, Vec<usize>)>,
 }
 
 /// The PJRT plugin's device kind for a pool's device.
@@ -78,7 +98,7 @@ impl Actor for RolloutActor {
     const KIND: &'static str = "rollout";
     type Config = RolloutConfig;
     type Request = RolloutRequest;
-    type Response = Vec<Completion>;
+    type Response = RolloutResponse;
 
     fn start(config: RolloutConfig) -> Result<Self, String> {
         let mc = ModelConfig::from_json(config.model.clone(), Path::new("rollout actor config"))
@@ -89,10 +109,11 @@ impl Actor for RolloutActor {
             start: config,
             engine: None,
             agent,
+            layout: Vec::new(),
         })
     }
 
-    async fn handle(&mut self, request: RolloutRequest) -> Result<Vec<Completion>, CallError> {
+    async fn handle(&mut self, request: RolloutRequest) -> Result<RolloutResponse, CallError> {
         let engine = self
             .engine
             .as_ref()
@@ -101,16 +122,54 @@ impl Actor for RolloutActor {
             RolloutRequest::Generate(reqs) => {
                 episode::generate(engine.as_ref(), self.agent.as_ref(), reqs)
                     .await
+                    .map(RolloutResponse::Completions)
                     .map_err(|e| match e {
                         // An engine that did not answer may answer the same call later.
                         EngineError::Unavailable(m) => CallError::retryable(m),
                         e => CallError::fatal(e.to_string()),
                     })
             }
+            RolloutRequest::Pull {
+                version,
+                source,
+                content_crc,
+            } => {
+                // A retried pull whose version a restart hook already delivered.
+                if engine.weight_version() == version {
+                    return Ok(RolloutResponse::Pulled);
+                }
+                let mut params = kernels::tensor::TensorSet::zeros(&self.layout);
+                let read = tokio::task::spawn_blocking(move || {
+                    source
+                        .read(|at, v| {
+                            learner::wire::write_range(&mut params, at, v)
+                                .map_err(|e| CallError::fatal(e.to_string()))
+                        })
+                        .map(|()| params)
+                })
+                .await
+                .map_err(|e| CallError::fatal(format!("reading the ranks' weights: {e}")))?;
+                let params = read?;
+                let crc = actors::snapshot::content_crc(&params);
+                if crc != content_crc {
+                    return Err(CallError::fatal(format!(
+                        "weights {version} read from the learner ranks have CRC-32C {crc:#010x}, the learner's {content_crc:#010x}"
+                    )));
+                }
+                self.load_weights(WeightSnapshot {
+                    version,
+                    params: Arc::new(params),
+                })
+                .await?;
+                Ok(RolloutResponse::Pulled)
+            }
         }
     }
 
     async fn load_weights(&mut self, snapshot: WeightSnapshot) -> Result<(), String> {
+        self.layout = (snapshot.params.tensors.iter())
+            .map(|t| (t.name.clone(), t.shape.clone()))
+            .collect();
         if let Some(engine) = &self.engine {
             // Pushing the version already served is a no-op (a retried push after a restart
             // whose hook delivered it first).

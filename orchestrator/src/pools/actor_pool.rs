@@ -147,13 +147,32 @@ impl<A: Actor> ActorPool<A> {
         rt: &tokio::runtime::Handle,
         snapshot: WeightSnapshot,
     ) -> Result<(), PoolError> {
+        self.push_with(rt, snapshot, |a: ActorRef<A>, s| async move {
+            a.load_weights(s).await
+        })
+        .await
+    }
+
+    /// [`ActorPool::push`] with each actor given the weights by `give(actor, snapshot)` (an
+    /// actor may fetch them from elsewhere); a restarted actor still gets `snapshot` from the
+    /// restart hook.
+    pub async fn push_with<F, Fut>(
+        &self,
+        rt: &tokio::runtime::Handle,
+        snapshot: WeightSnapshot,
+        give: F,
+    ) -> Result<(), PoolError>
+    where
+        F: Fn(ActorRef<A>, WeightSnapshot) -> Fut + Clone + Send + Sync + 'static,
+        Fut: std::future::Future<Output = Result<(), actors::ActorError>> + Send,
+    {
         *lock(&self.current) = snapshot.clone();
         let pushes: Vec<_> = self
             .actors
             .iter()
             .map(|a| {
-                let (a, s) = (a.clone(), snapshot.clone());
-                rt.spawn(async move { retry(&a, || a.load_weights(s.clone())).await })
+                let (a, s, give) = (a.clone(), snapshot.clone(), give.clone());
+                rt.spawn(async move { retry(&a, || give(a.clone(), s.clone())).await })
             })
             .collect();
         for p in pushes {

@@ -24,7 +24,7 @@ use crate::kinds::learner::{
     LearnerActor, LearnerConfig, LearnerOp, LearnerRequest, LearnerResponse, RankRole, Slot,
 };
 use crate::plan::{AllReduce, Device, Placement};
-use actors::exchange::{Member, Reach, Reader};
+use actors::exchange::{Member, Reach, Reader, Source};
 use kernels::tensor::WeightSnapshot;
 use learner::algo::TokenRows;
 use learner::algo::dp::{Outcome, Ranks, Work, split};
@@ -100,6 +100,9 @@ pub struct LearnerPool {
     /// The ranks sum among themselves (they joined a group when the pool started); the pool
     /// reads their outboxes.
     group: Option<Mutex<Reader>>,
+    /// The group's outboxes as a reader elsewhere reaches them (ranks on agents only: ranks in
+    /// the driver serve their outboxes on its loopback).
+    source: Option<Source>,
     /// What the ranks' outboxes hold now.
     outboxes: Mutex<Outboxes>,
 }
@@ -178,6 +181,7 @@ impl LearnerPool {
             reducing: std::time::Duration::ZERO,
             shards,
             group: None,
+            source: None,
             outboxes: Mutex::new(Outboxes::Other),
         };
         let reach = match start.allreduce {
@@ -186,7 +190,11 @@ impl LearnerPool {
             AllReduce::Driver => None,
         };
         if let Some(reach) = reach.filter(|_| start.count > 1) {
-            me.form_group(split, reach)?;
+            me.form_group(
+                split,
+                reach,
+                matches!(start.placement, Placement::Agents(_)),
+            )?;
         }
         Ok(me)
     }
@@ -194,7 +202,12 @@ impl LearnerPool {
     /// Has the ranks form a group that sums among itself: each opens its outbox, then joins
     /// with everyone's addresses (and the host its agent is reached at), rank `i` owning
     /// `shards[i]`.
-    fn form_group(&mut self, shards: Vec<(usize, usize)>, reach: Reach) -> Result<()> {
+    fn form_group(
+        &mut self,
+        shards: Vec<(usize, usize)>,
+        reach: Reach,
+        on_agents: bool,
+    ) -> Result<()> {
         let key = actors::Token::generate().map_err(|e| PoolError::Runtime(e.to_string()))?;
         let secret = key.secret().to_string();
         let hosts: Vec<String> = self
@@ -231,9 +244,24 @@ impl LearnerPool {
                 .collect(),
         )?;
         let values = self.layout.numel();
-        let reader = Reader::connect(&members, shards, values, &key, reach)?;
+        let reader = Reader::connect(&members, shards.clone(), values, &key, reach)?;
         self.group = Some(Mutex::new(reader));
+        self.source = on_agents.then_some(Source {
+            members,
+            shards,
+            values,
+            key: secret,
+            reach,
+        });
         Ok(())
+    }
+
+    /// Where readers on agents can read the weights now in the ranks' outboxes, each rank
+    /// serving its shard (after [`LearnerPool::snapshot`] read them there); `None` for ranks
+    /// in the driver, without a group, or whose outboxes hold something else.
+    pub fn weight_source(&self) -> Option<Source> {
+        let held = *lock(&self.outboxes);
+        self.source.clone().filter(|_| held == Outboxes::Weights)
     }
 
     /// Seconds spent so far summing the ranks' gradients and handing every rank the sum (the

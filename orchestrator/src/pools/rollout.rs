@@ -14,7 +14,9 @@
 use super::actor_pool::{ActorPool, PoolShape};
 use super::external::{Down, ExternalPool};
 use super::{Cluster, PoolError, lock, retry};
-use crate::kinds::rollout::{EngineSpec, RolloutActor, RolloutConfig, RolloutRequest};
+use crate::kinds::rollout::{
+    EngineSpec, RolloutActor, RolloutConfig, RolloutRequest, RolloutResponse,
+};
 use crate::plan::{Placement, RolloutEngine, RolloutPlan};
 use actors::ActorRef;
 use kernels::tensor::WeightSnapshot;
@@ -48,7 +50,13 @@ impl Member {
             // Generation is a pure function of the weights and the requests' seeds, so a call
             // lost with its actor is simply made again on the restarted one.
             Self::Actor(a) => {
-                Ok(retry(a, || a.call(RolloutRequest::Generate(reqs.clone()))).await?)
+                match retry(a, || a.call(RolloutRequest::Generate(reqs.clone()))).await? {
+                    RolloutResponse::Completions(c) => Ok(c),
+                    RolloutResponse::Pulled => Err(PoolError::Runtime(format!(
+                        "{} answered a generation with no completions",
+                        a.name()
+                    ))),
+                }
             }
             // An episode's turns run here, beside the server's client.
             Self::External(e, agent) => {
@@ -445,11 +453,54 @@ impl RolloutPool {
     /// An engine that does not answer is taken out of service (it gets these weights when it
     /// returns).
     pub fn update_weights(&self, snapshot: WeightSnapshot) -> Result<(), PoolError> {
+        self.update_weights_from(snapshot, None).map(|_| ())
+    }
+
+    /// [`RolloutPool::update_weights`], but actors on agents read the weights from `source`
+    /// (the learner ranks' outboxes, each rank serving its shard) instead of being sent
+    /// `snapshot` — which stays what a restarted actor gets, and what the others are handed.
+    /// Returns how many actors read from `source`.
+    pub fn update_weights_from(
+        &self,
+        snapshot: WeightSnapshot,
+        source: Option<actors::exchange::Source>,
+    ) -> Result<usize, PoolError> {
         if let Some(pool) = &self.actors {
-            return self.rt.block_on(pool.push(self.rt.handle(), snapshot));
+            let remote = |a: &ActorRef<RolloutActor>| a.agent_host().is_some();
+            let Some(source) = source.filter(|_| pool.actors().iter().any(remote)) else {
+                self.rt.block_on(pool.push(self.rt.handle(), snapshot))?;
+                return Ok(0);
+            };
+            let (version, crc) = (
+                snapshot.version,
+                actors::snapshot::content_crc(&snapshot.params),
+            );
+            let pulled = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+            let counted = Arc::clone(&pulled);
+            self.rt.block_on(pool.push_with(
+                self.rt.handle(),
+                snapshot,
+                move |a: ActorRef<RolloutActor>, s: WeightSnapshot| {
+                    let (source, counted) = (source.clone(), Arc::clone(&counted));
+                    async move {
+                        if a.agent_host().is_none() {
+                            return a.load_weights(s).await;
+                        }
+                        let pull = RolloutRequest::Pull {
+                            version,
+                            source,
+                            content_crc: crc,
+                        };
+                        a.call(pull).await?;
+                        counted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        Ok(())
+                    }
+                },
+            ))?;
+            return Ok(pulled.load(std::sync::atomic::Ordering::Relaxed));
         }
         let Some(x) = &self.external else {
-            return Ok(());
+            return Ok(0);
         };
         let probe = x.publish(&snapshot)?;
         let up: Vec<bool> = lock(&self.down).iter().map(Option::is_none).collect();
@@ -476,7 +527,7 @@ impl RolloutPool {
             }
         }
         tracing::debug!(version = snapshot.version, "weights pushed");
-        Ok(())
+        Ok(0)
     }
 }
 

@@ -9,7 +9,9 @@ pub(crate) struct SyncWeights;
 
 impl Act for SyncWeights {
     fn act(&self, cx: &mut StepCx<'_, '_>, _board: &Board) -> Result<Update, ExecError> {
-        push_weights(&mut *cx.policy, &**cx.rollouts, cx.version)?;
-        Ok(Update::write(Write::Effect(&[Artifact::Engine])))
+        let (_, metrics) = push_weights(&mut *cx.policy, &**cx.rollouts, cx.version)?;
+        let mut update = Update::write(Write::Effect(&[Artifact::Engine]));
+        update.metrics = metrics;
+        Ok(update)
     }
 }
