@@ -293,6 +293,18 @@ impl<A: Actor> ActorRef<A> {
     /// host through shared memory, to other hosts by gRPC streaming. Returns once the actor has
     /// taken it.
     pub async fn load_weights(&self, snapshot: WeightSnapshot) -> Result<(), ActorError> {
+        self.load_weights_as(snapshot, None).await
+    }
+
+    /// [`ActorRef::load_weights`], the tensors `bf16` marks sent as bf16 where they are
+    /// streamed (to other hosts: half their bytes; the receiver widens them back to f32) — for
+    /// an actor that reads them only rounded to bf16. In-process and shared-memory hand-overs
+    /// stay f32: they copy nothing or once.
+    pub async fn load_weights_as(
+        &self,
+        snapshot: WeightSnapshot,
+        bf16: Option<&[bool]>,
+    ) -> Result<(), ActorError> {
         let mut link = self.link.clone();
         loop {
             let current = link.borrow_and_update().clone();
@@ -316,7 +328,9 @@ impl<A: Actor> ActorRef<A> {
                         Err(_) => Err(died()),
                     };
                 }
-                Link::Remote(remote) => return remote.load_weights(&self.name, &snapshot).await,
+                Link::Remote(remote) => {
+                    return remote.load_weights(&self.name, &snapshot, bf16).await;
+                }
                 Link::Restarting => self.wait_for_change(&mut link).await?,
                 Link::Down(e) => return Err(e),
             }

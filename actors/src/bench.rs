@@ -50,6 +50,9 @@ pub struct ActorBench {
     pub in_process_gbps: Rate,
     pub shm_gbps: Rate,
     pub grpc_gbps: Rate,
+    /// Over gRPC with every tensor sent as bf16 (half the bytes), counted in the snapshot's f32
+    /// bytes: the rate a bf16-serving engine on another host takes a push at.
+    pub grpc_bf16_gbps: Rate,
 }
 
 /// An agent process, killed when dropped.
@@ -169,12 +172,13 @@ pub struct Rate {
     pub warm: f64,
 }
 
-/// Pushes the snapshot `repeats + 1` times, then checks that the actor holds exactly what was
-/// sent.
+/// Pushes the snapshot `repeats + 1` times (the tensors `bf16` marks as bf16), then checks that
+/// the actor holds exactly what was sent (their bf16 rounding, for those).
 async fn push_rate(
     actor: &ActorRef<Ping>,
     s: &WeightSnapshot,
     repeats: usize,
+    bf16: Option<&[bool]>,
 ) -> Result<Rate, ActorError> {
     let bytes = s.params.numel() as f64 * 4.0;
     let mut rates = Vec::new();
@@ -184,10 +188,16 @@ async fn push_rate(
             params: s.params.clone(),
         };
         let t = Instant::now();
-        actor.load_weights(next).await?;
+        actor.load_weights_as(next, bf16).await?;
         rates.push(bytes / t.elapsed().as_secs_f64() / 1e9);
     }
-    let expect = content_crc(&s.params);
+    let mut sent = (*s.params).clone();
+    for (t, &m) in sent.tensors.iter_mut().zip(bf16.unwrap_or(&[])) {
+        if m {
+            t.data = kernels::bf16::rounded(&t.data).into();
+        }
+    }
+    let expect = content_crc(&sent);
     match actor.call(PingRequest::Weights).await? {
         PingResponse::Weights { crc32c, .. } if crc32c == expect => {}
         other => {
@@ -210,7 +220,7 @@ pub async fn run(options: &BenchOptions) -> Result<ActorBench, ActorError> {
     let local = spawn_local::<Ping>("bench-local", (), SpawnOptions::default()).await?;
     let (local_p50_us, local_p99_us) = latencies(&local, options.calls).await?;
     let weights = snapshot(options.snapshot_bytes, 1);
-    let in_process_gbps = push_rate(&local, &weights, options.snapshot_repeats).await?;
+    let in_process_gbps = push_rate(&local, &weights, options.snapshot_repeats, None).await?;
     local.stop();
 
     let token = Token::generate().map_err(|e| ActorError::Agent {
@@ -230,7 +240,7 @@ pub async fn run(options: &BenchOptions) -> Result<ActorBench, ActorError> {
     })?;
 
     let (mut latency, mut calls_per_s) = ((0.0, 0.0), 0.0);
-    let (mut shm_gbps, mut grpc_gbps) = (Rate::default(), Rate::default());
+    let (mut shm_gbps, mut grpc_gbps, mut grpc_bf16_gbps) = Default::default();
     for shared_memory in [true, false] {
         let mut config = HeadConfig::default();
         config.wire.shared_memory = shared_memory;
@@ -247,13 +257,16 @@ pub async fn run(options: &BenchOptions) -> Result<ActorBench, ActorError> {
                 SpawnOptions::default(),
             )
             .await?;
-        let rate = push_rate(&remote, &weights, options.snapshot_repeats).await?;
+        let rate = push_rate(&remote, &weights, options.snapshot_repeats, None).await?;
         if shared_memory {
             latency = latencies(&remote, options.calls).await?;
             calls_per_s = throughput(&remote, options.in_flight, options.throughput_for).await?;
             shm_gbps = rate;
         } else {
             grpc_gbps = rate;
+            let all = vec![true; weights.params.tensors.len()];
+            grpc_bf16_gbps =
+                push_rate(&remote, &weights, options.snapshot_repeats, Some(&all)).await?;
         }
         remote.stop();
         head.shutdown(true).await;
@@ -270,5 +283,6 @@ pub async fn run(options: &BenchOptions) -> Result<ActorBench, ActorError> {
         in_process_gbps,
         shm_gbps,
         grpc_gbps,
+        grpc_bf16_gbps,
     })
 }

@@ -1196,6 +1196,35 @@ mod tests {
             matches!(r, PingResponse::Weights { version: Some(3), tensors: 2, crc32c, .. } if crc32c == expect),
             "{r:?}"
         );
+        // Tensor `a` as bf16 on the wire: it arrives rounded (its integers above 256 are not
+        // all bf16 values), `b` exactly.
+        let mut next = snapshot(4, 10_000);
+        next.params = Arc::new(kernels::tensor::TensorSet {
+            tensors: next
+                .params
+                .tensors
+                .iter()
+                .map(|t| kernels::tensor::Tensor {
+                    data: t.data.iter().map(|v| v * 1.001).collect(),
+                    ..t.clone()
+                })
+                .collect(),
+        });
+        ping.load_weights_as(next.clone(), Some(&[true, false]))
+            .await
+            .expect("gRPC push in bf16");
+        let mut rounded = (*next.params).clone();
+        rounded.tensors[0].data = kernels::bf16::rounded(&rounded.tensors[0].data).into();
+        let (exact, expect) = (
+            crate::snapshot::content_crc(&next.params),
+            crate::snapshot::content_crc(&rounded),
+        );
+        assert_ne!(exact, expect, "the test's values are not all bf16 already");
+        let r = ping.call(PingRequest::Weights).await.expect("answers");
+        assert!(
+            matches!(r, PingResponse::Weights { version: Some(4), crc32c, .. } if crc32c == expect),
+            "{r:?}"
+        );
         head.shutdown(true).await;
     }
 

@@ -292,8 +292,9 @@ impl AgentConn {
         &self,
         actor_id: &str,
         s: &WeightSnapshot,
+        bf16: Option<&[bool]>,
     ) -> Result<(u32, u32), ActorError> {
-        let manifest = snapshot::manifest(s, self.wire.bucket_bytes);
+        let manifest = snapshot::manifest_as(s, self.wire.bucket_bytes, bf16);
         let header = SnapshotChunk {
             part: Some(snapshot_chunk::Part::Header(SnapshotHeader {
                 actor_id: actor_id.to_string(),
@@ -430,17 +431,18 @@ impl RemoteActor {
         }
     }
 
-    /// Pushes a snapshot (shared memory on the same host, gRPC otherwise) and checks the
-    /// receiver's digest against what was sent.
+    /// Pushes a snapshot (shared memory on the same host, gRPC otherwise: there the tensors
+    /// `bf16` marks travel as bf16) and checks the receiver's digest against what was sent.
     pub(crate) async fn load_weights(
         &self,
         name: &str,
         snapshot: &WeightSnapshot,
+        bf16: Option<&[bool]>,
     ) -> Result<(), ActorError> {
         let (sent, acked) = if self.conn.same_host {
             self.conn.push_shm(&self.actor_id, snapshot).await?
         } else {
-            self.conn.push_grpc(&self.actor_id, snapshot).await?
+            self.conn.push_grpc(&self.actor_id, snapshot, bf16).await?
         };
         if sent != acked {
             return Err(ActorError::Snapshot {

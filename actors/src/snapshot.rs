@@ -36,17 +36,41 @@ const SHM_NEW_STALE: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// Lays `snapshot`'s tensors out back to back and cuts the stream into buckets of `bucket_bytes`.
 pub fn manifest(snapshot: &WeightSnapshot, bucket_bytes: usize) -> SnapshotManifest {
-    let bucket_bytes = bucket_bytes.max(1) as u64;
+    manifest_as(snapshot, bucket_bytes, None)
+}
+
+/// [`manifest`], with the tensors `bf16[i]` marks carried as bf16 (rounded to nearest, ties to
+/// even: half the bytes) where they have an even number of values — so that every tensor
+/// starts on a 4-byte boundary and buckets (then a multiple of 4 bytes) never cut a value.
+/// The receiver widens them back to f32: for tensors it only reads through bf16 products.
+pub fn manifest_as(
+    snapshot: &WeightSnapshot,
+    bucket_bytes: usize,
+    bf16: Option<&[bool]>,
+) -> SnapshotManifest {
+    let narrow = |i: usize, t: &Tensor| {
+        bf16.is_some_and(|m| m.get(i).copied().unwrap_or(false)) && t.data.len().is_multiple_of(2)
+    };
+    let any = (0..snapshot.params.tensors.len()).any(|i| narrow(i, &snapshot.params.tensors[i]));
+    let bucket_bytes = match any {
+        true => bucket_bytes.max(4).next_multiple_of(4),
+        false => bucket_bytes.max(1),
+    } as u64;
     let mut offset = 0u64;
     let tensors = snapshot
         .params
         .tensors
         .iter()
-        .map(|t| {
-            let nbytes = (t.data.len() * 4) as u64;
+        .enumerate()
+        .map(|(i, t)| {
+            let (dtype, width) = match narrow(i, t) {
+                true => (Dtype::Bf16, 2),
+                false => (Dtype::F32, 4),
+            };
+            let nbytes = (t.data.len() * width) as u64;
             let meta = TensorMeta {
                 name: t.name.clone(),
-                dtype: Dtype::F32 as i32,
+                dtype: dtype as i32,
                 shape: t.shape.iter().map(|&d| d as u64).collect(),
                 bucket: (offset / bucket_bytes) as u32,
                 offset,
@@ -118,6 +142,25 @@ unsafe fn copy_streaming_avx(src: &[u8], dst: &mut [u8]) {
     _mm_sfence();
 }
 
+/// Which tensors of a manifest travel as bf16.
+fn narrowed(tensors: &[TensorMeta]) -> Vec<bool> {
+    tensors.iter().map(|t| t.dtype() == Dtype::Bf16).collect()
+}
+
+/// Values `src` as bf16 bytes (little-endian) into `dst` (two bytes each).
+fn narrow_into(src: &[f32], dst: &mut [u8]) {
+    for (v, d) in src.iter().zip(dst.chunks_exact_mut(2)) {
+        d.copy_from_slice(&kernels::bf16::bits(*v).to_le_bytes());
+    }
+}
+
+/// bf16 bytes `src` (little-endian) widened into `dst` (one value per two bytes).
+fn widen_into(src: &[u8], dst: &mut [f32]) {
+    for (s, d) in src.chunks_exact(2).zip(dst) {
+        *d = f32::from_bits((u16::from_le_bytes([s[0], s[1]]) as u32) << 16);
+    }
+}
+
 /// Tensor start offsets in stream order, plus the total at the end.
 fn starts(tensors: &[TensorMeta]) -> Vec<u64> {
     let mut v: Vec<u64> = tensors.iter().map(|t| t.offset).collect();
@@ -125,12 +168,17 @@ fn starts(tensors: &[TensorMeta]) -> Vec<u64> {
     v
 }
 
-/// Copies stream bytes `[start, start + dst.len())` of `params` into `dst`; returns their
-/// CRC-32C.
-fn gather(params: &TensorSet, starts: &[u64], start: u64, dst: &mut [u8]) -> u32 {
+/// Copies stream bytes `[start, start + dst.len())` of `params` into `dst` (tensors `bf16`
+/// marks as bf16); returns their CRC-32C.
+fn gather(params: &TensorSet, starts: &[u64], bf16: &[bool], start: u64, dst: &mut [u8]) -> u32 {
     spans(starts, start, dst.len()).fold(0, |crc, (i, from, pos, n)| {
+        let d = &mut dst[pos..pos + n];
+        if bf16[i] {
+            narrow_into(&params.tensors[i].data[from / 2..(from + n) / 2], d);
+            return proto::crc32c_append(crc, d);
+        }
         let src = f32_bytes(&params.tensors[i].data);
-        copy_crc(crc, &src[from..from + n], &mut dst[pos..pos + n])
+        copy_crc(crc, &src[from..from + n], d)
     })
 }
 
@@ -167,6 +215,7 @@ fn bucket(snapshot: &WeightSnapshot, manifest: &SnapshotManifest, index: usize) 
     let crc = gather(
         &snapshot.params,
         &starts(&manifest.tensors),
+        &narrowed(&manifest.tensors),
         index as u64 * bucket_bytes,
         &mut out,
     );
@@ -182,6 +231,8 @@ pub(crate) enum Outgoing {
     Bucket {
         params: Arc<TensorSet>,
         starts: Arc<Vec<u64>>,
+        /// The tensors that travel as bf16.
+        bf16: Arc<Vec<bool>>,
         version: u64,
         index: u32,
         start: u64,
@@ -199,6 +250,7 @@ pub(crate) fn outgoing(
     crcs: &Arc<Mutex<Vec<u32>>>,
 ) -> Vec<Outgoing> {
     let starts = Arc::new(starts(&manifest.tensors));
+    let bf16 = Arc::new(narrowed(&manifest.tensors));
     let bucket_bytes = manifest.bucket_sizes.first().copied().unwrap_or(0);
     let buckets = manifest
         .bucket_sizes
@@ -207,6 +259,7 @@ pub(crate) fn outgoing(
         .map(|(i, &len)| Outgoing::Bucket {
             params: snapshot.params.clone(),
             starts: starts.clone(),
+            bf16: bf16.clone(),
             version: manifest.version,
             index: i as u32,
             start: i as u64 * bucket_bytes,
@@ -250,7 +303,7 @@ impl Encoder for BucketEncoder {
     type Error = Status;
 
     fn encode(&mut self, item: Outgoing, dst: &mut EncodeBuf<'_>) -> Result<(), Status> {
-        let (params, starts, version, index, start, len, crcs) = match item {
+        let (params, starts, bf16, version, index, start, len, crcs) = match item {
             Outgoing::Header(chunk) => {
                 return chunk
                     .encode(dst)
@@ -259,12 +312,13 @@ impl Encoder for BucketEncoder {
             Outgoing::Bucket {
                 params,
                 starts,
+                bf16,
                 version,
                 index,
                 start,
                 len,
                 crcs,
-            } => (params, starts, version, index, start, len, crcs),
+            } => (params, starts, bf16, version, index, start, len, crcs),
         };
         // SnapshotChunk { bucket (2): SnapshotBucket { version (1), index (2), data (3),
         // crc32c (4, fixed32) } }: every length is known before the data is copied.
@@ -285,7 +339,7 @@ impl Encoder for BucketEncoder {
         prost::encoding::encode_varint(u64::from(index), dst);
         dst.put_u8(3 << 3 | 2);
         prost::encoding::encode_varint(len as u64, dst);
-        let crc = gather_into(&params, &starts, start, len, dst);
+        let crc = gather_into(&params, &starts, &bf16, start, len, dst);
         dst.put_u8(4 << 3 | 5);
         dst.put_u32_le(crc);
         crate::lock(&crcs).push(crc);
@@ -309,16 +363,30 @@ impl Decoder for AckDecoder {
     }
 }
 
-/// Appends stream bytes `[start, start + len)` of `params` to `dst`; returns their CRC-32C.
+/// Appends stream bytes `[start, start + len)` of `params` (tensors `bf16` marks as bf16) to
+/// `dst`; returns their CRC-32C.
 fn gather_into(
     params: &TensorSet,
     starts: &[u64],
+    bf16: &[bool],
     start: u64,
     len: usize,
     dst: &mut impl BufMut,
 ) -> u32 {
     let (mut crc, mut written) = (0, 0);
+    let mut narrow = Vec::new();
     for (i, from, _, n) in spans(starts, start, len) {
+        if bf16[i] {
+            let values = &params.tensors[i].data[from / 2..(from + n) / 2];
+            for piece in values.chunks(PIECE / 2) {
+                narrow.resize(piece.len() * 2, 0);
+                narrow_into(piece, &mut narrow);
+                dst.put_slice(&narrow);
+                crc = proto::crc32c_append(crc, &narrow);
+            }
+            written += n;
+            continue;
+        }
         let src = f32_bytes(&params.tensors[i].data);
         for piece in src[from..from + n].chunks(PIECE) {
             dst.put_slice(piece);
@@ -362,17 +430,31 @@ impl Dest {
     }
 }
 
-/// Copies `src`, the stream bytes from `start`, into the tensors of `dest`; returns their
-/// CRC-32C. Calls running at once must cover disjoint ranges.
-fn scatter(dest: &Dest, starts: &[u64], start: u64, src: &[u8]) -> u32 {
+/// Copies `src`, the stream bytes from `start`, into the tensors of `dest` (widening the ones
+/// `bf16` marks); returns their CRC-32C. Calls running at once must cover disjoint ranges.
+fn scatter(dest: &Dest, starts: &[u64], bf16: &[bool], start: u64, src: &[u8]) -> u32 {
     spans(starts, start, src.len()).fold(0, |crc, (i, from, pos, n)| {
         let (ptr, len) = dest.0[i];
         // SAFETY: `ptr..ptr+len` is tensor i's live allocation (borrowed mutably by `Dest::of`'s
         // caller for as long as `dest` is used), and callers give disjoint stream ranges, so no
         // two threads write the same bytes.
         let dst = unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, len) };
-        copy_crc(crc, &src[pos..pos + n], &mut dst[from..from + n])
+        let src = &src[pos..pos + n];
+        if bf16[i] {
+            // Two wire bytes a value; the tensor's bytes hold four.
+            let values = f32s_mut(&mut dst[2 * from..2 * (from + n)]);
+            widen_into(src, values);
+            return proto::crc32c_append(crc, src);
+        }
+        copy_crc(crc, src, &mut dst[from..from + n])
     })
+}
+
+/// A tensor's bytes (from an f32 allocation, 4-aligned offsets) as its values.
+fn f32s_mut(bytes: &mut [u8]) -> &mut [f32] {
+    debug_assert!(bytes.len().is_multiple_of(4) && bytes.as_ptr().align_offset(4) == 0);
+    // SAFETY: the bytes are a 4-aligned whole-value range of an f32 allocation.
+    unsafe { std::slice::from_raw_parts_mut(bytes.as_mut_ptr().cast::<f32>(), bytes.len() / 4) }
 }
 
 /// Snapshots a receiver handed on, kept so that a later snapshot of the same layout can reuse
@@ -409,9 +491,14 @@ impl Spares {
     }
 }
 
-/// Checks a manifest: f32 tensors laid back to back, shapes that match their sizes, buckets
-/// that add up to the tensors; returns each tensor's byte offset.
-fn check_manifest(actor: &str, manifest: &SnapshotManifest) -> Result<Vec<u64>, ActorError> {
+/// Checks a manifest: f32 tensors (or, where `bf16` allows, bf16 tensors of an even number of
+/// values, with buckets of whole 4-byte words) laid back to back, shapes that match their
+/// sizes, buckets that add up to the tensors; returns each tensor's byte offset.
+fn check_manifest(
+    actor: &str,
+    manifest: &SnapshotManifest,
+    bf16: bool,
+) -> Result<Vec<u64>, ActorError> {
     let bad = |message: String| ActorError::Snapshot {
         actor: actor.to_string(),
         message,
@@ -422,15 +509,25 @@ fn check_manifest(actor: &str, manifest: &SnapshotManifest) -> Result<Vec<u64>, 
     let mut offset = 0u64;
     let mut offsets = Vec::with_capacity(manifest.tensors.len());
     for t in &manifest.tensors {
-        if t.dtype() != Dtype::F32 {
+        let width = match t.dtype() {
+            Dtype::F32 => 4,
+            Dtype::Bf16 if bf16 => 2,
+            other => {
+                return Err(bad(format!(
+                    "tensor `{}` is {other:?}; snapshots carry f32{}",
+                    t.name,
+                    if bf16 { " or bf16" } else { " here" }
+                )));
+            }
+        };
+        let numel = t.shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
+        if width == 2 && numel.is_some_and(|n| n % 2 == 1) {
             return Err(bad(format!(
-                "tensor `{}` is {:?}; snapshots carry f32",
-                t.name,
-                t.dtype()
+                "bf16 tensor `{}` has an odd number of values",
+                t.name
             )));
         }
-        let numel = t.shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
-        if numel.and_then(|n| n.checked_mul(4)) != Some(t.nbytes) {
+        if numel.and_then(|n| n.checked_mul(width)) != Some(t.nbytes) {
             return Err(bad(format!(
                 "tensor `{}` has shape {:?} but {} bytes",
                 t.name, t.shape, t.nbytes
@@ -451,6 +548,13 @@ fn check_manifest(actor: &str, manifest: &SnapshotManifest) -> Result<Vec<u64>, 
             "buckets hold {total} bytes but the tensors need {offset}"
         )));
     }
+    let narrow = manifest.tensors.iter().any(|t| t.dtype() == Dtype::Bf16);
+    let cuts = manifest.bucket_sizes.iter().rev().skip(1);
+    if narrow && cuts.clone().any(|b| b % 4 != 0) {
+        return Err(bad(
+            "buckets of a snapshot with bf16 tensors must hold whole 4-byte words".into(),
+        ));
+    }
     Ok(offsets)
 }
 
@@ -459,6 +563,7 @@ pub struct Assembler {
     actor: String,
     version: u64,
     starts: Vec<u64>,
+    bf16: Vec<bool>,
     tensors: Vec<Tensor>,
     sizes: Vec<u64>,
     next: usize,
@@ -480,7 +585,7 @@ impl Assembler {
             actor: actor.to_string(),
             message,
         };
-        check_manifest(actor, manifest)?;
+        check_manifest(actor, manifest, true)?;
         let mut spare = spares.take(manifest).map(|p| p.tensors.into_iter());
         let tensors = manifest
             .tensors
@@ -493,7 +598,7 @@ impl Assembler {
                     None => Tensor {
                         name: t.name.clone(),
                         shape: t.shape.iter().map(|&d| d as usize).collect(),
-                        data: zeroed_f32((t.nbytes / 4) as usize).into(),
+                        data: zeroed_f32(t.shape.iter().product::<u64>() as usize).into(),
                     },
                 }
             })
@@ -507,6 +612,7 @@ impl Assembler {
             actor: actor.to_string(),
             version: manifest.version,
             starts: starts(&manifest.tensors),
+            bf16: narrowed(&manifest.tensors),
             tensors,
             sizes: manifest.bucket_sizes.clone(),
             next: 0,
@@ -528,6 +634,7 @@ impl Assembler {
         let actual = scatter(
             &Dest::of(&mut self.tensors),
             &self.starts,
+            &self.bf16,
             self.position,
             data,
         );
@@ -759,10 +866,19 @@ impl ShmRegion {
         let total: u64 = manifest.bucket_sizes.iter().sum();
         let bucket_bytes = manifest.bucket_sizes.first().copied().unwrap_or(1) as usize;
         let starts = starts(&manifest.tensors);
+        let bf16 = narrowed(&manifest.tensors);
         self.map[..total as usize]
             .par_chunks_mut(bucket_bytes)
             .enumerate()
-            .map(|(i, chunk)| gather(&snapshot.params, &starts, (i * bucket_bytes) as u64, chunk))
+            .map(|(i, chunk)| {
+                gather(
+                    &snapshot.params,
+                    &starts,
+                    &bf16,
+                    (i * bucket_bytes) as u64,
+                    chunk,
+                )
+            })
             .collect()
     }
 }
@@ -878,8 +994,9 @@ pub fn read_shm(
             "refusing to read {path}: not a Trellis snapshot under {SHM_DIR}"
         )));
     }
-    // The manifest's checks (f32, sizes that add up), without allocating anything.
-    let offsets = check_manifest(actor, manifest)?;
+    // The manifest's checks (f32: its tensors are views of the file; sizes that add up),
+    // without allocating anything.
+    let offsets = check_manifest(actor, manifest, false)?;
     if crcs.len() != manifest.bucket_sizes.len() {
         return Err(bad(format!(
             "{} checksums for {} buckets",
@@ -1054,6 +1171,95 @@ mod tests {
             assert_eq!(ack.bytes, (15 + 7 + 8) * 4);
             assert_eq!(content_crc(&back.params), content_crc(&s.params));
         }
+    }
+
+    /// Tensors marked bf16 (with an even number of values) travel as two bytes a value and
+    /// arrive as the f32 of their bf16 rounding; the others, and a marked one of odd length,
+    /// arrive exactly — for every bucket size (rounded up to whole words), through both the
+    /// reference bucket and the encoder's bytes.
+    #[test]
+    fn bf16_tensors_travel_at_half_the_bytes_and_arrive_rounded() {
+        let tensor = |name: &str, shape: Vec<usize>, seed: f32| Tensor {
+            name: name.into(),
+            data: (0..shape.iter().product::<usize>())
+                .map(|i| seed + i as f32 * 0.123_457)
+                .collect(),
+            shape,
+        };
+        let s = WeightSnapshot {
+            version: 4,
+            params: Arc::new(TensorSet {
+                tensors: vec![
+                    tensor("w", vec![4, 6], 1.0),
+                    tensor("norm", vec![5], -2.0),
+                    tensor("v", vec![3, 4], 0.3),
+                    tensor("odd", vec![3], 7.0),
+                ],
+            }),
+        };
+        let marks = [true, false, true, true];
+        let want: Vec<Vec<f32>> = s
+            .params
+            .tensors
+            .iter()
+            .zip(marks)
+            .map(|(t, m)| match m && t.data.len() % 2 == 0 {
+                true => kernels::bf16::rounded(&t.data),
+                false => t.data.to_vec(),
+            })
+            .collect();
+        for bucket_bytes in [1, 3, 4, 13, 60, 1 << 20] {
+            let m = manifest_as(&s, bucket_bytes, Some(&marks));
+            let total: u64 = m.bucket_sizes.iter().sum();
+            assert_eq!(total, 24 * 2 + 5 * 4 + 12 * 2 + 3 * 4, "{bucket_bytes}");
+            let dtypes: Vec<Dtype> = m.tensors.iter().map(|t| t.dtype()).collect();
+            assert_eq!(dtypes, [Dtype::Bf16, Dtype::F32, Dtype::Bf16, Dtype::F32]);
+            let mut asm = Assembler::new("t", &m, 1 << 20, &mut Spares::default()).unwrap();
+            let (starts, bf16) = (starts(&m.tensors), narrowed(&m.tensors));
+            let mut at = 0;
+            for (i, &len) in m.bucket_sizes.iter().enumerate() {
+                assert!(
+                    i + 1 == m.bucket_sizes.len() || len % 4 == 0,
+                    "{bucket_bytes}"
+                );
+                let (b, crc) = bucket(&s, &m, i);
+                let mut encoded = Vec::new();
+                let crc2 = gather_into(&s.params, &starts, &bf16, at, len as usize, &mut encoded);
+                assert_eq!((&encoded, crc2), (&b, crc), "bucket {i} of {bucket_bytes}");
+                asm.push(i as u32, &b, crc).unwrap();
+                at += len;
+            }
+            let (back, _) = asm.finish().unwrap();
+            for (t, w) in back.params.tensors.iter().zip(&want) {
+                assert_eq!(
+                    &t.data[..],
+                    &w[..],
+                    "{} with buckets of {bucket_bytes}",
+                    t.name
+                );
+            }
+        }
+        // Shared memory takes f32 only (its tensors are views of the file).
+        let m = manifest_as(&s, 64, Some(&marks));
+        let e = read_shm(
+            "t",
+            &m,
+            "/dev/shm/trellis-snapshot-x",
+            &[0; 3],
+            &mut ShmViews::default(),
+        )
+        .expect_err("refused");
+        assert!(e.to_string().contains("snapshots carry f32 here"), "{e}");
+        let mut odd = m.clone();
+        odd.bucket_sizes = vec![2, total_of(&m) - 2];
+        let e = Assembler::new("t", &odd, 1 << 20, &mut Spares::default())
+            .err()
+            .expect("refused");
+        assert!(e.to_string().contains("whole 4-byte words"), "{e}");
+    }
+
+    fn total_of(m: &SnapshotManifest) -> u64 {
+        m.bucket_sizes.iter().sum()
     }
 
     #[test]

@@ -448,13 +448,10 @@ impl Model {
     /// stay f32 as the learner's, and so do softmax and log-probs; attention rounds its operands
     /// as the learner's does: an engine serving this model gives a bf16 learner's log-probs.
     pub fn serve_bf16(&mut self) {
-        let mut matrices: Vec<usize> = self
-            .layout
-            .layers
-            .iter()
-            .flat_map(|l| [l.q, l.k, l.v, l.o, l.gate, l.up, l.down])
-            .collect();
-        matrices.push(self.layout.lm_head.unwrap_or(self.layout.embed));
+        let mut matrices = self.layout.products();
+        if self.layout.lm_head.is_none() {
+            matrices.push(self.layout.embed);
+        }
         self.served = vec![None; self.params.tensors.len()];
         for i in matrices {
             let t = &self.params.tensors[i];

@@ -108,6 +108,19 @@ pub struct Layout {
 }
 
 impl Layout {
+    /// The tensors used only as the right side of matrix products: every layer's projections
+    /// and an untied head (a tied head is also the embedding table, which is looked up). A
+    /// model served in bf16 reads these only rounded to bf16.
+    pub fn products(&self) -> Vec<usize> {
+        let mut ids: Vec<usize> = self
+            .layers
+            .iter()
+            .flat_map(|l| [l.q, l.k, l.v, l.o, l.gate, l.up, l.down])
+            .collect();
+        ids.extend(self.lm_head);
+        ids
+    }
+
     /// The layout and the (name, shape) of every tensor, in order, for `c`.
     pub fn new(c: &ModelConfig) -> (Layout, Vec<(String, Vec<usize>)>) {
         let mut specs: Vec<(String, Vec<usize>)> = Vec::new();

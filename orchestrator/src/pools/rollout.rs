@@ -21,6 +21,7 @@ use crate::plan::{Placement, RolloutEngine, RolloutPlan};
 use actors::ActorRef;
 use kernels::tensor::WeightSnapshot;
 use learner::ModelConfig;
+use learner::params::WeightDtype;
 use rollout::episode::{Agent, AgentSetup};
 use rollout::external::{Api, ExternalConfig, ExternalEngine, Load, WeightFolders};
 use rollout::router::{Router, Weights};
@@ -99,6 +100,9 @@ pub struct RolloutPool {
     down: Mutex<Vec<Option<Down>>>,
     router: Mutex<Router>,
     external: Option<ExternalPool>,
+    /// Native engines serving bf16: the tensors they read only rounded (sent as bf16 where a
+    /// push is streamed to another host).
+    bf16: Option<Arc<Vec<bool>>>,
 }
 
 impl RolloutPool {
@@ -178,6 +182,7 @@ impl RolloutPool {
                     down: Mutex::new(engines.iter().map(|_| None).collect()),
                     router: Mutex::new(Router::new(engines.len(), Weights::default())),
                     members: engines,
+                    bf16: None,
                     external: Some(ExternalPool {
                         folders: WeightFolders::new(root).with_dtype(x.weights_dtype),
                         config: start.config.clone(),
@@ -219,6 +224,18 @@ impl RolloutPool {
                 *kv_cache_bytes,
             ),
         };
+        let bf16 = match &engine {
+            EngineSpec::Native {
+                weights_dtype: WeightDtype::Bf16,
+                ..
+            } => {
+                let (layout, specs) = learner::params::Layout::new(start.config);
+                let mut marks = vec![false; specs.len()];
+                layout.products().into_iter().for_each(|i| marks[i] = true);
+                Some(Arc::new(marks))
+            }
+            _ => None,
+        };
         let count = plan.count.max(1);
         let local = plan.placement == Placement::Local;
         let config = RolloutConfig {
@@ -256,6 +273,7 @@ impl RolloutPool {
             down: Mutex::new((0..n).map(|_| None).collect()),
             router: Mutex::new(Router::new(n, Weights::default())),
             external: None,
+            bf16,
         })
     }
 
@@ -468,7 +486,15 @@ impl RolloutPool {
         if let Some(pool) = &self.actors {
             let remote = |a: &ActorRef<RolloutActor>| a.agent_host().is_some();
             let Some(source) = source.filter(|_| pool.actors().iter().any(remote)) else {
-                self.rt.block_on(pool.push(self.rt.handle(), snapshot))?;
+                let bf16 = self.bf16.clone();
+                self.rt
+                    .block_on(pool.push_with(self.rt.handle(), snapshot, move |a, s| {
+                        let bf16 = bf16.clone();
+                        async move {
+                            a.load_weights_as(s, bf16.as_deref().map(Vec::as_slice))
+                                .await
+                        }
+                    }))?;
                 return Ok(0);
             };
             let (version, crc) = (

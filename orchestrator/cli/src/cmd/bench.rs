@@ -536,6 +536,7 @@ fn bench_actors(snapshot_mib: usize, calls: usize, in_flight: usize, json: bool)
         ("in-process", b.in_process_gbps),
         ("shared memory", b.shm_gbps),
         ("gRPC", b.grpc_gbps),
+        ("gRPC, bf16", b.grpc_bf16_gbps),
     ] {
         println!("  {name:<14} {:10.2}   {:10.2}", r.cold, r.warm);
     }
