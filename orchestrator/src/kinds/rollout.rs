@@ -205,3 +205,89 @@ impl Actor for RolloutActor {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use actors::exchange::{Member, Outbox, Reach, Source};
+
+    fn tiny(seed: u64) -> Model {
+        let cfg = serde_json::json!({"model_type": "qwen2", "vocab_size": 32, "hidden_size": 16,
+            "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+            "num_key_value_heads": 2, "max_position_embeddings": 64});
+        Model::init(ModelConfig::from_json(cfg, Path::new("t")).unwrap(), seed)
+    }
+
+    /// A pull reads the ranks' shards from their outboxes (two here, each holding its half),
+    /// swaps in exactly what the learner has, and refuses — serving the old weights still —
+    /// what does not match the learner's content CRC.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_pull_reads_every_ranks_shard_and_refuses_a_wrong_checksum() {
+        let (first, next) = (tiny(1), tiny(2));
+        let mut actor = RolloutActor::start(RolloutConfig {
+            model: first.config.to_hf_json(),
+            kv_cache_bytes: 1 << 20,
+            engine: EngineSpec::Native {
+                weights_dtype: Default::default(),
+                kv_cache_dtype: Default::default(),
+            },
+            agent: None,
+        })
+        .unwrap();
+        actor
+            .load_weights(WeightSnapshot {
+                version: 1,
+                params: Arc::new(first.params.clone()),
+            })
+            .await
+            .unwrap();
+        let flat = learner::wire::read_range(&next.params, 0, next.params.numel()).unwrap();
+        let key = actors::Token::generate().unwrap();
+        let half = flat.len() / 2;
+        let shards = vec![(0, half), (half, flat.len() - half)];
+        let mut outboxes: Vec<Outbox> = shards
+            .iter()
+            .map(|_| Outbox::open(flat.len(), &key, "127.0.0.1").unwrap())
+            .collect();
+        for (o, &(a, l)) in outboxes.iter_mut().zip(&shards) {
+            o.values_mut()[a..a + l].copy_from_slice(&flat[a..a + l]);
+        }
+        for (version, reach) in [(2, Reach::Auto), (3, Reach::Streams)] {
+            let source = Source {
+                members: outboxes
+                    .iter()
+                    .map(|o| Member {
+                        outbox: o.address().clone(),
+                        reach: "127.0.0.1".into(),
+                    })
+                    .collect(),
+                shards: shards.clone(),
+                values: flat.len(),
+                key: key.secret().into(),
+                reach,
+            };
+            let crc = actors::snapshot::content_crc(&next.params);
+            let e = actor
+                .handle(RolloutRequest::Pull {
+                    version,
+                    source: source.clone(),
+                    content_crc: crc ^ 1,
+                })
+                .await
+                .unwrap_err();
+            assert!(e.message.contains("CRC-32C"), "{}", e.message);
+            let engine = actor.engine.as_ref().unwrap();
+            assert_eq!(engine.weight_version(), version - 1, "nothing swapped in");
+            let r = actor
+                .handle(RolloutRequest::Pull {
+                    version,
+                    source,
+                    content_crc: crc,
+                })
+                .await
+                .unwrap();
+            assert!(matches!(r, RolloutResponse::Pulled), "{reach:?}");
+            assert_eq!(actor.engine.as_ref().unwrap().weight_version(), version);
+        }
+    }
+}
