@@ -61,25 +61,21 @@ fn a_run_on_pjrt_engines_equals_the_native_run_and_resumes_after_kill_9() {
     }
     let (native, pjrt, killed) = (run_dir("native"), run_dir("pjrt"), run_dir("killed"));
     let two = run_dir("two-devices");
-    run_ok(
-        trellis()
-            .arg("train")
-            .arg(recipe())
-            .arg("--quiet")
-            .args(SHORT)
-            .arg("--run-dir")
-            .arg(&native),
-    );
-    let out = run_ok(
-        trellis()
-            .arg("train")
-            .arg(recipe())
-            .arg("--quiet")
-            .args(SHORT)
-            .args(PJRT)
-            .arg("--run-dir")
-            .arg(&pjrt),
-    );
+    // The recipe, shortened, with `args`, into `dir`.
+    let train = |args: &[&str], dir: &Path| {
+        run_ok(
+            trellis()
+                .arg("train")
+                .arg(recipe())
+                .arg("--quiet")
+                .args(SHORT)
+                .args(args)
+                .arg("--run-dir")
+                .arg(dir),
+        )
+    };
+    train(&[], &native);
+    let out = train(&PJRT, &pjrt);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
         err.contains("learner on the pjrt engine") && err.contains("rollout engine on pjrt"),
@@ -105,16 +101,9 @@ fn a_run_on_pjrt_engines_equals_the_native_run_and_resumes_after_kill_9() {
         }
     }
     // Two devices: the same run to the rounding of the gradient sums' order.
-    let out = run_ok(
-        trellis()
-            .arg("train")
-            .arg(recipe())
-            .arg("--quiet")
-            .args(SHORT)
-            .args(PJRT)
-            .args(["-o", "pools.learner.count=2"])
-            .arg("--run-dir")
-            .arg(&two),
+    let out = train(
+        &[&PJRT[..], &["-o", "pools.learner.count=2"]].concat(),
+        &two,
     );
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("data-parallel on 2 devices"), "{err}");

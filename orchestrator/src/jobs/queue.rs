@@ -338,10 +338,11 @@ impl Queue {
                         // SAFETY: signalling the job's process, which we have not reaped yet
                         // (the pid cannot have been reused).
                         unsafe { libc::kill(pid as libc::pid_t, sig) };
-                        return;
+                        return Some((reason, sig));
                     }
                     std::thread::sleep(Duration::from_millis(50));
                 }
+                None
             })
         };
         let lending = super::worker::Lending {
@@ -362,9 +363,28 @@ impl Queue {
         // Whatever the job left on agents (it was killed, or its pools never stopped) goes.
         self.head.end_loan(&lending.borrower);
         ended.store(true, Ordering::SeqCst);
-        let _ = forward.join();
+        let sent = forward.join().ok().flatten();
         let state = self.store.job(id).map(|j| j.state);
         match (state, status) {
+            // Killed by the stop we sent before it could take the signal itself (it was just
+            // starting): it ends as that stop asks — nothing ran past its last checkpoint.
+            (Ok(JobState::Running), Ok(status))
+                if sent.is_some_and(|(_, sig)| {
+                    std::os::unix::process::ExitStatusExt::signal(&status) == Some(sig)
+                }) =>
+            {
+                let (state, error) = match sent.map(|(reason, _)| reason) {
+                    Some(StopReason::Cancel) => (
+                        JobState::Cancelled,
+                        Some("cancelled: before its process started".to_string()),
+                    ),
+                    _ => (JobState::Pending, None),
+                };
+                match self.store.set_state(id, state, error) {
+                    Ok(_) => state,
+                    Err(e) => fail(format!("cannot record its stop: {e}")),
+                }
+            }
             (Ok(JobState::Running), Ok(status)) => fail(super::worker::describe_exit(status)),
             (Ok(JobState::Running), Err(e)) => fail(format!("its process was lost: {e}")),
             (Ok(state), _) => state,
@@ -405,5 +425,58 @@ impl Queue {
     /// Whether the queue stopped taking jobs.
     pub fn is_stopping(&self) -> bool {
         self.stopping.load(Ordering::SeqCst)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A server stopping just as a job's process starts signals it before the process could
+    /// take the signal itself (it dies of it): the job waits to continue, as a job that took the
+    /// stop does, instead of failing. `sleep` plays a process that never takes SIGTERM.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_job_process_killed_by_the_servers_own_stop_waits_to_continue() {
+        let dir = std::env::temp_dir().join(format!("trellis-queue-stop-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let store = Arc::new(Store::open(&run::store_path(&dir)).unwrap());
+        let token = actors::Token::generate().unwrap();
+        let (head, _routes) = Head::new(
+            "127.0.0.1:0".parse().unwrap(),
+            token,
+            actors::HeadConfig::default(),
+        );
+        let worker: WorkerCommand = Box::new(|_, _, _| {
+            let mut c = std::process::Command::new("sleep");
+            c.arg("30");
+            c
+        });
+        let queue = Queue::new(
+            store,
+            &dir,
+            head,
+            Duration::from_secs(1),
+            1,
+            Box::new(|_, _| Vec::new()),
+            Some(worker),
+        )
+        .unwrap();
+        let workflow = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/data/tiny-arith.yaml");
+        let text = std::fs::read_to_string(workflow).unwrap();
+        let id = queue.submit(&text, workflow, &[], None).unwrap();
+        tokio::spawn(queue.clone().schedule());
+        let running = || queue.store().job(id).unwrap().state == JobState::Running;
+        for _ in 0..200 {
+            if running() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(running(), "the job started");
+        queue.stop().await;
+        let job = queue.store().job(id).unwrap();
+        assert_eq!((job.state, job.error), (JobState::Pending, None));
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -207,11 +207,12 @@ impl Actor for RolloutActor {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use actors::exchange::{Member, Outbox, Reach, Source};
 
-    fn tiny(seed: u64) -> Model {
+    /// A one-layer model of random weights (`seed`), for the pools' tests too.
+    pub(crate) fn tiny(seed: u64) -> Model {
         let cfg = serde_json::json!({"model_type": "qwen2", "vocab_size": 32, "hidden_size": 16,
             "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
             "num_key_value_heads": 2, "max_position_embeddings": 64});

@@ -503,23 +503,39 @@ impl RolloutPool {
             );
             let pulled = Arc::new(std::sync::atomic::AtomicUsize::new(0));
             let counted = Arc::clone(&pulled);
+            let bf16 = self.bf16.clone();
             self.rt.block_on(pool.push_with(
                 self.rt.handle(),
                 snapshot,
                 move |a: ActorRef<RolloutActor>, s: WeightSnapshot| {
-                    let (source, counted) = (source.clone(), Arc::clone(&counted));
+                    let (source, counted, bf16) =
+                        (source.clone(), Arc::clone(&counted), bf16.clone());
                     async move {
+                        let bf16 = bf16.as_deref().map(Vec::as_slice);
                         if a.agent_host().is_none() {
-                            return a.load_weights(s).await;
+                            return a.load_weights_as(s, bf16).await;
                         }
                         let pull = RolloutRequest::Pull {
                             version,
                             source,
                             content_crc: crc,
                         };
-                        a.call(pull).await?;
-                        counted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                        Ok(())
+                        match a.call(pull).await {
+                            Ok(_) => {
+                                counted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                                Ok(())
+                            }
+                            // A rank lost meanwhile (its agent killed), a link that broke: the
+                            // driver holds the same weights, so it hands them over itself (the
+                            // lost rank is found at the learner's next call).
+                            Err(e) => {
+                                tracing::warn!(
+                                    actor = a.name(),
+                                    "reading the weights from the learner ranks failed ({e}); sending them"
+                                );
+                                a.load_weights_as(s, bf16).await
+                            }
+                        }
                     }
                 },
             ))?;
@@ -585,12 +601,7 @@ mod tests {
     use learner::params::WeightDtype;
     use rollout::SamplingParams;
 
-    fn tiny(seed: u64) -> Model {
-        let cfg = serde_json::json!({"model_type": "qwen2", "vocab_size": 32, "hidden_size": 16,
-            "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
-            "num_key_value_heads": 2, "max_position_embeddings": 64});
-        Model::init(ModelConfig::from_json(cfg, Path::new("t")).unwrap(), seed)
-    }
+    use crate::kinds::rollout::tests::tiny;
 
     fn start<'a>(
         plan: &'a RolloutPlan,
