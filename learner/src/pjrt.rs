@@ -244,6 +244,11 @@ impl PjrtModel {
         self.client.device_count()
     }
 
+    /// Which PJRT client of the process it runs on ([`Client::serial`]).
+    pub fn client_serial(&self) -> usize {
+        self.client.serial()
+    }
+
     /// What compiling has cost so far.
     pub fn stats(&self) -> Stats {
         self.stats.lock().map(|s| *s).unwrap_or_default()

@@ -81,6 +81,21 @@ fn a_run_on_pjrt_engines_equals_the_native_run_and_resumes_after_kill_9() {
         err.contains("learner on the pjrt engine") && err.contains("rollout engine on pjrt"),
         "{err}"
     );
+    // One PJRT client in the process, the learner's and the rollout engine's (as one process
+    // owns a TPU host's chips).
+    let serial = |line: &str, after: &str| -> String {
+        let at = err
+            .lines()
+            .find(|l| l.contains(line))
+            .and_then(|l| l.split(after).nth(1))
+            .unwrap_or_else(|| panic!("no `{line}` with `{after}` in {err}"));
+        at.chars().take_while(char::is_ascii_digit).collect()
+    };
+    assert_eq!(
+        serial("learner on the pjrt engine", "pjrt client "),
+        serial("rollout engine on pjrt", "client="),
+        "{err}"
+    );
     let (mn, mp) = (metrics(&native), metrics(&pjrt));
     assert_eq!(mn.len(), mp.len());
     let close = |a: f64, b: f64, tol: f64| (a - b).abs() <= tol * (1.0 + b.abs());

@@ -174,6 +174,8 @@ struct ClientInner {
     raw: *mut c_void,
     /// The addressable devices this client uses, in the plugin's order.
     devices: Vec<*mut c_void>,
+    /// Which PJRT client of this process it is (1, 2, … in creation order).
+    serial: usize,
 }
 
 // SAFETY: PJRT clients, buffers and executables are thread-safe by the C API's contract.
@@ -199,11 +201,24 @@ impl Drop for ClientInner {
 }
 
 /// A PJRT client on one plugin, using its first addressable device, or its first N for
-/// replicated programs ([`Client::with_devices`], [`Client::compile_replicated`]).
+/// replicated programs ([`Client::with_devices`], [`Client::compile_replicated`]). A process
+/// holds one PJRT client per plugin while any handle lives (a learner and a rollout engine in
+/// one process share it, as one process owns a TPU host's chips); handles differ only in how
+/// many of its devices they use.
 #[derive(Clone)]
 pub struct Client {
     inner: Arc<ClientInner>,
+    /// The first this many of `inner`'s devices are this handle's.
+    used: usize,
     platform: String,
+}
+
+/// The live PJRT client of each plugin (by path), and its platform.
+type Clients = HashMap<PathBuf, (std::sync::Weak<ClientInner>, String)>;
+
+fn clients() -> &'static Mutex<Clients> {
+    static C: OnceLock<Mutex<Clients>> = OnceLock::new();
+    C.get_or_init(Default::default)
 }
 
 /// An f32 or i32 array on the device.
@@ -259,23 +274,37 @@ impl Client {
     }
 
     /// A client that uses the first `devices` addressable devices of `plugin`, for programs
-    /// replicated over them. The XLA CPU plugin is asked for that many host devices
-    /// (`cpu_device_count`); other plugins must see them (a TPU host's chips, a node's GPUs).
+    /// replicated over them: the plugin's live client when it has that many, else a new one.
+    /// The XLA CPU plugin is asked for that many host devices (`cpu_device_count`); other
+    /// plugins must see them (a TPU host's chips, a node's GPUs).
     pub fn with_devices(plugin: Arc<Plugin>, devices: usize) -> Result<Self, PjrtError> {
         if devices == 0 {
             return Err(PjrtError::Usage(
                 "a client needs at least one device".into(),
             ));
         }
+        let mut live = clients()
+            .lock()
+            .map_err(|_| PjrtError::Usage("the client registry is poisoned".into()))?;
+        let key = plugin.info.path.clone();
+        if let Some((weak, platform)) = live.get(&key)
+            && let Some(inner) = weak.upgrade()
+            && inner.devices.len() >= devices
+        {
+            return Ok(Client {
+                inner,
+                used: devices,
+                platform: platform.clone(),
+            });
+        }
         let mut c = Self::create(plugin.clone(), None)?;
         if c.inner.devices.len() < devices && c.platform() == "cpu" {
             drop(c);
             c = Self::create(plugin.clone(), Some(devices))?;
         }
-        if c.inner.devices.len() >= devices
-            && let Some(inner) = Arc::get_mut(&mut c.inner)
-        {
-            inner.devices.truncate(devices);
+        if c.inner.devices.len() >= devices {
+            live.insert(key, (Arc::downgrade(&c.inner), c.platform.clone()));
+            c.used = devices;
             return Ok(c);
         }
         Err(PjrtError::Usage(format!(
@@ -312,10 +341,12 @@ impl Client {
         d.client = c.client;
         let mut name = ClientPlatformNameArgs::new();
         name.client = c.client;
+        static SERIAL: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(1);
         let mut inner = ClientInner {
             plugin: plugin.clone(),
             raw: c.client,
             devices: Vec::new(),
+            serial: SERIAL.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
         };
         plugin.call(
             offset_of!(PjrtApi, client_addressable_devices),
@@ -348,12 +379,13 @@ impl Client {
             .into_owned()
         };
         Ok(Client {
+            used: inner.devices.len(),
             inner: Arc::new(inner),
             platform,
         })
     }
 
-    /// Another client of the same plugin, using its first `devices` devices.
+    /// A handle of the same plugin's client using its first `devices` devices.
     pub fn with_device_count(&self, devices: usize) -> Result<Self, PjrtError> {
         Self::with_devices(self.inner.plugin.clone(), devices)
     }
@@ -374,7 +406,18 @@ impl Client {
 
     /// How many devices the client uses.
     pub fn device_count(&self) -> usize {
-        self.inner.devices.len()
+        self.used
+    }
+
+    /// Whether `other` is a handle of the same PJRT client.
+    pub fn shares_with(&self, other: &Client) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
+    }
+
+    /// Which PJRT client of this process the handle uses (1, 2, … in creation order): equal
+    /// for handles that share one.
+    pub fn serial(&self) -> usize {
+        self.inner.serial
     }
 
     /// Compiles a StableHLO module given as MLIR text, for the client's first device.
@@ -462,7 +505,7 @@ impl Client {
         };
         exe.devices = raw
             .iter()
-            .map(|d| self.inner.devices.iter().position(|x| x == d))
+            .map(|d| self.inner.devices[..self.used].iter().position(|x| x == d))
             .collect::<Option<Vec<usize>>>()
             .filter(|v| v.len() == replicas)
             .ok_or_else(|| {
@@ -482,7 +525,7 @@ impl Client {
         dims: &[usize],
     ) -> Result<Buffer, PjrtError> {
         let p = self.plugin();
-        let device = *self.inner.devices.get(device).ok_or_else(|| {
+        let device = *self.inner.devices[..self.used].get(device).ok_or_else(|| {
             PjrtError::Usage(format!(
                 "device {device} of a client of {}",
                 self.device_count()
@@ -840,6 +883,40 @@ mod tests {
             panic!("4 replicas compiled on 3 devices");
         };
         assert!(e.to_string().contains("3 devices"), "{e}");
+    }
+
+    /// One PJRT client per plugin while a handle lives: handles asking for no more devices
+    /// than it has share it (each using its first N); asking for more makes a new one (the CPU
+    /// plugin then makes more host devices).
+    #[test]
+    fn handles_share_the_plugins_client() {
+        let Some(path) = crate::testing::cpu_plugin() else {
+            return;
+        };
+        let plugin = Plugin::load(&path).unwrap();
+        let four = Client::with_devices(plugin.clone(), 4).unwrap();
+        let one = Client::with_devices(plugin.clone(), 1).unwrap();
+        let two = four.with_device_count(2).unwrap();
+        assert!(one.shares_with(&four) && two.shares_with(&four));
+        assert_eq!(
+            (one.device_count(), two.device_count(), four.device_count()),
+            (1, 2, 4)
+        );
+        // A one-device handle runs one-replica programs on the shared client's first device.
+        let exe = one
+            .compile(
+                "func.func @main(%a: tensor<2xf32>) -> tensor<2xf32> { return %a : tensor<2xf32> }",
+            )
+            .unwrap();
+        assert_eq!(exe.devices(), [0]);
+        let x = one.f32(&[1.0, 2.0], &[2]).unwrap();
+        assert_eq!(exe.run(&[&x]).unwrap()[0].to_f32().unwrap(), [1.0, 2.0]);
+        assert!(
+            one.f32_on(1, &[1.0], &[1]).is_err(),
+            "device 1 is not the handle's"
+        );
+        let more = Client::with_devices(plugin, 5).unwrap();
+        assert!(!more.shares_with(&four));
     }
 
     #[test]

@@ -111,12 +111,10 @@ impl TrainEngine for PjrtTrainer {
     }
 
     fn describe(&self) -> String {
+        let (platform, client) = (self.device.platform(), self.device.client_serial());
         match self.device.devices() {
-            1 => format!("{} (pjrt)", self.device.platform()),
-            n => format!(
-                "{} (pjrt), data-parallel on {n} devices",
-                self.device.platform()
-            ),
+            1 => format!("{platform} (pjrt client {client})"),
+            n => format!("{platform} (pjrt client {client}), data-parallel on {n} devices"),
         }
     }
 }

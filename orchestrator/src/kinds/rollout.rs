@@ -187,7 +187,11 @@ impl Actor for RolloutActor {
             EngineSpec::Pjrt { device, plugin } => {
                 let client = libtpu_sys::locate::open(pjrt_device(*device), plugin.as_deref())
                     .map_err(|e| format!("pools.rollout: {e}"))?;
-                tracing::info!(platform = client.platform(), "rollout engine on pjrt");
+                tracing::info!(
+                    platform = client.platform(),
+                    client = client.serial(),
+                    "rollout engine on pjrt"
+                );
                 rollout::EngineSpec::Pjrt(client)
             }
             EngineSpec::Native {
