@@ -140,22 +140,10 @@ impl<A: Actor> ActorPool<A> {
         &self.actors
     }
 
-    /// Hands `snapshot` to every actor, concurrently, before returning; an actor that dies
-    /// meanwhile gets it from the restart hook. `rt`: where the pushes run.
-    pub async fn push(
-        &self,
-        rt: &tokio::runtime::Handle,
-        snapshot: WeightSnapshot,
-    ) -> Result<(), PoolError> {
-        self.push_with(rt, snapshot, |a: ActorRef<A>, s| async move {
-            a.load_weights(s).await
-        })
-        .await
-    }
-
-    /// [`ActorPool::push`] with each actor given the weights by `give(actor, snapshot)` (an
-    /// actor may fetch them from elsewhere); a restarted actor still gets `snapshot` from the
-    /// restart hook.
+    /// Hands `snapshot` to every actor, concurrently, before returning, each by
+    /// `give(actor, snapshot)` (`ActorRef::load_weights`, or a way to fetch the same weights
+    /// from elsewhere); an actor that dies meanwhile gets `snapshot` from the restart hook.
+    /// `rt`: where the pushes run.
     pub async fn push_with<F, Fut>(
         &self,
         rt: &tokio::runtime::Handle,
