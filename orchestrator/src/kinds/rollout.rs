@@ -81,8 +81,6 @@ pub struct RolloutActor {
     start: RolloutConfig,
     engine: Option<Box<dyn InferenceEngine>>,
     agent: Option<Agent>,
-    /// The served weights' names and shapes, the layout a pull fills.
-    layout: Vec<(String, Vec<usize>)>,
 }
 
 /// The PJRT plugin's device kind for a pool's device.
@@ -109,7 +107,6 @@ impl Actor for RolloutActor {
             start: config,
             engine: None,
             agent,
-            layout: Vec::new(),
         })
     }
 
@@ -138,7 +135,9 @@ impl Actor for RolloutActor {
                 if engine.weight_version() == version {
                     return Ok(RolloutResponse::Pulled);
                 }
-                let mut params = kernels::tensor::TensorSet::zeros(&self.layout);
+                // The model's tensors in layout order, as the learner's flat values are laid.
+                let (_, specs) = learner::params::Layout::new(&self.config);
+                let mut params = kernels::tensor::TensorSet::zeros(&specs);
                 let read = tokio::task::spawn_blocking(move || {
                     source
                         .read(|at, v| {
@@ -167,9 +166,6 @@ impl Actor for RolloutActor {
     }
 
     async fn load_weights(&mut self, snapshot: WeightSnapshot) -> Result<(), String> {
-        self.layout = (snapshot.params.tensors.iter())
-            .map(|t| (t.name.clone(), t.shape.clone()))
-            .collect();
         if let Some(engine) = &self.engine {
             // Pushing the version already served is a no-op (a retried push after a restart
             // whose hook delivered it first).

@@ -102,7 +102,7 @@ pub struct RolloutPool {
     external: Option<ExternalPool>,
     /// Native engines serving bf16: the tensors they read only rounded (sent as bf16 where a
     /// push is streamed to another host).
-    bf16: Option<Arc<Vec<bool>>>,
+    bf16: Option<Arc<[bool]>>,
 }
 
 impl RolloutPool {
@@ -232,7 +232,7 @@ impl RolloutPool {
                 let (layout, specs) = learner::params::Layout::new(start.config);
                 let mut marks = vec![false; specs.len()];
                 layout.products().into_iter().for_each(|i| marks[i] = true);
-                Some(Arc::new(marks))
+                Some(Arc::from(marks))
             }
             _ => None,
         };
@@ -485,22 +485,12 @@ impl RolloutPool {
     ) -> Result<usize, PoolError> {
         if let Some(pool) = &self.actors {
             let remote = |a: &ActorRef<RolloutActor>| a.agent_host().is_some();
-            let Some(source) = source.filter(|_| pool.actors().iter().any(remote)) else {
-                let bf16 = self.bf16.clone();
-                self.rt
-                    .block_on(pool.push_with(self.rt.handle(), snapshot, move |a, s| {
-                        let bf16 = bf16.clone();
-                        async move {
-                            a.load_weights_as(s, bf16.as_deref().map(Vec::as_slice))
-                                .await
-                        }
-                    }))?;
-                return Ok(0);
-            };
-            let (version, crc) = (
-                snapshot.version,
-                actors::snapshot::content_crc(&snapshot.params),
-            );
+            // What a pull needs (its source and the content CRC the read must match), when some
+            // actor is on an agent to pull.
+            let pull = source
+                .filter(|_| pool.actors().iter().any(remote))
+                .map(|s| (s, actors::snapshot::content_crc(&snapshot.params)));
+            let version = snapshot.version;
             let pulled = Arc::new(std::sync::atomic::AtomicUsize::new(0));
             let counted = Arc::clone(&pulled);
             let bf16 = self.bf16.clone();
@@ -508,13 +498,11 @@ impl RolloutPool {
                 self.rt.handle(),
                 snapshot,
                 move |a: ActorRef<RolloutActor>, s: WeightSnapshot| {
-                    let (source, counted, bf16) =
-                        (source.clone(), Arc::clone(&counted), bf16.clone());
+                    let (pull, counted, bf16) = (pull.clone(), Arc::clone(&counted), bf16.clone());
                     async move {
-                        let bf16 = bf16.as_deref().map(Vec::as_slice);
-                        if a.agent_host().is_none() {
-                            return a.load_weights_as(s, bf16).await;
-                        }
+                        let Some((source, crc)) = pull.filter(|_| remote(&a)) else {
+                            return a.load_weights_as(s, bf16.as_deref()).await;
+                        };
                         let pull = RolloutRequest::Pull {
                             version,
                             source,
@@ -533,7 +521,7 @@ impl RolloutPool {
                                     actor = a.name(),
                                     "reading the weights from the learner ranks failed ({e}); sending them"
                                 );
-                                a.load_weights_as(s, bf16).await
+                                a.load_weights_as(s, bf16.as_deref()).await
                             }
                         }
                     }
