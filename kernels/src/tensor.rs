@@ -2,6 +2,8 @@
 //! read-only view of a memory-mapped file), [`TensorSet`] (every tensor of a model, or of its
 //! gradients or optimiser moments, in one layout), and [`WeightSnapshot`] (a model's weights at
 //! one version, as handed from a learner to rollout engines: in-process an `Arc`, no copy).
+//! [`TensorSet::share`] hands out a model's values without copying them: the holder and the
+//! owner then share each tensor's memory, and whichever writes first gets a copy of its own.
 //!
 //! Owns: the types every crate that moves tensors shares (the learner, the engines, the actor
 //! runtime's data plane). Never: knows a model's layout or a file format (the learner does).
@@ -19,13 +21,18 @@ pub struct Tensor {
     pub data: Storage,
 }
 
-/// A tensor's values: its own memory, or a read-only view of a memory-mapped file (a weight
-/// snapshot another process on this host wrote into shared memory, used in place). A view is
-/// copied into memory of its own the first time it is written (`DerefMut`), so a mapping is
-/// never written through.
+/// A tensor's values: its own memory, memory shared with other holders in this process, or a
+/// read-only view of a memory-mapped file (a weight snapshot another process on this host wrote
+/// into shared memory, used in place). Shared values and views are copied into memory of their
+/// own the first time they are written (`DerefMut`) — shared values only while someone else
+/// still holds them — so a holder never sees another's writes and a mapping is never written
+/// through.
 #[derive(Clone)]
 pub enum Storage {
     Owned(Vec<f32>),
+    /// Values held by several tensors of this process (a learner's weights and the engine
+    /// serving them); cloning shares them.
+    Shared(Arc<Vec<f32>>),
     Mapped {
         map: std::sync::Arc<memmap2::Mmap>,
         /// Byte offset of the first value in `map` (a multiple of 4).
@@ -47,9 +54,25 @@ impl Storage {
     /// The mapping this storage views, if it is a view.
     pub fn mapping(&self) -> Option<&std::sync::Arc<memmap2::Mmap>> {
         match self {
-            Storage::Owned(_) => None,
+            Storage::Owned(_) | Storage::Shared(_) => None,
             Storage::Mapped { map, .. } => Some(map),
         }
+    }
+
+    /// Whether `self` and `other` are the same memory (one shared with the other, or views of
+    /// the same bytes): a hand-over that copied nothing.
+    pub fn same_memory(&self, other: &Storage) -> bool {
+        let (a, b) = (self.as_slice(), other.as_slice());
+        std::ptr::eq(a.as_ptr(), b.as_ptr()) && a.len() == b.len()
+    }
+
+    /// Values shared with the returned storage, without a copy: owned values move behind an
+    /// `Arc` first; a view shares its mapping.
+    pub fn share(&mut self) -> Storage {
+        if let Storage::Owned(v) = self {
+            *self = Storage::Shared(Arc::new(std::mem::take(v)));
+        }
+        self.clone()
     }
 
     /// The values.
@@ -66,6 +89,7 @@ impl Storage {
     pub fn into_vec(self) -> Vec<f32> {
         match self {
             Storage::Owned(v) => v,
+            Storage::Shared(v) => Arc::unwrap_or_clone(v),
             mapped => mapped.to_vec(),
         }
     }
@@ -88,6 +112,7 @@ impl std::ops::Deref for Storage {
     fn deref(&self) -> &[f32] {
         match self {
             Storage::Owned(v) => v,
+            Storage::Shared(v) => v,
             Storage::Mapped { map, offset, len } => {
                 let bytes = &map[*offset..*offset + *len * 4];
                 // SAFETY: `Storage::mapped` checked that the range lies in the mapping and is
@@ -101,11 +126,19 @@ impl std::ops::Deref for Storage {
 
 impl std::ops::DerefMut for Storage {
     fn deref_mut(&mut self) -> &mut [f32] {
-        if let Storage::Mapped { .. } = self {
-            *self = Storage::Owned(self.to_vec());
+        // Shared values are written in place once no one else holds them; else (and a view
+        // always) copied first, into huge pages as the weights they usually are.
+        let copy = match self {
+            Storage::Owned(_) => false,
+            Storage::Shared(v) => Arc::get_mut(v).is_none(),
+            Storage::Mapped { .. } => true,
+        };
+        if copy {
+            *self = Storage::Owned(crate::mem::huge_copy(self));
         }
         match self {
             Storage::Owned(v) => v,
+            Storage::Shared(v) => Arc::get_mut(v).expect("held nowhere else").as_mut_slice(),
             Storage::Mapped { .. } => unreachable!("copied out just above"),
         }
     }
@@ -178,6 +211,22 @@ impl TensorSet {
         self.tensors.iter_mut().for_each(|t| t.data.fill(0.0));
     }
 
+    /// The same tensors sharing `self`'s values, without a copy (see [`Storage::share`]):
+    /// a snapshot of weights that keep training, the next write to each going to memory of its
+    /// own while the snapshot is held.
+    pub fn share(&mut self) -> TensorSet {
+        let tensors = self
+            .tensors
+            .iter_mut()
+            .map(|t| Tensor {
+                name: t.name.clone(),
+                shape: t.shape.clone(),
+                data: t.data.share(),
+            })
+            .collect();
+        TensorSet { tensors }
+    }
+
     /// Total number of values.
     pub fn numel(&self) -> usize {
         self.tensors.iter().map(|t| t.data.len()).sum()
@@ -191,4 +240,57 @@ pub struct WeightSnapshot {
     pub version: u64,
     /// The weights, in the model's layout and Hugging Face names.
     pub params: Arc<TensorSet>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn set(values: Vec<f32>) -> TensorSet {
+        TensorSet {
+            tensors: vec![Tensor {
+                name: "w".into(),
+                shape: vec![values.len()],
+                data: values.into(),
+            }],
+        }
+    }
+
+    #[test]
+    fn a_shared_set_copies_nothing_until_one_side_writes_while_the_other_holds_it() {
+        let mut owner = set(vec![1.0, 2.0, 3.0]);
+        let before = owner.tensors[0].data.as_ptr();
+        let held = owner.share();
+        assert_eq!(
+            before,
+            owner.tensors[0].data.as_ptr(),
+            "moved behind the Arc, not copied"
+        );
+        assert!(held.tensors[0].data.same_memory(&owner.tensors[0].data));
+        // A clone of the held set (an engine's Arc::unwrap_or_clone) still shares.
+        let engine = held.clone();
+        assert!(engine.tensors[0].data.same_memory(&owner.tensors[0].data));
+
+        // The owner writes while both hold it: it gets a copy; the holders keep the old values.
+        owner.tensors[0].data[0] = 10.0;
+        assert!(!engine.tensors[0].data.same_memory(&owner.tensors[0].data));
+        assert_eq!(&engine.tensors[0].data[..], &[1.0, 2.0, 3.0]);
+        assert_eq!(&held.tensors[0].data[..], &[1.0, 2.0, 3.0]);
+        assert_eq!(&owner.tensors[0].data[..], &[10.0, 2.0, 3.0]);
+
+        // Shared again; once every holder let go, a write goes in place.
+        let held = owner.share();
+        let at = owner.tensors[0].data.as_ptr();
+        drop(held);
+        owner.tensors[0].data[1] = 20.0;
+        assert_eq!(
+            at,
+            owner.tensors[0].data.as_ptr(),
+            "no copy when no one else holds it"
+        );
+        assert_eq!(
+            owner.tensors[0].data.clone().into_vec(),
+            vec![10.0, 20.0, 3.0]
+        );
+    }
 }

@@ -305,9 +305,10 @@ impl Policy for LocalPolicy {
     }
 
     fn snapshot(&mut self, version: u64) -> Result<WeightSnapshot> {
+        // Shared, not copied: engines in this process serve these very values.
         Ok(WeightSnapshot {
             version,
-            params: Arc::new(self.engine.model()?.params.clone()),
+            params: Arc::new(self.engine.share_weights()?),
         })
     }
 
@@ -475,5 +476,34 @@ impl RoleMaker for LocalRoles {
             opt.load(&d.join("optimizer"))?;
         }
         Ok(Box::new(LocalCritic(CriticTrainer::new(critic, opt))))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use learner::engine::Backend;
+
+    /// The policy hands its weights to engines in this process without a copy, and its next
+    /// step never changes what it handed over.
+    #[test]
+    fn a_snapshot_shares_the_engines_weights_and_keeps_its_values_through_the_next_step() {
+        let model = crate::kinds::rollout::tests::tiny(1);
+        let engine = learner::engine::open(model.clone(), Backend::Native).unwrap();
+        let mut policy = LocalPolicy::new(engine, Vec::new());
+        policy
+            .begin_stage(LrSchedule::constant(1e-2), 1.0, None)
+            .unwrap();
+        let snap = policy.snapshot(1).unwrap();
+        let trained = &policy.engine.model().unwrap().params;
+        for (s, w) in snap.params.tensors.iter().zip(&trained.tensors) {
+            assert!(s.data.same_memory(&w.data), "{} was copied", s.name);
+        }
+        policy.sft_step(&[(vec![1, 2, 3], vec![4, 5, 6])]).unwrap();
+        assert_eq!(
+            *snap.params, model.params,
+            "the step wrote into the snapshot"
+        );
+        assert_ne!(policy.engine.model().unwrap().params, model.params);
     }
 }

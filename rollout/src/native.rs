@@ -100,6 +100,8 @@ enum Cmd {
     ),
     /// New weights; `relabel` allows any version other than the served one.
     Update(WeightSnapshot, bool, Reply<()>),
+    /// The model served now.
+    Served(Reply<Arc<Model>>),
 }
 
 /// A token as a streaming generation sends it.
@@ -373,6 +375,14 @@ impl NativeEngine {
             .map_err(|_| EngineError::Closed)?
     }
 
+    /// The model the engine serves now (its weights are those of the last update, shared with
+    /// the snapshot it came in when that was in this process: a swap copies nothing).
+    pub fn served_blocking(&self) -> Result<Arc<Model>, EngineError> {
+        self.send(Cmd::Served)?
+            .blocking_recv()
+            .map_err(|_| EngineError::Closed)?
+    }
+
     /// As [`InferenceEngine::update_weights`], but with any version: for servers whose clients
     /// own the version labels (vLLM's `update_weight_version` sets any label; a trainer that
     /// restarts pushes its checkpoint's version again).
@@ -612,6 +622,9 @@ impl Worker {
             Cmd::Update(snap, relabel, reply) => {
                 let res = self.swap(snap, relabel);
                 let _ = reply.send(res);
+            }
+            Cmd::Served(reply) => {
+                let _ = reply.send(Ok(Arc::clone(&self.model)));
             }
         }
     }

@@ -435,6 +435,39 @@ fn weight_updates_bump_the_version_and_change_the_model() {
     assert!(matches!(e, EngineError::BadWeights(_)), "{e}");
 }
 
+#[test]
+fn an_update_in_this_process_serves_the_learners_memory_and_never_its_later_writes() {
+    let m = model();
+    let engine = NativeEngine::new(m.clone(), NativeConfig::default());
+    // The learner's weights, shared into the snapshot as `LocalPolicy::snapshot` does.
+    let mut learner = perturbed(&m, 0.3);
+    let snapshot = WeightSnapshot {
+        version: 1,
+        params: Arc::new(learner.share()),
+    };
+    engine.update_weights_blocking(snapshot).unwrap();
+    let served = engine.served_blocking().unwrap();
+    for (s, l) in served.params.tensors.iter().zip(&learner.tensors) {
+        assert!(s.data.same_memory(&l.data), "{} was copied", s.name);
+    }
+    // The learner's next step writes in place: it gets memory of its own, the engine keeps
+    // serving version 1's values.
+    let served_values = perturbed(&m, 0.3);
+    for t in &mut learner.tensors {
+        t.data.iter_mut().for_each(|v| *v *= 0.5);
+    }
+    for ((s, l), want) in served
+        .params
+        .tensors
+        .iter()
+        .zip(&learner.tensors)
+        .zip(&served_values.tensors)
+    {
+        assert!(!s.data.same_memory(&l.data));
+        assert_eq!(s.data, want.data, "{} changed under the engine", s.name);
+    }
+}
+
 fn swap_mid_generation(policy: SwapPolicy) -> Vec<rollout::VersionSpan> {
     // A model big enough that 1000 decode steps take far longer than sending one update.
     let config = learner::ModelConfig::from_json(

@@ -63,6 +63,11 @@ pub trait TrainEngine: Send + Sync {
     /// The weights, on the host (a device engine copies them back when they changed).
     fn model(&mut self) -> Result<&Model>;
 
+    /// The host weights as tensors sharing their memory, not a copy
+    /// ([`kernels::tensor::TensorSet::share`]): a rollout engine in this process serves them as
+    /// they are, and the engine's next step writes to memory of its own while they are held.
+    fn share_weights(&mut self) -> Result<crate::Params>;
+
     /// Starts a new optimiser: drops summed gradients and any moments the engine keeps, so the
     /// next step starts from the host optimiser's state.
     fn reset_optimizer(&mut self);

@@ -86,6 +86,10 @@ impl TrainEngine for NativeTrainer {
         Ok(&self.model)
     }
 
+    fn share_weights(&mut self) -> Result<Params> {
+        Ok(self.model.params.share())
+    }
+
     fn reset_optimizer(&mut self) {
         self.tape = None;
         self.grads.fill_zero();

@@ -100,6 +100,11 @@ impl TrainEngine for PjrtTrainer {
         Ok(&self.host)
     }
 
+    fn share_weights(&mut self) -> Result<crate::Params> {
+        self.model()?;
+        Ok(self.host.params.share())
+    }
+
     fn reset_optimizer(&mut self) {
         self.pending = None;
         self.device.reset_optimizer();

@@ -542,9 +542,11 @@ fn run(
     for s in sinks.iter_mut() {
         records.push(Box::new(&mut **s));
     }
+    // Shared with the learner that trains `model` below: engines in this process start on
+    // these values without a copy.
     let weights = WeightSnapshot {
         version,
-        params: Arc::new(model.params.clone()),
+        params: Arc::new(model.params.share()),
     };
     let stopped = |e: PoolError| match e {
         PoolError::StoppedWaiting => JobError::StoppedWaiting {

@@ -3,7 +3,9 @@
 //! processes on this host, in the same run — each rank's step time against the one engine's,
 //! the all-reduce's rate and share of the step, and the optimiser state a rank keeps with and
 //! without ZeRO-1. On the agents the all-reduce runs each way: through the driver, over TCP
-//! streams between the ranks (as across hosts), and through shared memory between them.
+//! streams between the ranks (as across hosts), and through shared memory between them. And
+//! the hand-over of the one engine's new weights to a native rollout engine in its process:
+//! shared (what `trellis train` does) against one copy, same run.
 //!
 //! Owns: the benchmark's set-up and figures. Never: prints (the binary does).
 
@@ -83,6 +85,20 @@ pub struct LearnerBench {
     pub seq: usize,
     /// Median seconds of one update on one engine in this process.
     pub one_engine_step_s: f64,
+    /// The one engine's new weights to a native rollout engine in its process after each
+    /// update, as the policy hands them over (shared, no copy): median seconds.
+    pub handover_shared_s: f64,
+    /// The same hand-over through one copy of the weights (what it cost before they were
+    /// shared; it copied twice): median seconds.
+    pub handover_copied_s: f64,
+    /// Whether the engine served the learner's very memory after a shared hand-over (checked
+    /// tensor by tensor).
+    pub handover_shares_memory: bool,
+    /// The update after a shared hand-over, while the engine holds the weights (its optimiser
+    /// step writes to memory of its own: copy on write): median seconds.
+    pub step_while_served_s: f64,
+    /// The update after a copied hand-over (its step writes in place): median seconds.
+    pub step_in_place_s: f64,
     /// The ranks as actors in this process without and with ZeRO-1, then on agents on this
     /// host with it, summing through the driver, over streams and through shared memory.
     pub runs: Vec<RankFigures>,
@@ -146,8 +162,56 @@ pub fn run(o: &LearnerBenchOptions) -> Result<LearnerBench, PoolError> {
             times.push(t.elapsed().as_secs_f64());
         }
     }
-    drop(engine);
     let one = median(&times);
+
+    // Hand-overs to a rollout engine in this process, each after an update, as an RL step's.
+    let rollout = rollout::native::NativeEngine::new(
+        model.clone(),
+        rollout::native::NativeConfig {
+            kv_cache_bytes: 1 << 20,
+            ..Default::default()
+        },
+    );
+    let (mut shared, mut copied) = (Vec::new(), Vec::new());
+    let (mut served_steps, mut in_place_steps) = (Vec::new(), Vec::new());
+    let mut shares_memory = true;
+    for i in 1..=2 * o.steps as u64 {
+        let t = Instant::now();
+        learner::algo::policy::update(&mut *engine, &mut opt, batch, &cfg)?;
+        let step_s = t.elapsed().as_secs_f64();
+        let t = Instant::now();
+        let params = if i % 2 == 0 {
+            engine.share_weights()?
+        } else {
+            let mut p = engine.model()?.params.clone();
+            p.tensors
+                .iter_mut()
+                .for_each(|t| t.data = t.data.to_vec().into());
+            p
+        };
+        rollout.update_weights_blocking(WeightSnapshot {
+            version: i,
+            params: Arc::new(params),
+        })?;
+        let handover_s = t.elapsed().as_secs_f64();
+        if i % 2 == 0 {
+            // This update followed a copied hand-over.
+            in_place_steps.push(step_s);
+            shared.push(handover_s);
+            let served = rollout.served_blocking()?;
+            let trained = &engine.model()?.params;
+            shares_memory &= (served.params.tensors.iter())
+                .zip(&trained.tensors)
+                .all(|(s, t)| s.data.same_memory(&t.data));
+        } else {
+            copied.push(handover_s);
+            // This update followed a shared hand-over (or, the first, none).
+            if i > 1 {
+                served_steps.push(step_s);
+            }
+        }
+    }
+    drop((engine, rollout));
 
     let weights = WeightSnapshot {
         version: 0,
@@ -266,6 +330,11 @@ pub fn run(o: &LearnerBenchOptions) -> Result<LearnerBench, PoolError> {
         batch: o.batch,
         seq: o.seq,
         one_engine_step_s: one,
+        handover_shared_s: median(&shared),
+        handover_copied_s: median(&copied),
+        handover_shares_memory: shares_memory,
+        step_while_served_s: median(&served_steps),
+        step_in_place_s: median(&in_place_steps),
         runs,
     })
 }

@@ -825,11 +825,12 @@ impl LearnerPool {
         Ok(())
     }
 
-    /// The weights, as `version`.
+    /// The weights, as `version` (each tensor shared: engines in this process take them as
+    /// they are while the pool keeps the snapshot for restarts).
     pub fn snapshot(&mut self, version: u64) -> Result<WeightSnapshot> {
         Ok(WeightSnapshot {
             version,
-            params: Arc::new(self.weights()?),
+            params: Arc::new(self.weights()?.share()),
         })
     }
 

@@ -476,6 +476,18 @@ fn bench_learners(
         "  one engine in this process     step {:.3} s (median of {steps})",
         b.one_engine_step_s
     );
+    println!(
+        "  weights to a rollout engine in this process: shared {:.4} s ({}), one copy {:.4} s; the next update while it serves them {:.3} s (copy on write), after a copy {:.3} s",
+        b.handover_shared_s,
+        if b.handover_shares_memory {
+            "same memory"
+        } else {
+            "COPIED"
+        },
+        b.handover_copied_s,
+        b.step_while_served_s,
+        b.step_in_place_s
+    );
     for r in &b.runs {
         let sum = match r.allreduce {
             orchestrator::plan::AllReduce::Ranks => "ranks sum",
