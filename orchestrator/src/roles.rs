@@ -10,7 +10,7 @@
 
 use crate::pools::PoolError;
 use crate::pools::learner::LearnerPool;
-use crate::pools::rollout::RolloutPool;
+use crate::pools::rollout::{Pulls, RolloutPool};
 use kernels::matmul::Precision;
 use kernels::tensor::WeightSnapshot;
 use learner::algo::TokenRows;
@@ -124,12 +124,12 @@ pub trait Rollouts: Send + Sync {
     fn generate(&self, reqs: Vec<GenerateRequest>) -> Result<Vec<Completion>>;
 
     /// Swaps in new weights before returning: no generation sees two versions. Engines on
-    /// agents read them from `source` (the learner ranks) when given; returns how many did.
+    /// agents take them from `source` (the learner ranks) when given; returns how many did.
     fn update_weights(
         &self,
         snapshot: WeightSnapshot,
         source: Option<actors::exchange::Source>,
-    ) -> Result<usize>;
+    ) -> Result<Pulls>;
 
     /// Where each engine runs.
     fn locations(&self) -> Vec<String>;
@@ -147,7 +147,7 @@ impl Rollouts for RolloutPool {
         &self,
         snapshot: WeightSnapshot,
         source: Option<actors::exchange::Source>,
-    ) -> Result<usize> {
+    ) -> Result<Pulls> {
         Ok(RolloutPool::update_weights_from(self, snapshot, source)?)
     }
 
@@ -438,6 +438,7 @@ impl RoleMaker for RankRoles {
             allreduce: self.allreduce,
             precision: self.precision,
             role: crate::kinds::learner::RankRole::Critic,
+            beside: None,
         })?;
         pool.begin_stage(LrSchedule::constant(lr), grad_clip, saved.as_deref())?;
         Ok(Box::new(pool))

@@ -260,8 +260,8 @@ fn learner_ranks_on_two_agents_train_as_in_process_ones_and_recover_from_a_kille
     drop(only);
 
     // Over TCP streams between the agents, as ranks on two hosts sum; the rollout engine on
-    // an agent too, reading every new version of the weights from the ranks' outboxes (each
-    // rank serving its shard) instead of from the driver.
+    // an agent too, taking every new version of the weights from the ranks (each rank serving
+    // its shard, or the rank in its own process) instead of from the driver.
     let streams = [
         &args[..],
         &["-o", "pools.learner.allreduce=streams"],
@@ -280,10 +280,15 @@ fn learner_ranks_on_two_agents_train_as_in_process_ones_and_recover_from_a_kille
     );
     assert_eq!(metric_rows(&dir.join("run")), reference);
     let rows = std::fs::read_to_string(dir.join("run/metrics.jsonl")).unwrap();
+    // The engine shares an agent with a rank: it takes the weights from that rank's memory
+    // (`beside`) where it can, else reads them from the ranks' outboxes.
     let from_ranks = rows
         .lines()
         .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
-        .filter(|r| r["perf/weight_sync_from_ranks"].as_f64() == Some(1.0))
+        .filter(|r| {
+            let took = |k: &str| r[k].as_f64().unwrap_or(0.0);
+            took("perf/weight_sync_from_ranks") + took("perf/weight_sync_beside") == 1.0
+        })
         .count();
     let trained = reference
         .iter()
@@ -291,7 +296,59 @@ fn learner_ranks_on_two_agents_train_as_in_process_ones_and_recover_from_a_kille
         .count();
     assert_eq!(
         from_ranks, trained,
-        "after every update the engine read the weights from the ranks"
+        "after every update the engine took the weights from the ranks"
+    );
+    std::fs::remove_dir_all(dir.join("run")).unwrap();
+
+    // Colocated: two engines, each in the agent process of a rank (the pairs spread over the
+    // agents), taking every new version from that rank's memory — shared, nothing read.
+    let colocated = [
+        &args[..],
+        &["-o", "pools.rollout.count=2"],
+        &["-o", "pools.rollout.placement=colocate"],
+    ]
+    .concat();
+    let (mut train, url, lines) = train_on_agents(&dir, &token, &colocated);
+    let _a1 = agent(&url, &token, "a1");
+    let _a2 = agent(&url, &token, "a2");
+    let said = wait_ok(&mut train, &lines);
+    let where_ = |prefix: &str| {
+        let line = said.iter().find_map(|l| l.strip_prefix(prefix));
+        line.unwrap_or_else(|| panic!("no `{prefix}` line:\n{}", said.join("\n")))
+    };
+    let engines = where_("rollout pool: ");
+    assert!(
+        engines == where_("learner ranks: ") && (engines == "a1, a2" || engines == "a2, a1"),
+        "engine i beside rank i, a pair on each agent:\n{}",
+        said.join("\n")
+    );
+    // Two engines batch the prompts otherwise than one: their log-probs (so the gap to the
+    // learner's) differ in the last bits; the rest is equal.
+    let engines_aside = |rows: Vec<serde_json::Value>, engines: f64| -> Vec<serde_json::Value> {
+        rows.into_iter()
+            .map(|mut r| {
+                let r_ = r.as_object_mut().unwrap();
+                if let Some(n) = r_.remove("rollout/engines") {
+                    assert_eq!(n.as_f64(), Some(engines));
+                }
+                r_.retain(|k, _| !k.starts_with("rollout/logprob_diff"));
+                r
+            })
+            .collect()
+    };
+    assert_eq!(
+        engines_aside(metric_rows(&dir.join("run")), 2.0),
+        engines_aside(reference.clone(), 1.0)
+    );
+    let rows = std::fs::read_to_string(dir.join("run/metrics.jsonl")).unwrap();
+    let beside = rows
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|r| r["perf/weight_sync_beside"].as_f64() == Some(2.0))
+        .count();
+    assert_eq!(
+        beside, trained,
+        "after every update both engines took the weights from the rank beside them"
     );
     std::fs::remove_dir_all(dir.join("run")).unwrap();
 

@@ -245,7 +245,8 @@ pub(crate) struct StepCx<'s, 'a> {
 /// The policy's weights to the rollout engines as the next version (`version` advances):
 /// engines on agents read them from the learner ranks where the policy has ranks on agents.
 /// Returns the seconds it took and its metrics (`perf/weight_sync_from_ranks`: engines that
-/// read the weights from the ranks themselves).
+/// read the weights from the ranks themselves; `perf/weight_sync_beside`: engines that took
+/// them, shared, from a rank in their own process).
 pub(super) fn push_weights(
     policy: &mut dyn Policy,
     rollouts: &dyn Rollouts,
@@ -254,10 +255,16 @@ pub(super) fn push_weights(
     let t = Instant::now();
     *version += 1;
     let snapshot = policy.snapshot(*version)?;
-    let from_ranks = rollouts.update_weights(snapshot, policy.weight_source())?;
+    let pulls = rollouts.update_weights(snapshot, policy.weight_source())?;
     let mut metrics = Metrics::new();
-    if from_ranks > 0 {
-        metrics.insert("perf/weight_sync_from_ranks".into(), from_ranks as f64);
+    if pulls.from_ranks > 0 {
+        metrics.insert(
+            "perf/weight_sync_from_ranks".into(),
+            pulls.from_ranks as f64,
+        );
+    }
+    if pulls.beside > 0 {
+        metrics.insert("perf/weight_sync_beside".into(), pulls.beside as f64);
     }
     Ok((t.elapsed().as_secs_f64(), metrics))
 }

@@ -558,19 +558,33 @@ fn run(
     // starts: a placement that cannot be met is refused naming what is missing, with nothing
     // started.
     let mut specs = Vec::new();
+    // Colocated engines and ranks are placed in pairs, each pair on one agent.
+    let pair = |mut spec: actors::PoolSpec| {
+        if plan.rollout.colocated {
+            spec.colocate = Some("policy".into());
+        }
+        spec
+    };
     if let Placement::Agents(s) = plan.rollout.placement {
         let device = plan.rollout.device();
-        specs.push(agent_spec(
+        let count = plan.rollout.count;
+        specs.push(pair(agent_spec(
             "rollout",
             RolloutActor::KIND,
-            plan.rollout.count,
+            count,
             device,
             s,
-        ));
+        )));
     }
     if let Placement::Agents(s) = plan.learner.placement {
         let (count, device) = (plan.learner.count, plan.learner.device);
-        specs.push(agent_spec("learner", LearnerActor::KIND, count, device, s));
+        specs.push(pair(agent_spec(
+            "learner",
+            LearnerActor::KIND,
+            count,
+            device,
+            s,
+        )));
         // PPO's critic trains on as many ranks, beside the policy's.
         let ppo = plan
             .stages
@@ -604,6 +618,11 @@ fn run(
         *listen = m.address();
     }
     let pools_cluster = meeting.as_ref().map(Meeting::cluster);
+    // Colocated engines and ranks start in pairs on the agents the placement gives each pair.
+    let pairs = match (&meeting, plan.rollout.colocated) {
+        (Some(m), true) => Some(m.pairs(&specs)?),
+        _ => None,
+    };
     let pool = {
         let mut note = |text: &str| {
             let _ = records.event(Event::Note { text, always: true });
@@ -618,6 +637,7 @@ fn run(
             needs_processed: plan.trains_on_engine_logprobs(),
             note: &mut note,
             agent: plan.agent_setup(model.config.max_position_embeddings),
+            beside: pairs.clone(),
         })
         .map_err(stopped)?
     };
@@ -640,6 +660,8 @@ fn run(
             allreduce: plan.learner.allreduce,
             precision: plan.learner.precision,
             role: RankRole::Policy,
+            // Colocated: rank i in the process of engine i.
+            beside: pairs,
         })
         .map_err(stopped)?;
         tracing::info!(

@@ -17,6 +17,10 @@
 //! A rank counts the optimiser steps it has applied, and every request says how many the
 //! driver expects: a rank that restarted (its weights back to the pool's first ones, its
 //! optimiser gone) refuses instead of training from the wrong weights.
+//!
+//! A policy rank in a group is findable in its process by the group's key
+//! ([`weights_beside`]): a rollout engine in the same agent process (`placement: colocate`)
+//! takes its new weights from there — shared, neither read nor copied.
 
 use actors::exchange::{Group, Member, Outbox, OutboxAddress, Reach};
 use actors::{Actor, CallError, Token};
@@ -30,7 +34,40 @@ use learner::optim::{LrSchedule, Optimizer, StepReport};
 use learner::{Model, ModelConfig, Params, wire};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
+
+/// A rank's state (taken out while a call runs), where a rollout engine in its process can
+/// find it between calls.
+type RankState = Mutex<Option<Rank>>;
+type RankCell = Arc<RankState>;
+
+/// The policy ranks of this process by their group's key.
+static BESIDE: Mutex<Vec<(String, Weak<RankState>)>> = Mutex::new(Vec::new());
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// The weights of a policy rank of the group `key` in this process, sharing its memory (no
+/// copy; the rank's next step writes to memory of its own while they are held). `None` when no
+/// such rank lives here, or it is busy with a call (the driver asks only between steps).
+pub(crate) fn weights_beside(key: &str) -> Option<Params> {
+    let ranks: Vec<RankCell> = {
+        let mut all = lock(&BESIDE);
+        all.retain(|(_, rank)| rank.strong_count() > 0);
+        all.iter()
+            .filter(|(k, _)| k == key)
+            .filter_map(|(_, rank)| rank.upgrade())
+            .collect()
+    };
+    ranks.iter().find_map(|rank| match lock(rank).as_mut() {
+        Some(Rank {
+            trainee: Trainee::Policy(engine),
+            ..
+        }) => engine.share_weights().ok(),
+        _ => None,
+    })
+}
 
 /// How a learner rank starts: the model's shape and what it trains (its weights arrive by
 /// `load_weights`).
@@ -336,7 +373,8 @@ pub struct LearnerActor {
     config: ModelConfig,
     role: RankRole,
     precision: kernels::matmul::Precision,
-    rank: Option<Rank>,
+    /// Taken out while a call runs.
+    rank: RankCell,
 }
 
 impl Actor for LearnerActor {
@@ -402,15 +440,19 @@ impl Actor for LearnerActor {
             config,
             role: start.role,
             precision: start.precision,
-            rank: None,
+            rank: RankCell::default(),
         })
     }
 
     async fn handle(&mut self, request: LearnerRequest) -> Result<LearnerResponse, CallError> {
-        let mut rank = self
-            .rank
+        let mut rank = lock(&self.rank)
             .take()
             .ok_or("no weights yet: push a snapshot before training")?;
+        // A policy rank joining a group can be found by a rollout engine beside it.
+        let joins = match (&request.op, self.role) {
+            (LearnerOp::Join { key, .. }, RankRole::Policy) => Some(key.clone()),
+            _ => None,
+        };
         // Training is long and CPU-bound: off the runtime's threads, the state moved there and
         // back (a panic kills the actor, as in a handler).
         let (rank, answer) = tokio::task::spawn_blocking(move || {
@@ -422,7 +464,10 @@ impl Actor for LearnerActor {
             Ok(panic) => std::panic::resume_unwind(panic),
             Err(e) => CallError::fatal(format!("learner rank: {e}")),
         })?;
-        self.rank = Some(rank);
+        *lock(&self.rank) = Some(rank);
+        if let (Some(key), Ok(_)) = (joins, &answer) {
+            lock(&BESIDE).push((key, Arc::downgrade(&self.rank)));
+        }
         answer
     }
 
@@ -449,8 +494,9 @@ impl Actor for LearnerActor {
             }
         };
         // A rank's group outlives new weights.
-        let exchange = self.rank.take().map(|r| r.exchange).unwrap_or_default();
-        self.rank = Some(Rank {
+        let mut slot = lock(&self.rank);
+        let exchange = slot.take().map(|r| r.exchange).unwrap_or_default();
+        *slot = Some(Rank {
             trainee,
             opt: None,
             shard_offset: None,

@@ -55,10 +55,11 @@ pub enum RolloutRequest {
     /// Generate completions (ordered by request, then sample); a request with an episode is
     /// played here, every turn beside the engine.
     Generate(Vec<GenerateRequest>),
-    /// Serve weights `version`, read from the learner ranks' outboxes (each rank's shard from
-    /// its rank: mapped on this host, streamed with CRC-32C checks from others), in the layout
-    /// of the weights served now; `content_crc` ([`actors::snapshot::content_crc`]) must match
-    /// what arrived, or nothing is swapped in.
+    /// Serve weights `version`: a learner rank's of the group in this process, shared; else
+    /// read from the learner ranks' outboxes (each rank's shard from its rank: mapped on this
+    /// host, streamed with CRC-32C checks from others), in the layout of the weights served
+    /// now. `content_crc` ([`actors::snapshot::content_crc`]) must match what was found, or
+    /// nothing is swapped in.
     Pull {
         version: u64,
         source: actors::exchange::Source,
@@ -73,6 +74,9 @@ pub enum RolloutResponse {
     Completions(Vec<Completion>),
     /// A `Pull`'s weights are served.
     Pulled,
+    /// A `Pull`'s weights are served, taken from a learner rank in this process: the engine
+    /// serves the rank's very memory (no copy, nothing read).
+    Beside,
 }
 
 /// An inference engine as an actor.
@@ -134,6 +138,22 @@ impl Actor for RolloutActor {
                 // A retried pull whose version a restart hook already delivered.
                 if engine.weight_version() == version {
                     return Ok(RolloutResponse::Pulled);
+                }
+                // A rank of the group in this process (`placement: colocate`): its weights as
+                // they are, when they are the learner's.
+                if let Some(params) = crate::kinds::learner::weights_beside(&source.key) {
+                    let crc = actors::snapshot::content_crc(&params);
+                    if crc == content_crc {
+                        self.load_weights(WeightSnapshot {
+                            version,
+                            params: Arc::new(params),
+                        })
+                        .await?;
+                        return Ok(RolloutResponse::Beside);
+                    }
+                    tracing::warn!(
+                        "the learner rank beside this engine holds weights of CRC-32C {crc:#010x}, the learner's are {content_crc:#010x}: reading them from the ranks"
+                    );
                 }
                 // The model's tensors in layout order, as the learner's flat values are laid.
                 let (_, specs) = learner::params::Layout::new(&self.config);

@@ -39,8 +39,9 @@ pub(super) fn plan(mut spec: Workflow, origin: &str) -> Result<Plan, PlanError> 
     checkpoint_folder(&spec, &e)?;
     let (tokenizer, tokenizer_json) = tokenizer(&spec, &e)?;
     let source = model_source(&spec, &tokenizer, &e)?;
-    let rollout = rollout(&spec.pools.rollout, &e)?;
-    let learner = learner(&spec.pools.learner, &e)?;
+    let mut rollout = rollout(&spec.pools.rollout, &e)?;
+    let mut learner = learner(&spec.pools.learner, &e)?;
+    colocation(&spec.pools, &mut rollout, &mut learner, &e)?;
     let wants_chat = spec
         .stages
         .iter()
@@ -319,6 +320,8 @@ fn placement(p: schema::Placement) -> Placement {
         schema::Placement::Local => Placement::Local,
         schema::Placement::Pack => Placement::Agents(Strategy::Pack),
         schema::Placement::Spread => Placement::Agents(Strategy::Spread),
+        // The strategy is the other pool's, set once both are known (`colocation`).
+        schema::Placement::Colocate => Placement::Agents(Strategy::Spread),
     }
 }
 
@@ -468,6 +471,7 @@ fn rollout(p: &schema::Pool, e: &Errs<'_>) -> Result<RolloutPlan, PlanError> {
                 api_key,
             }),
             placement: Placement::Local,
+            colocated: false,
         });
     }
     if p.engine == Engine::Pjrt && p.weights_dtype == Some(learner::params::WeightDtype::Bf16) {
@@ -535,7 +539,57 @@ fn rollout(p: &schema::Pool, e: &Errs<'_>) -> Result<RolloutPlan, PlanError> {
         count: p.count,
         engine,
         placement: placement(p.placement),
+        colocated: false,
     })
+}
+
+/// `placement: colocate` on either pool: rollout engine `i` in the agent process of learner
+/// rank `i`, both pools placed by the other's strategy (`spread` when both say `colocate`).
+fn colocation(
+    pools: &schema::Pools,
+    rollout: &mut RolloutPlan,
+    learner: &mut LearnerPlan,
+    e: &Errs<'_>,
+) -> Result<(), PlanError> {
+    use schema::Placement::{Colocate, Local};
+    let (r, l) = (pools.rollout.placement, pools.learner.placement);
+    let field = match (r, l) {
+        (Colocate, _) => "pools.rollout.placement",
+        (_, Colocate) => "pools.learner.placement",
+        _ => return Ok(()),
+    };
+    if r == Local || l == Local {
+        let other = if r == Local { "rollout" } else { "learner" };
+        return Err(e.at(
+            field,
+            format!(
+                "`colocate` runs rollout engine i in the agent process of learner rank i, but pools.{other}.placement is `local`: put it on agents too (pack, spread or colocate)"
+            ),
+        ));
+    }
+    if rollout.count != learner.count {
+        return Err(e.at(
+            field,
+            format!(
+                "`colocate` pairs rollout engine i with learner rank i, but pools.rollout.count is {} and pools.learner.count {}: make them equal",
+                rollout.count, learner.count
+            ),
+        ));
+    }
+    if learner.allreduce == AllReduce::Driver {
+        return Err(e.at(
+            field,
+            "`colocate` engines take the weights from the learner ranks' group, and pools.learner.allreduce: driver forms none: use ranks or streams",
+        ));
+    }
+    // Each pool by the other's strategy; both `colocate`: spread.
+    match (r, l) {
+        (Colocate, Colocate) => {}
+        (Colocate, _) => rollout.placement = learner.placement,
+        _ => learner.placement = rollout.placement,
+    }
+    rollout.colocated = true;
+    Ok(())
 }
 
 fn learner(p: &schema::Pool, e: &Errs<'_>) -> Result<LearnerPlan, PlanError> {
@@ -620,6 +674,7 @@ fn placement_name(p: schema::Placement) -> &'static str {
         schema::Placement::Local => "local",
         schema::Placement::Pack => "pack",
         schema::Placement::Spread => "spread",
+        schema::Placement::Colocate => "colocate",
     }
 }
 

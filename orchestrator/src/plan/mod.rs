@@ -98,6 +98,9 @@ pub struct RolloutPlan {
     pub engine: RolloutEngine,
     /// Where the engines' actors run (external engines run where their endpoints are).
     pub placement: Placement,
+    /// Engine `i` runs in the agent process of learner rank `i` (`placement: colocate`), and
+    /// takes each update from that rank's memory.
+    pub colocated: bool,
 }
 
 /// A rollout engine.

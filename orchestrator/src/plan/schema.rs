@@ -134,6 +134,10 @@ pub enum Placement {
     Pack,
     /// On registered agents, one per agent first.
     Spread,
+    /// On registered agents, rollout engine `i` in the agent process of learner rank `i`
+    /// (placed by the other pool's `pack` or `spread`; `spread` when both say `colocate`):
+    /// the engine then takes each update from the rank's memory, no copy.
+    Colocate,
 }
 
 /// One pool.
@@ -155,7 +159,9 @@ pub struct Pool {
     #[serde(default = "default_engine")]
     pub engine: Engine,
     /// `local` (in the driver process), or on registered agents (`trellis agent`): `pack` (fewest
-    /// agents) or `spread` (one per agent first). Agents need `trellis train --listen`.
+    /// agents), `spread` (one per agent first) or `colocate` (the rollout and learner pools'
+    /// actors in pairs, engine `i` in the process of learner rank `i`). Agents need `trellis
+    /// train --listen`.
     #[serde(default = "default_placement")]
     pub placement: Placement,
     /// Base URLs of the external engines (`http://host:port` or `https://host:port`), one

@@ -62,6 +62,11 @@ fn a_learner_count_is_ranks_on_native_and_devices_on_pjrt() {
         ("pools: {learner: {placement: spread}}\n", 1, true),
         ("pools: {learner: {engine: pjrt, count: 4}}\n", 4, false),
         ("pools: {learner: {engine: pjrt}}\n", 1, false),
+        (
+            "pools: {learner: {placement: colocate}, rollout: {placement: spread}}\n",
+            1,
+            true,
+        ),
     ] {
         let plan = parse(&format!("{pools}{BASE}"), "t.yaml", &[]).unwrap();
         assert_eq!(
@@ -70,6 +75,38 @@ fn a_learner_count_is_ranks_on_native_and_devices_on_pjrt() {
             "{pools}"
         );
     }
+}
+
+/// `colocate` pairs the pools, each placed by the other's strategy (`spread` when both say it).
+#[test]
+fn colocated_pools_take_the_other_pools_strategy() {
+    use actors::Strategy::{Pack, Spread};
+    for (pools, strategy) in [
+        (
+            "{rollout: {placement: colocate, count: 2}, learner: {placement: pack, count: 2}}",
+            Pack,
+        ),
+        (
+            "{rollout: {placement: pack}, learner: {placement: colocate}}",
+            Pack,
+        ),
+        (
+            "{rollout: {placement: colocate}, learner: {placement: colocate}}",
+            Spread,
+        ),
+    ] {
+        let plan = parse(&format!("pools: {pools}\n{BASE}"), "t.yaml", &[]).unwrap();
+        assert!(plan.rollout.colocated, "{pools}");
+        for placement in [plan.rollout.placement, plan.learner.placement] {
+            assert_eq!(placement, Placement::Agents(strategy), "{pools}");
+        }
+    }
+    let plan = parse(
+        &format!("pools: {{rollout: {{placement: spread}}}}\n{BASE}"),
+        "t.yaml",
+        &[],
+    );
+    assert!(!plan.unwrap().rollout.colocated);
 }
 
 #[test]
@@ -345,6 +382,26 @@ fn bad_workflows_get_messages_that_say_where_and_why() {
             "stages:\n",
             "pools: {learner: {engine: pjrt, placement: spread}}\nstages:\n",
             "t.yaml: pools.learner.placement: `spread` cannot be placed: the pjrt learner trains in the driver process (placement: local), data-parallel over `count` devices of its plugin; engine: native ranks run on agents",
+        ),
+        (
+            "stages:\n",
+            "pools: {rollout: {placement: colocate}}\nstages:\n",
+            "t.yaml: pools.rollout.placement: `colocate` runs rollout engine i in the agent process of learner rank i, but pools.learner.placement is `local`: put it on agents too (pack, spread or colocate)",
+        ),
+        (
+            "stages:\n",
+            "pools: {rollout: {placement: colocate}, learner: {count: 2, placement: spread}}\nstages:\n",
+            "t.yaml: pools.rollout.placement: `colocate` pairs rollout engine i with learner rank i, but pools.rollout.count is 1 and pools.learner.count 2: make them equal",
+        ),
+        (
+            "stages:\n",
+            "pools: {learner: {placement: colocate, allreduce: driver}, rollout: {placement: pack}}\nstages:\n",
+            "t.yaml: pools.learner.placement: `colocate` engines take the weights from the learner ranks' group, and pools.learner.allreduce: driver forms none: use ranks or streams",
+        ),
+        (
+            "stages:\n",
+            "pools: {learner: {engine: pjrt, placement: colocate}, rollout: {placement: spread}}\nstages:\n",
+            "t.yaml: pools.learner.placement: `colocate` cannot be placed: the pjrt learner trains in the driver process (placement: local), data-parallel over `count` devices of its plugin; engine: native ranks run on agents",
         ),
         (
             "stages:\n",

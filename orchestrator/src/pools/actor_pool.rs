@@ -36,6 +36,10 @@ pub struct PoolShape<'a, A: Actor> {
     pub note: &'a mut dyn FnMut(&str),
     /// Told the name of every actor that restarts, before it gets the pool's weights back.
     pub on_restart: Option<OnRestart>,
+    /// On agents: the agent (its id) each actor starts on, by index — beside another pool's
+    /// actors (`placement: colocate`); `None`: wherever the placement's strategy puts them.
+    /// A restart goes wherever there is room.
+    pub beside: Option<&'a [String]>,
 }
 
 /// A pool of supervised actors of kind `A` that take weights.
@@ -106,6 +110,24 @@ impl<A: Actor> ActorPool<A> {
                     }
                     ClusterHead::Shared(head) => (head.clone(), None),
                 };
+                if let Some(agents) = shape.beside {
+                    let mut actors = Vec::with_capacity(count);
+                    for (i, agent) in agents.iter().enumerate().take(count) {
+                        let demand = actors::Demand::new(A::KIND, shape.device, 1);
+                        let name = format!("{}-{i}", shape.name);
+                        let config = (shape.config)(i);
+                        let (agent, options) = (Some(agent.clone()), options.clone());
+                        actors.push(head.spawn_at(&name, config, demand, agent, options).await?);
+                    }
+                    for a in &actors {
+                        retry(a, || a.load_weights(weights.clone())).await?;
+                    }
+                    return Ok(Self {
+                        actors,
+                        head: owned,
+                        current,
+                    });
+                }
                 let deadline = Instant::now() + cluster.wait;
                 loop {
                     match head.place(std::slice::from_ref(&spec)) {

@@ -291,6 +291,7 @@ pub fn run(o: &LearnerBenchOptions) -> Result<LearnerBench, PoolError> {
             allreduce,
             precision: kernels::matmul::Precision::F32,
             role: crate::kinds::learner::RankRole::Policy,
+            beside: None,
         })?;
         pool.begin_stage(schedule, 1.0, None)?;
         let (mut steps, mut reduces, mut reads) = (Vec::new(), Vec::new(), Vec::new());

@@ -76,6 +76,10 @@ pub struct LearnerStart<'a> {
     pub precision: kernels::matmul::Precision,
     /// The policy, or PPO's critic (its weights: the trunk's tensors, then the value head's).
     pub role: RankRole,
+    /// On agents: the agent (its id) each rank starts on — beside the rollout engine of its
+    /// index (`placement: colocate`), which then takes the rank's weights without a copy.
+    /// The ranks then form a group even when there is one, so that engines read from them.
+    pub beside: Option<Vec<String>>,
 }
 
 /// The policy as data-parallel learner actors.
@@ -160,6 +164,7 @@ impl LearnerPool {
                     stop: start.stop,
                     note: start.note,
                     on_restart: Some(Arc::new(move |name: &str| lock(&told).push(name.into()))),
+                    beside: start.beside.as_deref(),
                 },
                 start.weights,
             ))
@@ -189,7 +194,7 @@ impl LearnerPool {
             AllReduce::Streams => Some(Reach::Streams),
             AllReduce::Driver => None,
         };
-        if let Some(reach) = reach.filter(|_| start.count > 1) {
+        if let Some(reach) = reach.filter(|_| start.count > 1 || start.beside.is_some()) {
             me.form_group(
                 split,
                 reach,

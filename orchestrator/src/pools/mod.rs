@@ -203,6 +203,17 @@ impl Meeting {
         }
     }
 
+    /// The agent (its id) of each pair of `specs`' colocated pools (`placement: colocate`), by
+    /// index, as the placement puts them now: where both pools then start their actors.
+    pub fn pairs(&self, specs: &[PoolSpec]) -> Result<Vec<String>, PoolError> {
+        let mut placed = self.head.place(specs)?;
+        placed.retain(|a| {
+            Some(&a.pool) == specs.iter().find(|s| s.colocate.is_some()).map(|s| &s.name)
+        });
+        placed.sort_by_key(|a| a.index);
+        Ok(placed.into_iter().map(|a| a.agent).collect())
+    }
+
     /// Where agents register.
     pub fn address(&self) -> SocketAddr {
         self.head.address()

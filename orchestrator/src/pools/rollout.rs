@@ -27,6 +27,7 @@ use rollout::external::{Api, ExternalConfig, ExternalEngine, Load, WeightFolders
 use rollout::router::{Router, Weights};
 use rollout::{Completion, EngineError, GenerateRequest};
 use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -53,10 +54,9 @@ impl Member {
             Self::Actor(a) => {
                 match retry(a, || a.call(RolloutRequest::Generate(reqs.clone()))).await? {
                     RolloutResponse::Completions(c) => Ok(c),
-                    RolloutResponse::Pulled => Err(PoolError::Runtime(format!(
-                        "{} answered a generation with no completions",
-                        a.name()
-                    ))),
+                    RolloutResponse::Pulled | RolloutResponse::Beside => Err(PoolError::Runtime(
+                        format!("{} answered a generation with no completions", a.name()),
+                    )),
                 }
             }
             // An episode's turns run here, beside the server's client.
@@ -88,6 +88,9 @@ pub struct PoolStart<'a> {
     pub note: &'a mut dyn FnMut(&str),
     /// How the engines' side plays episodes, when a stage has an environment.
     pub agent: Option<AgentSetup>,
+    /// On agents: the agent (its id) each engine starts on, by index (`placement: colocate`:
+    /// the agents of the engine–rank pairs); `None`: wherever the placement puts them.
+    pub beside: Option<Vec<String>>,
 }
 
 /// The rollout engines of a job, and the router that spreads prompts over them.
@@ -103,6 +106,15 @@ pub struct RolloutPool {
     /// Native engines serving bf16: the tensors they read only rounded (sent as bf16 where a
     /// push is streamed to another host).
     bf16: Option<Arc<[bool]>>,
+}
+
+/// How the rollout actors took a weight update other than by being sent it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Pulls {
+    /// Read from the learner ranks' outboxes.
+    pub from_ranks: usize,
+    /// Taken from a learner rank in the actor's own process, shared (`placement: colocate`).
+    pub beside: usize,
 }
 
 impl RolloutPool {
@@ -261,6 +273,7 @@ impl RolloutPool {
                 stop: start.stop,
                 note: start.note,
                 on_restart: None,
+                beside: start.beside.as_deref(),
             },
             start.weights,
         ))?;
@@ -477,12 +490,12 @@ impl RolloutPool {
     /// [`RolloutPool::update_weights`], but actors on agents read the weights from `source`
     /// (the learner ranks' outboxes, each rank serving its shard) instead of being sent
     /// `snapshot` — which stays what a restarted actor gets, and what the others are handed.
-    /// Returns how many actors read from `source`.
+    /// Returns how many actors took them from `source`.
     pub fn update_weights_from(
         &self,
         snapshot: WeightSnapshot,
         source: Option<actors::exchange::Source>,
-    ) -> Result<usize, PoolError> {
+    ) -> Result<Pulls, PoolError> {
         if let Some(pool) = &self.actors {
             let remote = |a: &ActorRef<RolloutActor>| a.agent_host().is_some();
             // What a pull needs (its source and the content CRC the read must match), when some
@@ -491,7 +504,7 @@ impl RolloutPool {
                 .filter(|_| pool.actors().iter().any(remote))
                 .map(|s| (s, actors::snapshot::content_crc(&snapshot.params)));
             let version = snapshot.version;
-            let pulled = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+            let pulled: Arc<[AtomicUsize; 2]> = Arc::default();
             let counted = Arc::clone(&pulled);
             let bf16 = self.bf16.clone();
             self.rt.block_on(pool.push_with(
@@ -509,8 +522,9 @@ impl RolloutPool {
                             content_crc: crc,
                         };
                         match a.call(pull).await {
-                            Ok(_) => {
-                                counted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                            Ok(answer) => {
+                                let beside = matches!(answer, RolloutResponse::Beside);
+                                counted[usize::from(beside)].fetch_add(1, Ordering::Relaxed);
                                 Ok(())
                             }
                             // A rank lost meanwhile (its agent killed), a link that broke: the
@@ -527,10 +541,13 @@ impl RolloutPool {
                     }
                 },
             ))?;
-            return Ok(pulled.load(std::sync::atomic::Ordering::Relaxed));
+            return Ok(Pulls {
+                from_ranks: pulled[0].load(Ordering::Relaxed),
+                beside: pulled[1].load(Ordering::Relaxed),
+            });
         }
         let Some(x) = &self.external else {
-            return Ok(0);
+            return Ok(Pulls::default());
         };
         let probe = x.publish(&snapshot)?;
         let up: Vec<bool> = lock(&self.down).iter().map(Option::is_none).collect();
@@ -557,7 +574,7 @@ impl RolloutPool {
             }
         }
         tracing::debug!(version = snapshot.version, "weights pushed");
-        Ok(0)
+        Ok(Pulls::default())
     }
 }
 
@@ -609,6 +626,7 @@ mod tests {
             needs_processed: false,
             note,
             agent: None,
+            beside: None,
         }
     }
 
@@ -635,6 +653,7 @@ mod tests {
                 kv_cache_dtype: Default::default(),
             },
             placement: Placement::Local,
+            colocated: false,
         };
         let (p1, p3) = (plan(1), plan(3));
         let mut note = |_: &str| {};
