@@ -498,51 +498,12 @@ impl Link {
     }
 }
 
-/// Reads `ranges[i]` of peer `i` into `bufs[i]` where both are given: the streamed ones at
-/// once, on threads of their own, so that several links add their bandwidths (a mapped peer is
-/// read in place afterwards).
-fn read_streams<'a>(
-    peers: impl Iterator<Item = Option<&'a mut Peer>>,
-    bufs: &mut [Vec<f32>],
-    ranges: &[Option<(usize, usize)>],
-) -> Result<()> {
-    std::thread::scope(|s| {
-        let reads: Vec<_> = peers
-            .zip(bufs.iter_mut())
-            .zip(ranges)
-            .enumerate()
-            .filter_map(|(i, ((p, buf), r))| match (p, r) {
-                (Some(p @ Peer::Stream(_)), Some((o, n))) => {
-                    let (o, n) = (*o, *n);
-                    Some(s.spawn(move || p.read(i, o, n, buf).map(|_| ())))
-                }
-                _ => None,
-            })
-            .collect();
-        reads
-            .into_iter()
-            .try_for_each(|r| r.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
-    })
-}
-
-/// The `k`-th piece of each of `shards`, where it has one.
-fn kth_pieces(shards: &[(usize, usize)], k: usize) -> Vec<Option<(usize, usize)>> {
-    shards
-        .iter()
-        .map(|&(a, l)| {
-            let at = a + k * CHUNK;
-            (at < a + l).then(|| (at, CHUNK.min(a + l - at)))
-        })
-        .collect()
-}
-
 /// A group's outboxes as the caller that formed it reads them: each member's shard, as the
 /// member last published it there (the learner ranks' weights after a step).
 pub struct Reader {
     peers: Vec<Peer>,
     shards: Vec<(usize, usize)>,
-    /// A streamed member's last piece.
-    bufs: Vec<Vec<f32>>,
+    buf: Vec<f32>,
 }
 
 impl Reader {
@@ -567,15 +528,13 @@ impl Reader {
             .map(|(i, m)| Peer::connect(i, m, values, key, how))
             .collect::<Result<_>>()?;
         Ok(Reader {
-            bufs: vec![Vec::new(); shards.len()],
             peers,
             shards,
+            buf: Vec::new(),
         })
     }
 
-    /// Every member's shard of its outbox, piece by piece, to `take(offset, values)`: the
-    /// `k`-th piece of every member at once (streamed members on threads of their own), so the
-    /// members' links add up.
+    /// Every member's shard of its outbox, piece by piece, to `take(offset, values)`.
     pub fn read_shards<E: From<ExchangeError>>(
         &mut self,
         mut take: impl FnMut(usize, &[f32]) -> Result<(), E>,
@@ -583,18 +542,9 @@ impl Reader {
         for (i, (p, &(a, l))) in self.peers.iter_mut().zip(&self.shards).enumerate() {
             p.ask(i, pieces(a, l))?;
         }
-        let most = self.shards.iter().map(|s| s.1.div_ceil(CHUNK)).max();
-        for k in 0..most.unwrap_or(0) {
-            let ranges = kth_pieces(&self.shards, k);
-            read_streams(self.peers.iter_mut().map(Some), &mut self.bufs, &ranges)?;
-            for (i, r) in ranges.into_iter().enumerate() {
-                if let Some((at, n)) = r {
-                    let values = match &self.peers[i] {
-                        Peer::Mapped(view) => &floats(view)[at..at + n],
-                        Peer::Stream(_) => &self.bufs[i][..n],
-                    };
-                    take(at, values)?;
-                }
+        for (i, (p, &(a, l))) in self.peers.iter_mut().zip(&self.shards).enumerate() {
+            for (at, n) in pieces(a, l) {
+                take(at, p.read(i, at, n, &mut self.buf)?)?;
             }
         }
         Ok(())
@@ -707,7 +657,25 @@ impl Group {
     /// Reads `ranges[i]` of rank `i`'s outbox (where given; this rank's own is left out),
     /// streamed ranges at once on threads of their own.
     fn read_all(&mut self, ranges: &[Option<(usize, usize)>]) -> Result<()> {
-        read_streams(self.peers.iter_mut().map(Option::as_mut), &mut self.bufs, ranges)
+        std::thread::scope(|s| {
+            let reads: Vec<_> = self
+                .peers
+                .iter_mut()
+                .zip(self.bufs.iter_mut())
+                .zip(ranges)
+                .enumerate()
+                .filter_map(|(i, ((p, buf), r))| match (p, r) {
+                    (Some(p @ Peer::Stream(_)), Some((o, n))) => {
+                        let (o, n) = (*o, *n);
+                        Some(s.spawn(move || p.read(i, o, n, buf).map(|_| ())))
+                    }
+                    _ => None,
+                })
+                .collect();
+            reads
+                .into_iter()
+                .try_for_each(|r| r.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+        })
     }
 
     /// Rank `i`'s values `offset..offset + len` after [`Group::read_all`] read them (mapped
@@ -765,8 +733,13 @@ impl Group {
         }
         let most = self.shards.iter().map(|s| s.1.div_ceil(CHUNK)).max();
         for k in 0..most.unwrap_or(0) {
-            let mut ranges = kth_pieces(&self.shards, k);
-            ranges[self.rank] = None;
+            let ranges: Vec<_> = (0..self.shards.len())
+                .map(|i| {
+                    let (a, l) = self.shards[i];
+                    let at = a + k * CHUNK;
+                    (i != self.rank && at < a + l).then(|| (at, CHUNK.min(a + l - at)))
+                })
+                .collect();
             self.read_all(&ranges)?;
             for (i, r) in ranges.into_iter().enumerate() {
                 if let Some((at, n)) = r {
