@@ -407,7 +407,8 @@ fn learner_ranks_on_two_agents_train_as_in_process_ones_and_recover_from_a_kille
 /// `trellis bench learners` as a user runs it: one engine, then the ranks as actors in the
 /// process (replicated optimiser state, then ZeRO-1) and on agents it starts (the driver
 /// summing, then the ranks over streams and through shared memory), each with a step time, an
-/// all-reduce rate and the optimiser state a rank keeps.
+/// all-reduce rate and the optimiser state a rank keeps; then pushes of the ranks' weights to
+/// rollout engines beside them and on agents of their own.
 #[test]
 fn bench_learners_times_ranks_in_the_process_and_on_agents() {
     let out = run_ok(trellis().args([
@@ -459,6 +460,22 @@ fn bench_learners_times_ranks_in_the_process_and_on_agents() {
             assert!(r[k].as_f64().unwrap() > 0.0, "{k}: {r}");
         }
     }
+    // The hand-over in a process shares the learner's memory; engines beside the ranks take
+    // the weights from them, engines on agents of their own read them.
+    assert_eq!(b["handover_shares_memory"], true, "{b}");
+    let pushes = b["pushes"].as_array().unwrap();
+    let took: Vec<(&str, u64, u64)> = pushes
+        .iter()
+        .map(|p| {
+            assert!(p["push_s"].as_f64().unwrap() > 0.0, "{p}");
+            let n = |k: &str| p[k].as_u64().unwrap();
+            (p["engines"].as_str().unwrap(), n("beside"), n("from_ranks"))
+        })
+        .collect();
+    assert_eq!(
+        took,
+        [("beside the ranks", 2, 0), ("on agents of their own", 0, 2)]
+    );
     // Bad input is refused before anything runs.
     let refused = trellis()
         .args(["bench", "learners", "--ranks", "1"])

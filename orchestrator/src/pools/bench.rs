@@ -5,14 +5,18 @@
 //! without ZeRO-1. On the agents the all-reduce runs each way: through the driver, over TCP
 //! streams between the ranks (as across hosts), and through shared memory between them. And
 //! the hand-over of the one engine's new weights to a native rollout engine in its process:
-//! shared (what `trellis train` does) against one copy, same run.
+//! shared (what `trellis train` does) against one copy, same run; and a push of the ranks' new
+//! weights to as many rollout engines on the agents — each beside a rank (`placement:
+//! colocate`: taken from the rank's memory), then on agents of their own (read from the ranks'
+//! outboxes).
 //!
 //! Owns: the benchmark's set-up and figures. Never: prints (the binary does).
 
 use super::learner::{LearnerPool, LearnerStart};
+use super::rollout::{PoolStart, Pulls, RolloutPool};
 use super::{Cluster, ClusterHead, PoolError};
-use crate::plan::{AllReduce, Device, Placement};
-use actors::{Head, HeadConfig, Strategy, Token};
+use crate::plan::{AllReduce, Device, Placement, RolloutEngine, RolloutPlan};
+use actors::{Actor, Head, HeadConfig, Strategy, Token};
 use kernels::tensor::WeightSnapshot;
 use learner::algo::TokenRows;
 use learner::algo::layout::Row;
@@ -71,6 +75,19 @@ pub struct RankFigures {
     pub weights_read_s: f64,
 }
 
+/// A push of the ranks' new weights to rollout engines on agents.
+#[derive(Clone, Debug, Serialize)]
+pub struct PushFigures {
+    /// Where the engines ran.
+    pub engines: String,
+    /// Median seconds of a push (the driver's read of the weights not included).
+    pub push_s: f64,
+    /// Engines that read the weights from the ranks' outboxes, at the last push.
+    pub from_ranks: usize,
+    /// Engines that took them from a rank in their own process, at the last push.
+    pub beside: usize,
+}
+
 /// `trellis bench learners`' figures.
 #[derive(Clone, Debug, Serialize)]
 pub struct LearnerBench {
@@ -102,6 +119,8 @@ pub struct LearnerBench {
     /// The ranks as actors in this process without and with ZeRO-1, then on agents on this
     /// host with it, summing through the driver, over streams and through shared memory.
     pub runs: Vec<RankFigures>,
+    /// Pushes to engines beside the ranks, then to engines on agents of their own.
+    pub pushes: Vec<PushFigures>,
 }
 
 /// An agent process, killed when dropped.
@@ -112,6 +131,101 @@ impl Drop for AgentProcess {
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
+}
+
+/// Starts `trellis agent` `name` with `cpus` CPUs for `head`.
+fn start_agent(
+    exe: &std::path::Path,
+    head: &Head,
+    token_file: &std::path::Path,
+    name: &str,
+    cpus: u32,
+) -> Result<AgentProcess, PoolError> {
+    let child = Command::new(exe)
+        .args(["--log", "warn", "agent", "--head"])
+        .arg(format!("http://{}", head.address()))
+        .arg("--token-file")
+        .arg(token_file)
+        .args(["--listen", "127.0.0.1:0", "--resources"])
+        .arg(format!("cpu={cpus}"))
+        .args(["--name", name])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .spawn()
+        .map_err(|e| PoolError::Runtime(format!("cannot start {} agent: {e}", exe.display())))?;
+    Ok(AgentProcess(child))
+}
+
+/// `o.ranks` ranks on agents (ZeRO-1, summing among themselves) and as many native rollout
+/// engines — on `beside`'s agents, rank and engine `i` on agent `i`, or (`None`) spread — and
+/// the engines' median time to take the ranks' new weights after each update.
+fn push(
+    o: &LearnerBenchOptions,
+    cluster: &Cluster,
+    weights: &WeightSnapshot,
+    (batch, cfg): (PolicyBatch<'_>, &PolicyUpdate),
+    beside: Option<Vec<String>>,
+) -> Result<PushFigures, PoolError> {
+    let spread = Placement::Agents(Strategy::Spread);
+    let mut note = |_: &str| {};
+    let mut ranks = LearnerPool::start(LearnerStart {
+        count: o.ranks,
+        placement: spread,
+        device: Device::Cpu,
+        cluster: Some(cluster),
+        stop: &|| false,
+        note: &mut note,
+        config: &o.config,
+        weights: weights.clone(),
+        assets: Vec::new(),
+        shard_optimizer: true,
+        allreduce: AllReduce::Ranks,
+        precision: kernels::matmul::Precision::F32,
+        role: crate::kinds::learner::RankRole::Policy,
+        beside: beside.clone(),
+    })?;
+    let plan = RolloutPlan {
+        count: o.ranks,
+        engine: RolloutEngine::Native {
+            kv_cache_bytes: 1 << 20,
+            weights_dtype: Default::default(),
+            kv_cache_dtype: Default::default(),
+        },
+        placement: spread,
+        colocated: beside.is_some(),
+    };
+    let engines = RolloutPool::new(PoolStart {
+        plan: &plan,
+        config: &o.config,
+        weights: weights.clone(),
+        cluster: Some(cluster),
+        stop: &|| false,
+        run_dir: &std::env::temp_dir(),
+        needs_processed: false,
+        note: &mut note,
+        agent: None,
+        beside: beside.clone(),
+    })?;
+    ranks.begin_stage(LrSchedule::constant(1e-5), 1.0, None)?;
+    let (mut times, mut pulls) = (Vec::new(), Pulls::default());
+    for i in 0..=o.steps {
+        ranks.update(batch, cfg)?;
+        let snapshot = ranks.snapshot(i as u64 + 1)?;
+        let t = Instant::now();
+        pulls = engines.update_weights_from(snapshot, ranks.weight_source())?;
+        if i > 0 {
+            times.push(t.elapsed().as_secs_f64());
+        }
+    }
+    Ok(PushFigures {
+        engines: match beside {
+            Some(_) => "beside the ranks".into(),
+            None => "on agents of their own".into(),
+        },
+        push_s: median(&times),
+        from_ranks: pulls.from_ranks,
+        beside: pulls.beside,
+    })
 }
 
 /// Runs the benchmark.
@@ -175,7 +289,7 @@ pub fn run(o: &LearnerBenchOptions) -> Result<LearnerBench, PoolError> {
     let (mut shared, mut copied) = (Vec::new(), Vec::new());
     let (mut served_steps, mut in_place_steps) = (Vec::new(), Vec::new());
     let mut shares_memory = true;
-    for i in 1..=2 * o.steps as u64 {
+    for i in 1..=2 * o.steps as u64 + 1 {
         let t = Instant::now();
         learner::algo::policy::update(&mut *engine, &mut opt, batch, &cfg)?;
         let step_s = t.elapsed().as_secs_f64();
@@ -239,20 +353,14 @@ pub fn run(o: &LearnerBenchOptions) -> Result<LearnerBench, PoolError> {
         .map_err(|e| PoolError::Runtime(e.to_string()))?;
     let mut agents = Vec::new();
     for i in 0..o.ranks {
-        let child = Command::new(&o.exe)
-            .args(["--log", "warn", "agent", "--head"])
-            .arg(format!("http://{}", head.address()))
-            .arg("--token-file")
-            .arg(&token_file)
-            .args(["--listen", "127.0.0.1:0", "--resources", "cpu=1", "--name"])
-            .arg(format!("bench-{i}"))
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .spawn()
-            .map_err(|e| {
-                PoolError::Runtime(format!("cannot start {} agent: {e}", o.exe.display()))
-            })?;
-        agents.push(AgentProcess(child));
+        // Room for a rank and a rollout engine beside it.
+        agents.push(start_agent(
+            &o.exe,
+            &head,
+            &token_file,
+            &format!("bench-{i}"),
+            2,
+        )?);
     }
     let cluster = Cluster {
         head: ClusterHead::Shared(head.clone()),
@@ -320,6 +428,40 @@ pub fn run(o: &LearnerBenchOptions) -> Result<LearnerBench, PoolError> {
             weights_read_s: median(&reads),
         });
     }
+    let colocated = {
+        let pair = |name: &str, kind: &str| {
+            let mut spec = super::agent_spec(name, kind, o.ranks, Device::Cpu, Strategy::Spread);
+            spec.colocate = Some("pairs".into());
+            spec
+        };
+        let specs = [
+            pair("rollout", crate::kinds::rollout::RolloutActor::KIND),
+            pair("learner", crate::kinds::learner::LearnerActor::KIND),
+        ];
+        // The last run's actors give their room back as the agents report it.
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            match super::pairs(&head, &specs) {
+                Ok(pairs) => break pairs,
+                Err(e) if Instant::now() >= deadline => return Err(e),
+                Err(_) => std::thread::sleep(Duration::from_millis(100)),
+            }
+        }
+    };
+    let beside = push(o, &cluster, &weights, (batch, &cfg), Some(colocated))?;
+    // Engines on agents of their own: as many more agents, each taking one (spread: the ranks
+    // and the engines each go to agents with no actor yet).
+    for i in 0..o.ranks {
+        agents.push(start_agent(
+            &o.exe,
+            &head,
+            &token_file,
+            &format!("bench-e{i}"),
+            1,
+        )?);
+    }
+    rt.block_on(head.wait_for_agents(2 * o.ranks, Duration::from_secs(60)))?;
+    let apart = push(o, &cluster, &weights, (batch, &cfg), None)?;
     // The head first: agents it still knows are not reported lost.
     rt.block_on(head.shutdown(false));
     drop(agents);
@@ -331,6 +473,7 @@ pub fn run(o: &LearnerBenchOptions) -> Result<LearnerBench, PoolError> {
         batch: o.batch,
         seq: o.seq,
         one_engine_step_s: one,
+        pushes: vec![beside, apart],
         handover_shared_s: median(&shared),
         handover_copied_s: median(&copied),
         handover_shares_memory: shares_memory,

@@ -150,6 +150,16 @@ pub fn agent_spec(
     }
 }
 
+/// The agent (its id) of each pair of `specs`' colocated pools, by index, as `head` places
+/// them now.
+pub fn pairs(head: &Head, specs: &[PoolSpec]) -> Result<Vec<String>, PoolError> {
+    let first = specs.iter().find(|s| s.colocate.is_some()).map(|s| &s.name);
+    let mut placed = head.place(specs)?;
+    placed.retain(|a| Some(&a.pool) == first);
+    placed.sort_by_key(|a| a.index);
+    Ok(placed.into_iter().map(|a| a.agent).collect())
+}
+
 /// Where every pool of one job meets its agents, for the job's life: the server's head, or —
 /// for a job that listens (`trellis train --listen`) — a head started here, so that the job's
 /// pools share one port and the room they need together is known before any of them starts.
@@ -206,12 +216,7 @@ impl Meeting {
     /// The agent (its id) of each pair of `specs`' colocated pools (`placement: colocate`), by
     /// index, as the placement puts them now: where both pools then start their actors.
     pub fn pairs(&self, specs: &[PoolSpec]) -> Result<Vec<String>, PoolError> {
-        let mut placed = self.head.place(specs)?;
-        placed.retain(|a| {
-            Some(&a.pool) == specs.iter().find(|s| s.colocate.is_some()).map(|s| &s.name)
-        });
-        placed.sort_by_key(|a| a.index);
-        Ok(placed.into_iter().map(|a| a.agent).collect())
+        pairs(&self.head, specs)
     }
 
     /// Where agents register.

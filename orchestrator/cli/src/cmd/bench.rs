@@ -488,6 +488,12 @@ fn bench_learners(
         b.step_while_served_s,
         b.step_in_place_s
     );
+    for p in &b.pushes {
+        println!(
+            "  weights from the {ranks} ranks to {ranks} rollout engines {:<23} push {:.4} s ({} from a rank beside, {} read from the ranks)",
+            p.engines, p.push_s, p.beside, p.from_ranks
+        );
+    }
     for r in &b.runs {
         let sum = match r.allreduce {
             orchestrator::plan::AllReduce::Ranks => "ranks sum",
