@@ -22,3 +22,8 @@ pub mod pools;
 pub mod record;
 pub mod roles;
 pub mod store;
+
+/// The poison-tolerant lock: a panic elsewhere never wedges a pool or an actor.
+pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}

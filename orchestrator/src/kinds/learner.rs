@@ -22,6 +22,7 @@
 //! ([`weights_beside`]): a rollout engine in the same agent process (`placement: colocate`)
 //! takes its new weights from there — shared, neither read nor copied.
 
+use crate::lock;
 use actors::exchange::{Group, Member, Outbox, OutboxAddress, Reach};
 use actors::{Actor, CallError, Token};
 use kernels::tensor::WeightSnapshot;
@@ -34,7 +35,7 @@ use learner::optim::{LrSchedule, Optimizer, StepReport};
 use learner::{Model, ModelConfig, Params, wire};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
+use std::sync::{Arc, Mutex, Weak};
 
 /// A rank's state (taken out while a call runs), where a rollout engine in its process can
 /// find it between calls.
@@ -43,10 +44,6 @@ type RankCell = Arc<RankState>;
 
 /// The policy ranks of this process by their group's key.
 static BESIDE: Mutex<Vec<(String, Weak<RankState>)>> = Mutex::new(Vec::new());
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
-}
 
 /// The weights of a policy rank of the group `key` in this process, sharing its memory (no
 /// copy; the rank's next step writes to memory of its own while they are held). `None` when no

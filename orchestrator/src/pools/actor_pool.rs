@@ -111,6 +111,7 @@ impl<A: Actor> ActorPool<A> {
                     ClusterHead::Shared(head) => (head.clone(), None),
                 };
                 if let Some(agents) = shape.beside {
+                    // Where the pairs were placed (their room checked then): no waiting here.
                     let mut actors = Vec::with_capacity(count);
                     for (i, agent) in agents.iter().enumerate().take(count) {
                         let demand = actors::Demand::new(A::KIND, shape.device, 1);
@@ -119,30 +120,26 @@ impl<A: Actor> ActorPool<A> {
                         let (agent, options) = (Some(agent.clone()), options.clone());
                         actors.push(head.spawn_at(&name, config, demand, agent, options).await?);
                     }
-                    for a in &actors {
-                        retry(a, || a.load_weights(weights.clone())).await?;
+                    (owned, actors)
+                } else {
+                    let deadline = Instant::now() + cluster.wait;
+                    loop {
+                        match head.place(std::slice::from_ref(&spec)) {
+                            Ok(_) => break,
+                            Err(e) if Instant::now() >= deadline => {
+                                return Err(PoolError::Actor(e));
+                            }
+                            // Waiting can be long (agents still starting): a stop ends it.
+                            Err(_) if (shape.stop)() => return Err(PoolError::StoppedWaiting),
+                            Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+                        }
                     }
-                    return Ok(Self {
-                        actors,
-                        head: owned,
-                        current,
-                    });
+                    let config = shape.config;
+                    let actors = head
+                        .spawn_pool::<A>(&spec, |i| config(i as usize), options.clone())
+                        .await?;
+                    (owned, actors)
                 }
-                let deadline = Instant::now() + cluster.wait;
-                loop {
-                    match head.place(std::slice::from_ref(&spec)) {
-                        Ok(_) => break,
-                        Err(e) if Instant::now() >= deadline => return Err(PoolError::Actor(e)),
-                        // Waiting can be long (agents still starting): a stop ends it.
-                        Err(_) if (shape.stop)() => return Err(PoolError::StoppedWaiting),
-                        Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
-                    }
-                }
-                let config = shape.config;
-                let actors = head
-                    .spawn_pool::<A>(&spec, |i| config(i as usize), options.clone())
-                    .await?;
-                (owned, actors)
             }
         };
         // Every actor starts with the current weights — again when its agent was lost

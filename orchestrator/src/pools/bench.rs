@@ -105,8 +105,8 @@ pub struct LearnerBench {
     /// The one engine's new weights to a native rollout engine in its process after each
     /// update, as the policy hands them over (shared, no copy): median seconds.
     pub handover_shared_s: f64,
-    /// The same hand-over through one copy of the weights (what it cost before they were
-    /// shared; it copied twice): median seconds.
+    /// The same hand-over as it was before the weights were shared — copied twice (the
+    /// policy's snapshot, then the engine's own): median seconds.
     pub handover_copied_s: f64,
     /// Whether the engine served the learner's very memory after a shared hand-over (checked
     /// tensor by tensor).
@@ -297,11 +297,18 @@ pub fn run(o: &LearnerBenchOptions) -> Result<LearnerBench, PoolError> {
         let params = if i % 2 == 0 {
             engine.share_weights()?
         } else {
-            let mut p = engine.model()?.params.clone();
-            p.tensors
-                .iter_mut()
-                .for_each(|t| t.data = t.data.to_vec().into());
-            p
+            // As before sharing: the policy's snapshot was a copy, and the engine took one of
+            // its own (the pool keeps the snapshot for restarts).
+            let copy = |set: &learner::Params| learner::Params {
+                tensors: (set.tensors.iter())
+                    .map(|t| kernels::tensor::Tensor {
+                        name: t.name.clone(),
+                        shape: t.shape.clone(),
+                        data: t.data.to_vec().into(),
+                    })
+                    .collect(),
+            };
+            copy(&copy(&engine.model()?.params))
         };
         rollout.update_weights_blocking(WeightSnapshot {
             version: i,

@@ -11,6 +11,7 @@ pub mod external;
 pub mod learner;
 pub mod rollout;
 
+pub(crate) use crate::lock;
 use actors::{ActorError, ActorRef, Device, Head, HeadConfig, PoolSpec, Strategy, Token};
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -276,9 +277,4 @@ where
             other => return other,
         }
     }
-}
-
-/// The poison-tolerant lock: a panic elsewhere never wedges a pool.
-pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }

@@ -477,7 +477,7 @@ fn bench_learners(
         b.one_engine_step_s
     );
     println!(
-        "  weights to a rollout engine in this process: shared {:.4} s ({}), one copy {:.4} s; the next update while it serves them {:.3} s (copy on write), after a copy {:.3} s",
+        "  weights to a rollout engine in this process: shared {:.4} s ({}), copied twice as before {:.4} s; the next update while it serves them {:.3} s (copy on write), after a copy {:.3} s",
         b.handover_shared_s,
         if b.handover_shares_memory {
             "same memory"
