@@ -765,10 +765,7 @@ mod tests {
                 data: vec![1.0, 2.0].into(),
             }],
         });
-        let snapshot = WeightSnapshot {
-            version: 3,
-            params: params.clone(),
-        };
+        let snapshot = WeightSnapshot::new(3, params.clone());
         ping.load_weights(snapshot).await.expect("taken");
         // The actor holds the same allocation: the sender's Arc count went up, no bytes copied.
         assert_eq!(Arc::strong_count(&params), 2);

@@ -260,7 +260,9 @@ impl AgentRpc for Service {
             }
         }
         let (snapshot, ack) = assembler.finish().map_err(snapshot_status)?;
-        lock(&self.0.spares).keep(snapshot.params.clone());
+        if let Ok(params) = snapshot.params() {
+            lock(&self.0.spares).keep(params.clone());
+        }
         mailbox.load_weights(snapshot).await.map_err(|e| {
             Status::failed_precondition(format!("actor `{}`: {e}", header.actor_id))
         })?;

@@ -142,8 +142,8 @@ async fn throughput(
     Ok(total as f64 / start.elapsed().as_secs_f64())
 }
 
-/// A snapshot of about `bytes` bytes in 64 MiB tensors, with deterministic contents.
-fn snapshot(bytes: usize, version: u64) -> WeightSnapshot {
+/// Weights of about `bytes` bytes in 64 MiB tensors, with deterministic contents.
+fn weights(bytes: usize) -> Arc<TensorSet> {
     let per = (64 << 20) / 4;
     let total = (bytes / 4).max(1);
     let tensors = (0..total.div_ceil(per))
@@ -158,10 +158,7 @@ fn snapshot(bytes: usize, version: u64) -> WeightSnapshot {
             }
         })
         .collect();
-    WeightSnapshot {
-        version,
-        params: Arc::new(TensorSet { tensors }),
-    }
+    Arc::new(TensorSet { tensors })
 }
 
 /// GB/s of the first push (buffers and shared memory allocated on the way) and the median of
@@ -172,26 +169,23 @@ pub struct Rate {
     pub warm: f64,
 }
 
-/// Pushes the snapshot `repeats + 1` times (the tensors `bf16` marks as bf16), then checks that
+/// Pushes `params` `repeats + 1` times (the tensors `bf16` marks as bf16), then checks that
 /// the actor holds exactly what was sent (their bf16 rounding, for those).
 async fn push_rate(
     actor: &ActorRef<Ping>,
-    s: &WeightSnapshot,
+    params: &Arc<TensorSet>,
     repeats: usize,
     bf16: Option<&[bool]>,
 ) -> Result<Rate, ActorError> {
-    let bytes = s.params.numel() as f64 * 4.0;
+    let bytes = params.numel() as f64 * 4.0;
     let mut rates = Vec::new();
     for r in 0..=repeats.max(1) {
-        let next = WeightSnapshot {
-            version: s.version + r as u64,
-            params: s.params.clone(),
-        };
+        let next = WeightSnapshot::new(1 + r as u64, params.clone());
         let t = Instant::now();
         actor.load_weights_as(next, bf16).await?;
         rates.push(bytes / t.elapsed().as_secs_f64() / 1e9);
     }
-    let mut sent = (*s.params).clone();
+    let mut sent = (**params).clone();
     for (t, &m) in sent.tensors.iter_mut().zip(bf16.unwrap_or(&[])) {
         if m {
             t.data = kernels::bf16::rounded(&t.data).into();
@@ -219,7 +213,7 @@ async fn push_rate(
 pub async fn run(options: &BenchOptions) -> Result<ActorBench, ActorError> {
     let local = spawn_local::<Ping>("bench-local", (), SpawnOptions::default()).await?;
     let (local_p50_us, local_p99_us) = latencies(&local, options.calls).await?;
-    let weights = snapshot(options.snapshot_bytes, 1);
+    let weights = weights(options.snapshot_bytes);
     let in_process_gbps = push_rate(&local, &weights, options.snapshot_repeats, None).await?;
     local.stop();
 
@@ -264,7 +258,7 @@ pub async fn run(options: &BenchOptions) -> Result<ActorBench, ActorError> {
             shm_gbps = rate;
         } else {
             grpc_gbps = rate;
-            let all = vec![true; weights.params.tensors.len()];
+            let all = vec![true; weights.tensors.len()];
             grpc_bf16_gbps =
                 push_rate(&remote, &weights, options.snapshot_repeats, Some(&all)).await?;
         }
@@ -279,7 +273,7 @@ pub async fn run(options: &BenchOptions) -> Result<ActorBench, ActorError> {
         remote_p99_us: latency.1,
         remote_calls_per_s: calls_per_s,
         in_flight: options.in_flight,
-        snapshot_bytes: weights.params.numel() * 4,
+        snapshot_bytes: weights.numel() * 4,
         in_process_gbps,
         shm_gbps,
         grpc_gbps,

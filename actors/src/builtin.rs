@@ -58,12 +58,15 @@ impl Actor for Ping {
         match request {
             PingRequest::Echo(text) => Ok(PingResponse::Echo(text)),
             PingRequest::Weights => Ok(match &self.weights {
-                Some(w) => PingResponse::Weights {
-                    version: Some(w.version),
-                    tensors: w.params.tensors.len(),
-                    bytes: w.params.numel() as u64 * 4,
-                    crc32c: content_crc(&w.params),
-                },
+                Some(w) => {
+                    let params = w.params().map_err(|e| CallError::fatal(e.to_string()))?;
+                    PingResponse::Weights {
+                        version: Some(w.version),
+                        tensors: params.tensors.len(),
+                        bytes: params.numel() as u64 * 4,
+                        crc32c: content_crc(params),
+                    }
+                }
                 None => PingResponse::Weights {
                     version: None,
                     tensors: 0,

@@ -857,9 +857,9 @@ mod tests {
     }
 
     fn snapshot(version: u64, n: usize) -> WeightSnapshot {
-        WeightSnapshot {
+        WeightSnapshot::new(
             version,
-            params: Arc::new(kernels::tensor::TensorSet {
+            Arc::new(kernels::tensor::TensorSet {
                 tensors: vec![
                     kernels::tensor::Tensor {
                         name: "a".into(),
@@ -873,7 +873,7 @@ mod tests {
                     },
                 ],
             }),
-        }
+        )
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -959,7 +959,7 @@ mod tests {
             t0.elapsed()
         );
         assert_eq!(on_a.location(), "b");
-        let expect = crate::snapshot::content_crc(&weights.params);
+        let expect = crate::snapshot::content_crc(weights.params().unwrap());
         assert!(
             matches!(answer, PingResponse::Weights { version: Some(7), crc32c, .. } if crc32c == expect),
             "{answer:?}"
@@ -1191,32 +1191,36 @@ mod tests {
         let weights = snapshot(3, 10_000);
         ping.load_weights(weights.clone()).await.expect("gRPC push");
         let r = ping.call(PingRequest::Weights).await.expect("answers");
-        let expect = crate::snapshot::content_crc(&weights.params);
+        let expect = crate::snapshot::content_crc(weights.params().unwrap());
         assert!(
             matches!(r, PingResponse::Weights { version: Some(3), tensors: 2, crc32c, .. } if crc32c == expect),
             "{r:?}"
         );
         // Tensor `a` as bf16 on the wire: it arrives rounded (its integers above 256 are not
         // all bf16 values), `b` exactly.
-        let mut next = snapshot(4, 10_000);
-        next.params = Arc::new(kernels::tensor::TensorSet {
-            tensors: next
-                .params
-                .tensors
-                .iter()
-                .map(|t| kernels::tensor::Tensor {
-                    data: t.data.iter().map(|v| v * 1.001).collect(),
-                    ..t.clone()
-                })
-                .collect(),
-        });
+        let first = snapshot(4, 10_000);
+        let next = WeightSnapshot::new(
+            4,
+            Arc::new(kernels::tensor::TensorSet {
+                tensors: first
+                    .params()
+                    .unwrap()
+                    .tensors
+                    .iter()
+                    .map(|t| kernels::tensor::Tensor {
+                        data: t.data.iter().map(|v| v * 1.001).collect(),
+                        ..t.clone()
+                    })
+                    .collect(),
+            }),
+        );
         ping.load_weights_as(next.clone(), Some(&[true, false]))
             .await
             .expect("gRPC push in bf16");
-        let mut rounded = (*next.params).clone();
+        let mut rounded = (**next.params().unwrap()).clone();
         rounded.tensors[0].data = kernels::bf16::rounded(&rounded.tensors[0].data).into();
         let (exact, expect) = (
-            crate::snapshot::content_crc(&next.params),
+            crate::snapshot::content_crc(next.params().unwrap()),
             crate::snapshot::content_crc(&rounded),
         );
         assert_ne!(exact, expect, "the test's values are not all bf16 already");

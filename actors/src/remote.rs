@@ -294,7 +294,8 @@ impl AgentConn {
         s: &WeightSnapshot,
         bf16: Option<&[bool]>,
     ) -> Result<(u32, u32), ActorError> {
-        let manifest = snapshot::manifest_as(s, self.wire.bucket_bytes, bf16);
+        let params = host_params(actor_id, s)?;
+        let manifest = snapshot::manifest_as(s.version, params, self.wire.bucket_bytes, bf16);
         let header = SnapshotChunk {
             part: Some(snapshot_chunk::Part::Header(SnapshotHeader {
                 actor_id: actor_id.to_string(),
@@ -302,7 +303,7 @@ impl AgentConn {
             })),
         };
         let crcs = Arc::new(Mutex::new(Vec::with_capacity(manifest.bucket_sizes.len())));
-        let messages = snapshot::outgoing(header, s, &manifest, &crcs);
+        let messages = snapshot::outgoing(header, params, &manifest, &crcs);
         // The generated client's method with the bucket codec: buckets are copied from the
         // tensors into the frames as HTTP/2 flow control lets them go.
         let mut grpc = tonic::client::Grpc::new(self.service.clone())
@@ -331,10 +332,11 @@ impl AgentConn {
     }
 
     async fn push_shm(&self, actor_id: &str, s: &WeightSnapshot) -> Result<(u32, u32), ActorError> {
-        let manifest = snapshot::manifest(s, self.wire.bucket_bytes);
+        let params = host_params(actor_id, s)?;
+        let manifest = snapshot::manifest(s.version, params, self.wire.bucket_bytes);
         // One push at a time per agent, into a region its last acknowledgement left free.
         let mut pool = self.shm.lock().await;
-        let (snap, m, mut taken) = (s.clone(), manifest.clone(), std::mem::take(&mut *pool));
+        let (snap, m, mut taken) = (params.clone(), manifest.clone(), std::mem::take(&mut *pool));
         let (taken, written) = tokio::task::spawn_blocking(move || {
             let written = taken.write(&snap, &m);
             (taken, written)
@@ -366,6 +368,17 @@ impl AgentConn {
         check_version(actor_id, &ack, s.version)?;
         Ok((snapshot::digest(&crcs), ack.digest))
     }
+}
+
+/// The snapshot's weights on the host (read back from a device if they were left there), to send.
+fn host_params<'s>(
+    actor_id: &str,
+    s: &'s WeightSnapshot,
+) -> Result<&'s Arc<kernels::tensor::TensorSet>, ActorError> {
+    s.params().map_err(|e| ActorError::Snapshot {
+        actor: actor_id.to_string(),
+        message: e.to_string(),
+    })
 }
 
 fn check_version(

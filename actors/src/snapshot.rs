@@ -34,9 +34,10 @@ const SHM_NEW_PREFIX: &str = "trellis-new-";
 /// A file being made older than this was left by a process killed while making it.
 const SHM_NEW_STALE: std::time::Duration = std::time::Duration::from_secs(60);
 
-/// Lays `snapshot`'s tensors out back to back and cuts the stream into buckets of `bucket_bytes`.
-pub fn manifest(snapshot: &WeightSnapshot, bucket_bytes: usize) -> SnapshotManifest {
-    manifest_as(snapshot, bucket_bytes, None)
+/// Lays the tensors of `params` (weight version `version`) out back to back and cuts the
+/// stream into buckets of `bucket_bytes`.
+pub fn manifest(version: u64, params: &TensorSet, bucket_bytes: usize) -> SnapshotManifest {
+    manifest_as(version, params, bucket_bytes, None)
 }
 
 /// [`manifest`], with the tensors `bf16[i]` marks carried as bf16 (rounded to nearest, ties to
@@ -44,21 +45,21 @@ pub fn manifest(snapshot: &WeightSnapshot, bucket_bytes: usize) -> SnapshotManif
 /// starts on a 4-byte boundary and buckets (then a multiple of 4 bytes) never cut a value.
 /// The receiver widens them back to f32: for tensors it only reads through bf16 products.
 pub fn manifest_as(
-    snapshot: &WeightSnapshot,
+    version: u64,
+    params: &TensorSet,
     bucket_bytes: usize,
     bf16: Option<&[bool]>,
 ) -> SnapshotManifest {
     let narrow = |i: usize, t: &Tensor| {
         bf16.is_some_and(|m| m.get(i).copied().unwrap_or(false)) && t.data.len().is_multiple_of(2)
     };
-    let any = (0..snapshot.params.tensors.len()).any(|i| narrow(i, &snapshot.params.tensors[i]));
+    let any = (0..params.tensors.len()).any(|i| narrow(i, &params.tensors[i]));
     let bucket_bytes = match any {
         true => bucket_bytes.max(4).next_multiple_of(4),
         false => bucket_bytes.max(1),
     } as u64;
     let mut offset = 0u64;
-    let tensors = snapshot
-        .params
+    let tensors = params
         .tensors
         .iter()
         .enumerate()
@@ -85,7 +86,7 @@ pub fn manifest_as(
         .map(|i| bucket_bytes.min(total - i * bucket_bytes))
         .collect();
     SnapshotManifest {
-        version: snapshot.version,
+        version,
         tensors,
         bucket_sizes,
     }
@@ -209,11 +210,11 @@ fn spans(
 /// The bytes of bucket `index` and their CRC-32C (the encoder below writes the same bytes
 /// straight into the frame; this is the reference it is tested against).
 #[cfg(test)]
-fn bucket(snapshot: &WeightSnapshot, manifest: &SnapshotManifest, index: usize) -> (Vec<u8>, u32) {
+fn bucket(params: &TensorSet, manifest: &SnapshotManifest, index: usize) -> (Vec<u8>, u32) {
     let bucket_bytes = manifest.bucket_sizes.first().copied().unwrap_or(0);
     let mut out = vec![0u8; manifest.bucket_sizes[index] as usize];
     let crc = gather(
-        &snapshot.params,
+        params,
         &starts(&manifest.tensors),
         &narrowed(&manifest.tensors),
         index as u64 * bucket_bytes,
@@ -245,7 +246,7 @@ pub(crate) enum Outgoing {
 /// The messages of one snapshot stream: its header, then every bucket of `manifest`.
 pub(crate) fn outgoing(
     header: SnapshotChunk,
-    snapshot: &WeightSnapshot,
+    params: &Arc<TensorSet>,
     manifest: &SnapshotManifest,
     crcs: &Arc<Mutex<Vec<u32>>>,
 ) -> Vec<Outgoing> {
@@ -257,7 +258,7 @@ pub(crate) fn outgoing(
         .iter()
         .enumerate()
         .map(|(i, &len)| Outgoing::Bucket {
-            params: snapshot.params.clone(),
+            params: params.clone(),
             starts: starts.clone(),
             bf16: bf16.clone(),
             version: manifest.version,
@@ -689,12 +690,12 @@ impl Assembler {
             digest: digest(&self.crcs),
             shm_in_use: Vec::new(),
         };
-        let snapshot = WeightSnapshot {
-            version: self.version,
-            params: Arc::new(TensorSet {
+        let snapshot = WeightSnapshot::new(
+            self.version,
+            Arc::new(TensorSet {
                 tensors: self.tensors,
             }),
-        };
+        );
         Ok((snapshot, ack))
     }
 }
@@ -862,7 +863,7 @@ impl ShmRegion {
 
     /// Writes `snapshot` at the start of the region, buckets copied and checksummed in
     /// parallel; returns each bucket's CRC-32C.
-    pub fn write(&mut self, snapshot: &WeightSnapshot, manifest: &SnapshotManifest) -> Vec<u32> {
+    pub fn write(&mut self, params: &TensorSet, manifest: &SnapshotManifest) -> Vec<u32> {
         let total: u64 = manifest.bucket_sizes.iter().sum();
         let bucket_bytes = manifest.bucket_sizes.first().copied().unwrap_or(1) as usize;
         let starts = starts(&manifest.tensors);
@@ -870,15 +871,7 @@ impl ShmRegion {
         self.map[..total as usize]
             .par_chunks_mut(bucket_bytes)
             .enumerate()
-            .map(|(i, chunk)| {
-                gather(
-                    &snapshot.params,
-                    &starts,
-                    &bf16,
-                    (i * bucket_bytes) as u64,
-                    chunk,
-                )
-            })
+            .map(|(i, chunk)| gather(params, &starts, &bf16, (i * bucket_bytes) as u64, chunk))
             .collect()
     }
 }
@@ -897,11 +890,11 @@ pub struct ShmPool {
 const MAX_REGIONS: usize = 4;
 
 impl ShmPool {
-    /// Writes `snapshot` into a region the receiver does not use (a new one if none fits);
-    /// returns the file's path and each bucket's CRC-32C.
+    /// Writes `params` as `manifest` lays them out into a region the receiver does not use
+    /// (a new one if none fits); returns the file's path and each bucket's CRC-32C.
     pub fn write(
         &mut self,
-        snapshot: &WeightSnapshot,
+        params: &TensorSet,
         manifest: &SnapshotManifest,
     ) -> std::io::Result<(String, Vec<u32>)> {
         let total: u64 = manifest.bucket_sizes.iter().sum();
@@ -927,7 +920,7 @@ impl ShmPool {
             }
         };
         let r = &mut self.regions[i];
-        let crcs = r.write(snapshot, manifest);
+        let crcs = r.write(params, manifest);
         Ok((r.path.to_string_lossy().into_owned(), crcs))
     }
 
@@ -1046,10 +1039,7 @@ pub fn read_shm(
         digest: digest(crcs),
         shm_in_use: Vec::new(),
     };
-    let snapshot = WeightSnapshot {
-        version: manifest.version,
-        params: Arc::new(TensorSet { tensors }),
-    };
+    let snapshot = WeightSnapshot::new(manifest.version, Arc::new(TensorSet { tensors }));
     Ok((snapshot, ack))
 }
 
@@ -1125,6 +1115,22 @@ mod shm_sweep_tests {
 mod tests {
     use super::*;
 
+    fn manifest(s: &WeightSnapshot, bucket_bytes: usize) -> SnapshotManifest {
+        super::manifest(s.version, s.params().unwrap(), bucket_bytes)
+    }
+
+    fn manifest_as(
+        s: &WeightSnapshot,
+        bucket_bytes: usize,
+        bf16: Option<&[bool]>,
+    ) -> SnapshotManifest {
+        super::manifest_as(s.version, s.params().unwrap(), bucket_bytes, bf16)
+    }
+
+    fn bucket(s: &WeightSnapshot, m: &SnapshotManifest, index: usize) -> (Vec<u8>, u32) {
+        super::bucket(s.params().unwrap(), m, index)
+    }
+
     fn snapshot() -> WeightSnapshot {
         let tensor = |name: &str, shape: Vec<usize>, seed: f32| Tensor {
             name: name.into(),
@@ -1133,16 +1139,16 @@ mod tests {
                 .collect(),
             shape,
         };
-        WeightSnapshot {
-            version: 9,
-            params: Arc::new(TensorSet {
+        WeightSnapshot::new(
+            9,
+            Arc::new(TensorSet {
                 tensors: vec![
                     tensor("a", vec![3, 5], 1.0),
                     tensor("b", vec![7], -2.0),
                     tensor("c", vec![2, 2, 2], 0.25),
                 ],
             }),
-        }
+        )
     }
 
     fn send(s: &WeightSnapshot, bucket_bytes: usize) -> (WeightSnapshot, SnapshotAck, u32) {
@@ -1165,11 +1171,18 @@ mod tests {
         let s = snapshot();
         for bucket_bytes in [1, 3, 4, 13, 60, 64, 1 << 20] {
             let (back, ack, expect) = send(&s, bucket_bytes);
-            assert_eq!(*back.params, *s.params, "bucket_bytes = {bucket_bytes}");
+            assert_eq!(
+                *back.params().unwrap(),
+                *s.params().unwrap(),
+                "bucket_bytes = {bucket_bytes}"
+            );
             assert_eq!(back.version, 9);
             assert_eq!(ack.digest, expect);
             assert_eq!(ack.bytes, (15 + 7 + 8) * 4);
-            assert_eq!(content_crc(&back.params), content_crc(&s.params));
+            assert_eq!(
+                content_crc(back.params().unwrap()),
+                content_crc(s.params().unwrap())
+            );
         }
     }
 
@@ -1186,9 +1199,9 @@ mod tests {
                 .collect(),
             shape,
         };
-        let s = WeightSnapshot {
-            version: 4,
-            params: Arc::new(TensorSet {
+        let s = WeightSnapshot::new(
+            4,
+            Arc::new(TensorSet {
                 tensors: vec![
                     tensor("w", vec![4, 6], 1.0),
                     tensor("norm", vec![5], -2.0),
@@ -1196,10 +1209,11 @@ mod tests {
                     tensor("odd", vec![3], 7.0),
                 ],
             }),
-        };
+        );
         let marks = [true, false, true, true];
         let want: Vec<Vec<f32>> = s
-            .params
+            .params()
+            .unwrap()
             .tensors
             .iter()
             .zip(marks)
@@ -1224,13 +1238,20 @@ mod tests {
                 );
                 let (b, crc) = bucket(&s, &m, i);
                 let mut encoded = Vec::new();
-                let crc2 = gather_into(&s.params, &starts, &bf16, at, len as usize, &mut encoded);
+                let crc2 = gather_into(
+                    s.params().unwrap(),
+                    &starts,
+                    &bf16,
+                    at,
+                    len as usize,
+                    &mut encoded,
+                );
                 assert_eq!((&encoded, crc2), (&b, crc), "bucket {i} of {bucket_bytes}");
                 asm.push(i as u32, &b, crc).unwrap();
                 at += len;
             }
             let (back, _) = asm.finish().unwrap();
-            for (t, w) in back.params.tensors.iter().zip(&want) {
+            for (t, w) in back.params().unwrap().tensors.iter().zip(&want) {
                 assert_eq!(
                     &t.data[..],
                     &w[..],
@@ -1319,12 +1340,15 @@ mod tests {
         let s = snapshot();
         let m = manifest(&s, 24);
         let (mut pool, mut views) = (ShmPool::default(), ShmViews::default());
-        let (path, crcs) = pool.write(&s, &m).expect("/dev/shm is writable");
+        let (path, crcs) = pool
+            .write(s.params().unwrap(), &m)
+            .expect("/dev/shm is writable");
         let (back, mut ack) = read_shm("t", &m, &path, &crcs, &mut views).expect("reads back");
-        assert_eq!(*back.params, *s.params);
+        assert_eq!(*back.params().unwrap(), *s.params().unwrap());
         assert_eq!(ack.digest, digest(&crcs));
         assert!(
-            back.params
+            back.params()
+                .unwrap()
                 .tensors
                 .iter()
                 .all(|t| t.data.mapping().is_some()),
@@ -1334,29 +1358,30 @@ mod tests {
         assert_eq!(ack.shm_in_use, vec![path.clone()]);
         pool.acknowledged(ack.shm_in_use);
         // The next version cannot go where the receiver still reads version 9.
-        let mut next = (*s.params).clone();
+        let mut next = (**s.params().unwrap()).clone();
         next.tensors[1].data[0] = 42.0;
-        let s2 = WeightSnapshot {
-            version: 10,
-            params: Arc::new(next),
-        };
-        let (path2, crcs2) = pool.write(&s2, &m).expect("writes");
+        let s2 = WeightSnapshot::new(10, Arc::new(next));
+        let (path2, crcs2) = pool.write(s2.params().unwrap(), &m).expect("writes");
         assert_ne!(path2, path, "a region in use is never rewritten");
         let (back2, _) = read_shm("t", &m, &path2, &crcs2, &mut views).expect("reads back");
-        assert_eq!(back2.params.tensors[1].data[0], 42.0);
-        assert_eq!(*back.params, *s.params, "version 9 is untouched");
+        assert_eq!(back2.params().unwrap().tensors[1].data[0], 42.0);
+        assert_eq!(
+            *back.params().unwrap(),
+            *s.params().unwrap(),
+            "version 9 is untouched"
+        );
         // A view written to is copied out first: the region is never written through.
-        let mut copy = (*back2.params).clone();
+        let mut copy = (**back2.params().unwrap()).clone();
         copy.tensors[0].data[0] = -1.0;
         assert!(copy.tensors[0].data.mapping().is_none());
         assert_eq!(
-            back2.params.tensors[0].data[0],
-            s2.params.tensors[0].data[0]
+            back2.params().unwrap().tensors[0].data[0],
+            s2.params().unwrap().tensors[0].data[0]
         );
         // Once version 9 is let go, its region takes version 11.
         drop(back);
         pool.acknowledged(views.in_use());
-        let (path3, crcs3) = pool.write(&s, &m).expect("writes");
+        let (path3, crcs3) = pool.write(s.params().unwrap(), &m).expect("writes");
         assert_eq!(path3, path, "the free region is reused");
         assert_eq!(pool.paths().len(), 2);
         let mut wrong = crcs3.clone();

@@ -1,7 +1,8 @@
 //! Named f32 tensors in memory: [`Tensor`] (a name, a shape and values that are owned or a
 //! read-only view of a memory-mapped file), [`TensorSet`] (every tensor of a model, or of its
 //! gradients or optimiser moments, in one layout), and [`WeightSnapshot`] (a model's weights at
-//! one version, as handed from a learner to rollout engines: in-process an `Arc`, no copy).
+//! one version, as handed from a learner to rollout engines: in-process an `Arc`, no copy; or
+//! left on an accelerator as [`DeviceWeights`], read to the host only when someone asks).
 //! [`TensorSet::share`] hands out a model's values without copying them: the holder and the
 //! owner then share each tensor's memory, and whichever writes first gets a copy of its own.
 //!
@@ -233,13 +234,91 @@ impl TensorSet {
     }
 }
 
-/// Weights plus the version that produced them.
+/// Weights an accelerator holds, handed from a learner to rollout engines of the same process
+/// and device without passing through the host (the `pjrt` engines: a copy on the device the
+/// learner's next step cannot overwrite). An engine on that device recognises its own kind
+/// (through [`std::any::Any`]); anyone else reads them back with [`DeviceWeights::to_host`].
+pub trait DeviceWeights: std::any::Any + Send + Sync + std::fmt::Debug {
+    /// The weights, copied to the host.
+    fn to_host(&self) -> Result<TensorSet, DeviceReadError>;
+}
+
+/// Reading weights back from a device failed.
+#[derive(Debug, thiserror::Error)]
+#[error("reading the weights back from the device: {0}")]
+pub struct DeviceReadError(pub String);
+
+/// Weights plus the version that produced them: on the host, or on a device with their host
+/// copy read back the first time someone asks for it (and then shared by every clone).
 #[derive(Clone, Debug)]
 pub struct WeightSnapshot {
     /// Monotonic weight version: every generated token records the version that produced it.
     pub version: u64,
-    /// The weights, in the model's layout and Hugging Face names.
-    pub params: Arc<TensorSet>,
+    /// The weights, in the model's layout and Hugging Face names (read back once when the
+    /// snapshot was made on a device).
+    host: Arc<std::sync::OnceLock<Arc<TensorSet>>>,
+    device: Option<Arc<dyn DeviceWeights>>,
+}
+
+impl WeightSnapshot {
+    /// `params` as version `version`.
+    pub fn new(version: u64, params: Arc<TensorSet>) -> Self {
+        Self {
+            version,
+            host: Arc::new(params.into()),
+            device: None,
+        }
+    }
+
+    /// Weights on a device as version `version`; their host copy is read when first asked for.
+    pub fn on_device(version: u64, weights: Arc<dyn DeviceWeights>) -> Self {
+        Self {
+            version,
+            host: Arc::default(),
+            device: Some(weights),
+        }
+    }
+
+    /// The same weights as another version.
+    pub fn with_version(&self, version: u64) -> Self {
+        Self {
+            version,
+            ..self.clone()
+        }
+    }
+
+    /// The weights on the host (read back from the device the first time, for every clone).
+    pub fn params(&self) -> Result<&Arc<TensorSet>, DeviceReadError> {
+        if let Some(p) = self.host.get() {
+            return Ok(p);
+        }
+        let read = match &self.device {
+            Some(d) => d.to_host()?,
+            None => return Err(DeviceReadError("a snapshot with no weights".into())),
+        };
+        Ok(self.host.get_or_init(|| Arc::new(read)))
+    }
+
+    /// The weights on the host, taken out of the snapshot (no copy when no clone of it shares
+    /// them).
+    pub fn into_params(self) -> Result<Arc<TensorSet>, DeviceReadError> {
+        self.params()?;
+        let missing = || DeviceReadError("a snapshot with no weights".into());
+        match Arc::try_unwrap(self.host) {
+            Ok(cell) => cell.into_inner().ok_or_else(missing),
+            Err(shared) => shared.get().cloned().ok_or_else(missing),
+        }
+    }
+
+    /// The weights on a device, when the snapshot was made there.
+    pub fn device(&self) -> Option<&Arc<dyn DeviceWeights>> {
+        self.device.as_ref()
+    }
+
+    /// Whether the host copy exists (made on the host, or read back already).
+    pub fn on_host(&self) -> bool {
+        self.host.get().is_some()
+    }
 }
 
 #[cfg(test)]
@@ -254,6 +333,37 @@ mod tests {
                 data: values.into(),
             }],
         }
+    }
+
+    /// Weights "on a device" that count how often they are read back.
+    #[derive(Debug)]
+    struct Counted(std::sync::atomic::AtomicUsize, Vec<f32>);
+
+    impl DeviceWeights for Counted {
+        fn to_host(&self) -> Result<TensorSet, DeviceReadError> {
+            self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            Ok(set(self.1.clone()))
+        }
+    }
+
+    #[test]
+    fn a_device_snapshot_is_read_to_the_host_once_for_every_clone_and_only_when_asked() {
+        let device = Arc::new(Counted(Default::default(), vec![1.0, 2.0]));
+        let snap = WeightSnapshot::on_device(3, device.clone());
+        let (clone, relabelled) = (snap.clone(), snap.with_version(4));
+        assert!(!snap.on_host());
+        assert_eq!(device.0.load(std::sync::atomic::Ordering::Relaxed), 0);
+        assert_eq!(**clone.params().unwrap(), set(vec![1.0, 2.0]));
+        assert!(snap.on_host() && relabelled.on_host());
+        let first = Arc::as_ptr(snap.params().unwrap());
+        assert_eq!(Arc::as_ptr(relabelled.params().unwrap()), first);
+        assert_eq!(device.0.load(std::sync::atomic::Ordering::Relaxed), 1);
+        assert!(snap.device().is_some() && relabelled.version == 4);
+        // The last holder takes the weights out without a copy; a host snapshot needs no read.
+        drop((clone, relabelled));
+        assert_eq!(Arc::as_ptr(&snap.into_params().unwrap()), first);
+        let host = WeightSnapshot::new(1, Arc::new(set(vec![5.0])));
+        assert!(host.on_host() && host.device().is_none());
     }
 
     #[test]

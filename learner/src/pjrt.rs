@@ -187,6 +187,8 @@ pub struct PjrtModel {
     score: Mutex<HashMap<(usize, usize), Arc<Executable>>>,
     grad: HashMap<(usize, usize), Executable>,
     adamw: Option<(Executable, [u32; 3])>,
+    /// The program returning a copy of its arguments (the parameters), for [`DeviceParams`].
+    copy: Option<Executable>,
     stats: Mutex<Stats>,
     /// The arithmetic of the traced linear layers and head (the model's, when it was copied).
     precision: kernels::matmul::Precision,
@@ -217,6 +219,7 @@ impl PjrtModel {
             score: Mutex::new(HashMap::new()),
             grad: HashMap::new(),
             adamw: None,
+            copy: None,
             stats: Mutex::new(Stats::default()),
             precision: model.precision(),
         })
@@ -650,6 +653,47 @@ impl PjrtModel {
         read(&self.params[0], params)
     }
 
+    /// A copy of the parameters on the device, for a rollout engine on it
+    /// ([`PjrtDecoder::set_device_params`]): the weights never pass through the host. A copy,
+    /// because the next [`PjrtModel::step`] donates the model's own buffers. Made by one program
+    /// returning its arguments (XLA gives a program's results buffers of their own), which
+    /// every plugin runs, where `PJRT_Buffer_CopyToDevice` may refuse a copy to the same device.
+    pub fn copy_params(&mut self) -> Result<DeviceParams> {
+        if self.copy.is_none() {
+            let mut g = Graph::new();
+            let args: Vec<V> = self
+                .specs
+                .iter()
+                .map(|(_, s)| g.arg(Shape::f32(s)))
+                .collect();
+            let text = g.emit(&args, &[]);
+            let t = Instant::now();
+            let exe = self.client.compile(&text).map_err(dev)?;
+            if let Ok(mut s) = self.stats.lock() {
+                s.compiles += 1;
+                s.compile_s += t.elapsed().as_secs_f64();
+            }
+            self.copy = Some(exe);
+        }
+        let exe = self
+            .copy
+            .as_ref()
+            .ok_or_else(|| Error::Device("no copy program".into()))?;
+        let device = exe.devices().first().copied().unwrap_or(0);
+        let params = self
+            .params
+            .get(device)
+            .ok_or_else(|| Error::Device(format!("no parameters on device {device}")))?;
+        let args: Vec<&Buffer> = params.iter().collect();
+        let bufs = exe.run(&args).map_err(dev)?;
+        Ok(DeviceParams {
+            client: self.client.clone(),
+            device,
+            specs: self.specs.clone(),
+            bufs,
+        })
+    }
+
     /// Replaces the devices' parameters with `params` (after a resume or a host-side change).
     pub fn write_params(&mut self, params: &Params) -> Result<()> {
         self.params = upload(&self.client, params)?;
@@ -700,6 +744,83 @@ fn read(bufs: &[Buffer], set: &mut Params) -> Result<()> {
     Ok(())
 }
 
+/// A model's weights on one device of a PJRT client ([`PjrtModel::copy_params`]): what a
+/// learner hands a rollout engine of its process and device ([`PjrtDecoder::set_device_params`])
+/// instead of reading its weights to the host and the engine uploading them again. Engines
+/// share it (nothing writes these buffers); read to the host only when someone asks.
+pub struct DeviceParams {
+    client: Client,
+    /// The client device holding the buffers.
+    device: usize,
+    specs: Vec<(String, Vec<usize>)>,
+    bufs: Vec<Buffer>,
+}
+
+impl DeviceParams {
+    /// `params` (checked against `specs`) uploaded to the client's first device.
+    fn upload(client: &Client, specs: &[(String, Vec<usize>)], params: &Params) -> Result<Self> {
+        if params.tensors.len() != specs.len()
+            || params
+                .tensors
+                .iter()
+                .zip(specs)
+                .any(|(t, (name, shape))| t.name != *name || t.shape != *shape)
+        {
+            return Err(Error::BadTensor {
+                path: "<snapshot>".into(),
+                name: "*".into(),
+                msg: "the weights do not have this model's names and shapes".into(),
+            });
+        }
+        let bufs = params
+            .tensors
+            .iter()
+            .map(|t| client.f32(&t.data, &t.shape).map_err(dev))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            client: client.clone(),
+            device: 0,
+            specs: specs.to_vec(),
+            bufs,
+        })
+    }
+
+    /// The client device holding them.
+    pub fn device(&self) -> usize {
+        self.device
+    }
+}
+
+impl std::fmt::Debug for DeviceParams {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceParams")
+            .field("platform", &self.client.platform())
+            .field("client", &self.client.serial())
+            .field("device", &self.device)
+            .field("tensors", &self.specs.len())
+            .finish()
+    }
+}
+
+impl kernels::tensor::DeviceWeights for DeviceParams {
+    fn to_host(&self) -> std::result::Result<Params, kernels::tensor::DeviceReadError> {
+        let read = |e: PjrtError| kernels::tensor::DeviceReadError(e.to_string());
+        let tensors = self
+            .specs
+            .iter()
+            .zip(&self.bufs)
+            .map(|((name, shape), b)| {
+                Ok(kernels::tensor::Tensor {
+                    name: name.clone(),
+                    shape: shape.clone(),
+                    data: b.to_f32().map_err(read)?.into(),
+                })
+            })
+            .collect::<std::result::Result<_, _>>()?;
+        Ok(Params { tensors })
+    }
+}
+
 /// The KV caches of one batch of rows on the device (keys and values of every layer, each
 /// `[rows·len, kv_heads·head_dim]`), for [`PjrtDecoder::extend`].
 pub struct KvBatch {
@@ -735,7 +856,7 @@ pub struct PjrtDecoder {
     layout: Layout,
     specs: Vec<(String, Vec<usize>)>,
     inv_freq: Vec<f64>,
-    params: Vec<Buffer>,
+    params: Arc<DeviceParams>,
     rot: Buffer,
     programs: HashMap<(usize, usize, usize), Executable>,
     stats: Stats,
@@ -749,19 +870,18 @@ impl PjrtDecoder {
         let rot = client
             .f32(&ops::rotate_half(c.head_dim), &[c.head_dim, c.head_dim])
             .map_err(dev)?;
-        let mut d = Self {
+        let params = Arc::new(DeviceParams::upload(&client, &specs, &model.params)?);
+        Ok(Self {
             inv_freq: inv_freq(c.head_dim, c.rope_theta, c.rope_scaling),
             client,
             config: c,
             layout,
             specs,
-            params: Vec::new(),
+            params,
             rot,
             programs: HashMap::new(),
             stats: Stats::default(),
-        };
-        d.set_params(&model.params)?;
-        Ok(d)
+        })
     }
 
     /// The model's config.
@@ -779,27 +899,34 @@ impl PjrtDecoder {
         self.stats
     }
 
-    /// Replaces the weights (a new version from the learner).
+    /// Replaces the weights (a new version from the learner), uploading them.
     pub fn set_params(&mut self, params: &Params) -> Result<()> {
-        if params.tensors.len() != self.specs.len()
-            || params
-                .tensors
-                .iter()
-                .zip(&self.specs)
-                .any(|(t, (name, shape))| t.name != *name || t.shape != *shape)
-        {
-            return Err(Error::BadTensor {
-                path: "<snapshot>".into(),
-                name: "*".into(),
-                msg: "the weights do not have this model's names and shapes".into(),
-            });
-        }
-        self.params = params
-            .tensors
-            .iter()
-            .map(|t| self.client.f32(&t.data, &t.shape).map_err(dev))
-            .collect::<Result<Vec<_>>>()?;
+        self.params = Arc::new(DeviceParams::upload(&self.client, &self.specs, params)?);
         Ok(())
+    }
+
+    /// Whether `params` can be served as they are: on this decoder's client and device, with
+    /// this model's names and shapes.
+    pub fn can_take(&self, params: &DeviceParams) -> bool {
+        params.client.shares_with(&self.client) && params.device == 0 && params.specs == self.specs
+    }
+
+    /// Replaces the weights with `params`, already on this device (no copy: the decoder serves
+    /// those very buffers); refused unless [`PjrtDecoder::can_take`].
+    pub fn set_device_params(&mut self, params: Arc<DeviceParams>) -> Result<()> {
+        if !self.can_take(&params) {
+            return Err(Error::Device(format!(
+                "weights on {params:?} are not on this engine's device (client {}, device 0) or not this model's",
+                self.client.serial()
+            )));
+        }
+        self.params = params;
+        Ok(())
+    }
+
+    /// Whether the weights served are `params` themselves.
+    pub fn serves(&self, params: &Arc<DeviceParams>) -> bool {
+        Arc::ptr_eq(&self.params, params)
     }
 
     /// Zeroed caches for `rows` rows of `len` slots each (both rounded up to their buckets).
@@ -958,7 +1085,7 @@ impl PjrtDecoder {
         let vocab = c.vocab_size;
         self.program(rows, new, len)?;
         let exe = &self.programs[&(rows, new, len)];
-        let mut args: Vec<&Buffer> = self.params.iter().collect();
+        let mut args: Vec<&Buffer> = self.params.bufs.iter().collect();
         args.extend(&inputs[..4]);
         args.push(&self.rot);
         args.extend(&inputs[4..]);

@@ -284,6 +284,93 @@ fn data_parallel_devices_train_as_one_device() {
     }
 }
 
+/// A learner's weights handed to a decoder on its device without the host: a copy on the
+/// device equal to the learner's weights, served by the decoder as it is (the same buffers,
+/// the same logits as the weights uploaded from the host), untouched by the learner's next
+/// step (which donates the learner's own buffers); on a learner data-parallel over two
+/// devices too. A decoder of another model refuses them.
+#[test]
+fn a_device_copy_of_the_weights_serves_a_decoder_and_survives_the_next_step() {
+    use kernels::tensor::DeviceWeights;
+    use learner::pjrt::PjrtDecoder;
+    use std::sync::Arc;
+    let Some(one) = client() else { return };
+    let model = tiny("qwen2", json!({}));
+    let batch = Batch::padded(&[&[1u32, 5, 9, 13, 2, 7][..], &[3, 4, 11][..]]);
+    let n = batch.len();
+    let coef: Vec<f32> = (0..n).map(|i| ((i * 7 % 5) as f32 - 2.0) * 0.3).collect();
+    let ent = vec![0.0; n];
+    let hp = AdamW {
+        lr: 1e-2,
+        ..Default::default()
+    };
+    let prompt: &[u32] = &[4, 8, 15, 16, 23, 42];
+    for devices in [1, 2] {
+        let c = libtpu_sys::testing::cpu_client_of(devices).unwrap();
+        let mut pj = PjrtModel::new(c, &model).unwrap();
+        let mut opt = Optimizer::new(&model.params, hp, LrSchedule::constant(1e-2), None);
+        pj.backward(&batch, 1.0, &coef, &ent).unwrap();
+        pj.step(&mut opt).unwrap();
+        let copy = Arc::new(pj.copy_params().unwrap());
+        let mut trained = model.params.clone();
+        pj.read_params(&mut trained).unwrap();
+        assert_ne!(
+            trained, model.params,
+            "{devices} devices: the step moved nothing"
+        );
+        assert_eq!(
+            copy.to_host().unwrap(),
+            trained,
+            "{devices} devices: the copy"
+        );
+
+        let mut dec = PjrtDecoder::new(one.clone(), &model).unwrap();
+        assert!(dec.can_take(&copy));
+        dec.set_device_params(Arc::clone(&copy)).unwrap();
+        assert!(
+            dec.serves(&copy),
+            "{devices} devices: the decoder copied them"
+        );
+        let uploaded = Model::new(model.config.clone(), trained.clone()).unwrap();
+        let mut host = PjrtDecoder::new(one.clone(), &uploaded).unwrap();
+        let logits = |d: &mut PjrtDecoder| {
+            let mut kv = d.start(1, prompt.len()).unwrap();
+            d.extend(&mut kv, &[prompt], &[0]).unwrap()
+        };
+        assert_eq!(
+            logits(&mut dec),
+            logits(&mut host),
+            "{devices} devices: logits"
+        );
+
+        pj.backward(&batch, 1.0, &coef, &ent).unwrap();
+        pj.step(&mut opt).unwrap();
+        let mut next = model.params.clone();
+        pj.read_params(&mut next).unwrap();
+        assert_ne!(
+            next, trained,
+            "{devices} devices: the second step moved nothing"
+        );
+        assert_eq!(
+            copy.to_host().unwrap(),
+            trained,
+            "{devices} devices: the learner's step wrote into the engine's copy"
+        );
+        assert_eq!(
+            logits(&mut dec),
+            logits(&mut host),
+            "{devices} devices: after a step"
+        );
+    }
+    let other = tiny("qwen2", json!({"intermediate_size": 32}));
+    let mut pj = PjrtModel::new(one.clone(), &model).unwrap();
+    let mut dec = PjrtDecoder::new(one, &other).unwrap();
+    let copy = Arc::new(pj.copy_params().unwrap());
+    assert!(!dec.can_take(&copy));
+    let err = dec.set_device_params(copy).unwrap_err().to_string();
+    assert!(err.contains("not this model's"), "{err}");
+}
+
 /// bf16 matmuls on the device (`stablehlo.convert` to bf16 before each linear layer's and the
 /// head's `dot_general`, f32 results; attention and RoPE stay f32) follow the native engine's
 /// `vdpbf16ps` products, gradients and steps included.

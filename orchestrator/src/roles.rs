@@ -243,6 +243,8 @@ pub struct LocalPolicy {
     opt: Option<Optimizer>,
     /// Side files of its checkpoints (tokenizer, chat template, generation config).
     assets: Vec<(String, Vec<u8>)>,
+    /// Snapshots leave the weights on the engine's device (for rollout engines on it).
+    on_device: bool,
 }
 
 impl LocalPolicy {
@@ -252,7 +254,15 @@ impl LocalPolicy {
             engine,
             opt: None,
             assets,
+            on_device: false,
         }
+    }
+
+    /// Whether its snapshots leave the weights on the engine's device (a copy there, read to
+    /// the host only when someone asks): for rollout engines on the same device and client.
+    /// Engines whose weights live on the host hand them shared as always.
+    pub fn weights_on_device(self, on_device: bool) -> Self {
+        Self { on_device, ..self }
     }
 }
 
@@ -305,11 +315,16 @@ impl Policy for LocalPolicy {
     }
 
     fn snapshot(&mut self, version: u64) -> Result<WeightSnapshot> {
+        if self.on_device
+            && let Some(weights) = self.engine.device_weights()?
+        {
+            return Ok(WeightSnapshot::on_device(version, weights));
+        }
         // Shared, not copied: engines in this process serve these very values.
-        Ok(WeightSnapshot {
+        Ok(WeightSnapshot::new(
             version,
-            params: Arc::new(self.engine.share_weights()?),
-        })
+            Arc::new(self.engine.share_weights()?),
+        ))
     }
 
     fn save(&mut self, dir: &Path, with_optimizer: bool, dtype: WeightDtype) -> Result<()> {
@@ -429,10 +444,7 @@ impl RoleMaker for RankRoles {
             stop: &|| false,
             note: &mut note,
             config,
-            weights: WeightSnapshot {
-                version: 0,
-                params: Arc::new(critic.into_all()),
-            },
+            weights: WeightSnapshot::new(0, Arc::new(critic.into_all())),
             assets: Vec::new(),
             shard_optimizer: self.shard_optimizer,
             allreduce: self.allreduce,
@@ -497,12 +509,13 @@ mod tests {
             .unwrap();
         let snap = policy.snapshot(1).unwrap();
         let trained = &policy.engine.model().unwrap().params;
-        for (s, w) in snap.params.tensors.iter().zip(&trained.tensors) {
+        for (s, w) in snap.params().unwrap().tensors.iter().zip(&trained.tensors) {
             assert!(s.data.same_memory(&w.data), "{} was copied", s.name);
         }
         policy.sft_step(&[(vec![1, 2, 3], vec![4, 5, 6])]).unwrap();
         assert_eq!(
-            *snap.params, model.params,
+            **snap.params().unwrap(),
+            model.params,
             "the step wrote into the snapshot"
         );
         assert_ne!(policy.engine.model().unwrap().params, model.params);

@@ -636,17 +636,21 @@ impl Worker {
                 snap.version, self.version
             )));
         }
-        let params = Arc::unwrap_or_clone(snap.params);
+        let version = snap.version;
+        let params = Arc::unwrap_or_clone(
+            snap.into_params()
+                .map_err(|e| EngineError::BadWeights(e.to_string()))?,
+        );
         let mut model = Model::new(self.model.config.clone(), params)
             .map_err(|e| EngineError::BadWeights(e.to_string()))?;
         if self.cfg.weights_dtype == WeightDtype::Bf16 {
             model.serve_bf16();
         }
         self.model = Arc::new(model);
-        self.version = snap.version;
+        self.version = version;
         // Keys and values of the old weights are no prefix of anything the new ones compute.
         self.pool.forget();
-        self.shared_version.store(snap.version, Ordering::Release);
+        self.shared_version.store(version, Ordering::Release);
         if self.cfg.swap == SwapPolicy::ContinueOnNew {
             for s in &mut self.running {
                 s.model = self.model.clone();

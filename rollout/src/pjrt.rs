@@ -15,7 +15,7 @@ use crate::{
     BoxFuture, Completion, EngineError, FinishReason, GenerateRequest, InferenceEngine, VersionSpan,
 };
 use kernels::tensor::WeightSnapshot;
-use learner::pjrt::{Client, PjrtDecoder};
+use learner::pjrt::{Client, DeviceParams, PjrtDecoder};
 use learner::{Model, ModelConfig};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
@@ -209,9 +209,28 @@ impl InferenceEngine for PjrtEngine {
     fn update_weights(&self, snapshot: WeightSnapshot) -> BoxFuture<'_, Result<(), EngineError>> {
         let version = self.version.clone();
         Box::pin(self.with(move |i| {
-            i.dec
-                .set_params(&snapshot.params)
-                .map_err(|e| EngineError::BadWeights(e.to_string()))?;
+            let bad = |e: &dyn std::fmt::Display| EngineError::BadWeights(e.to_string());
+            // Weights a learner of this process left on this device are served as they are;
+            // any others are uploaded from the host.
+            let on_device = snapshot
+                .device()
+                .and_then(|d| {
+                    let any: Arc<dyn std::any::Any + Send + Sync> = d.clone();
+                    any.downcast::<DeviceParams>().ok()
+                })
+                .filter(|d| i.dec.can_take(d));
+            match on_device {
+                Some(d) => i.dec.set_device_params(d).map_err(|e| bad(&e))?,
+                None => {
+                    if snapshot.device().is_some() {
+                        tracing::info!(
+                            "the learner's weights are on another device: reading them to the host"
+                        );
+                    }
+                    let params = snapshot.params().map_err(|e| bad(&e))?;
+                    i.dec.set_params(params).map_err(|e| bad(&e))?;
+                }
+            }
             i.version = snapshot.version;
             version.store(snapshot.version, Ordering::Release);
             Ok(())

@@ -367,10 +367,7 @@ fn bf16_weights_with_a_cache_of(kv_cache_dtype: learner::params::WeightDtype) {
     check(&engine, &m.params);
     let new = perturbed(&m, 0.05);
     engine
-        .update_weights_blocking(WeightSnapshot {
-            version: 1,
-            params: Arc::new(new.clone()),
-        })
+        .update_weights_blocking(WeightSnapshot::new(1, Arc::new(new.clone())))
         .unwrap();
     check(&engine, &new);
 }
@@ -402,10 +399,7 @@ fn weight_updates_bump_the_version_and_change_the_model() {
     let before = greedy(&engine);
     let new = perturbed(&m, 0.3);
     engine
-        .update_weights_blocking(WeightSnapshot {
-            version: 1,
-            params: Arc::new(new.clone()),
-        })
+        .update_weights_blocking(WeightSnapshot::new(1, Arc::new(new.clone())))
         .unwrap();
     assert_eq!(rollout::InferenceEngine::weight_version(&engine), 1);
     let after = greedy(&engine);
@@ -418,19 +412,13 @@ fn weight_updates_bump_the_version_and_change_the_model() {
     assert_ne!(before.token_ids, after.token_ids);
     // stale versions and mismatched weights are refused
     let e = engine
-        .update_weights_blocking(WeightSnapshot {
-            version: 1,
-            params: Arc::new(new),
-        })
+        .update_weights_blocking(WeightSnapshot::new(1, Arc::new(new)))
         .unwrap_err();
     assert!(e.to_string().contains("not newer"), "{e}");
     let mut wrong = m.params.clone();
     wrong.tensors.pop();
     let e = engine
-        .update_weights_blocking(WeightSnapshot {
-            version: 2,
-            params: Arc::new(wrong),
-        })
+        .update_weights_blocking(WeightSnapshot::new(2, Arc::new(wrong)))
         .unwrap_err();
     assert!(matches!(e, EngineError::BadWeights(_)), "{e}");
 }
@@ -441,10 +429,7 @@ fn an_update_in_this_process_serves_the_learners_memory_and_never_its_later_writ
     let engine = NativeEngine::new(m.clone(), NativeConfig::default());
     // The learner's weights, shared into the snapshot as `LocalPolicy::snapshot` does.
     let mut learner = perturbed(&m, 0.3);
-    let snapshot = WeightSnapshot {
-        version: 1,
-        params: Arc::new(learner.share()),
-    };
+    let snapshot = WeightSnapshot::new(1, Arc::new(learner.share()));
     engine.update_weights_blocking(snapshot).unwrap();
     let served = engine.served_blocking().unwrap();
     for (s, l) in served.params.tensors.iter().zip(&learner.tensors) {
@@ -496,10 +481,7 @@ fn swap_mid_generation(policy: SwapPolicy) -> Vec<rollout::VersionSpan> {
         std::thread::yield_now();
     }
     engine
-        .update_weights_blocking(WeightSnapshot {
-            version: 9,
-            params: Arc::new(perturbed(&m, 0.1)),
-        })
+        .update_weights_blocking(WeightSnapshot::new(9, Arc::new(perturbed(&m, 0.1))))
         .unwrap();
     worker.join().unwrap().unwrap().remove(0).weight_versions
 }
@@ -671,10 +653,7 @@ fn a_continued_prompt_reuses_the_cached_prefix_until_new_weights() {
     }
     // New weights forget the cache.
     cached
-        .update_weights_blocking(WeightSnapshot {
-            version: 1,
-            params: Arc::new(m.params.clone()),
-        })
+        .update_weights_blocking(WeightSnapshot::new(1, Arc::new(m.params.clone())))
         .unwrap();
     let again = cached.generate_blocking(vec![greedy(&next)]).unwrap();
     assert_eq!(again[0].cached_tokens, 0);

@@ -144,11 +144,7 @@ fn weight_updates_change_the_model_and_bad_requests_are_refused() {
         }
     }
     let newer = Model::new(m.config.clone(), p.clone()).unwrap();
-    block_on(engine.update_weights(WeightSnapshot {
-        version: 7,
-        params: Arc::new(p),
-    }))
-    .unwrap();
+    block_on(engine.update_weights(WeightSnapshot::new(7, Arc::new(p)))).unwrap();
     assert_eq!(engine.weight_version(), 7);
     let prompt = ids(&reference()["input_ids"][1]);
     let r = || {
@@ -174,12 +170,67 @@ fn weight_updates_change_the_model_and_bad_requests_are_refused() {
     assert!(e.contains("token id 100000"), "{e}");
     let mut wrong = m.params.clone();
     wrong.tensors.pop();
-    let e = block_on(engine.update_weights(WeightSnapshot {
-        version: 8,
-        params: Arc::new(wrong),
-    }))
-    .unwrap_err()
-    .to_string();
+    let e = block_on(engine.update_weights(WeightSnapshot::new(8, Arc::new(wrong))))
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("names and shapes"), "{e}");
     assert_eq!(engine.weight_version(), 7);
+}
+
+/// A pjrt learner's new weights handed to the engine on its device
+/// ([`WeightSnapshot::on_device`]): the engine serves them without reading them to the host
+/// (the snapshot's host copy is never made) and generates what the native engine does with
+/// the learner's weights; a native engine given the same snapshot reads them back and agrees.
+#[test]
+fn an_engine_on_the_learners_device_takes_its_weights_without_the_host() {
+    use learner::optim::{LrSchedule, Optimizer};
+    let Some(c) = client() else { return };
+    let m = model();
+    let mut learner = learner::pjrt::PjrtModel::new(c.clone(), &m).unwrap();
+    let batch = learner::Batch::padded(&[&[1u32, 5, 9, 13, 2, 7][..], &[3, 4, 11][..]]);
+    let n = batch.len();
+    let coef: Vec<f32> = (0..n).map(|i| ((i * 7 % 5) as f32 - 2.0) * 0.3).collect();
+    let hp = kernels::optim::AdamW {
+        lr: 5e-2,
+        ..Default::default()
+    };
+    let mut opt = Optimizer::new(&m.params, hp, LrSchedule::constant(5e-2), None);
+    learner.backward(&batch, 1.0, &coef, &vec![0.0; n]).unwrap();
+    learner.step(&mut opt).unwrap();
+    let mut trained = m.params.clone();
+    learner.read_params(&mut trained).unwrap();
+    let newer = Model::new(m.config.clone(), trained).unwrap();
+
+    let engine = PjrtEngine::new(c, &m, 0).unwrap();
+    let snapshot = WeightSnapshot::on_device(5, Arc::new(learner.copy_params().unwrap()));
+    block_on(engine.update_weights(snapshot.clone())).unwrap();
+    assert_eq!(engine.weight_version(), 5);
+    assert!(
+        !snapshot.on_host(),
+        "the engine read the weights to the host"
+    );
+    let prompt = ids(&reference()["input_ids"][0]);
+    let r = || {
+        vec![req(&prompt, |s| {
+            s.temperature = 0.0;
+            s.max_tokens = 8;
+        })]
+    };
+    let got = block_on(engine.generate(r())).unwrap();
+    let want = NativeEngine::new(newer, NativeConfig::default())
+        .generate_blocking(r())
+        .unwrap();
+    same(&got, &want);
+    let base = NativeEngine::new(m.clone(), NativeConfig::default())
+        .generate_blocking(r())
+        .unwrap();
+    assert_ne!(
+        got[0].logprobs, base[0].logprobs,
+        "the step did not change what the engine computes"
+    );
+
+    let native = NativeEngine::new(m, NativeConfig::default());
+    block_on(native.update_weights(snapshot.clone())).unwrap();
+    assert!(snapshot.on_host(), "a host engine reads them back");
+    same(&native.generate_blocking(r()).unwrap(), &want);
 }

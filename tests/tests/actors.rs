@@ -110,10 +110,7 @@ fn weights(version: u64) -> WeightSnapshot {
                 .collect(),
         })
         .collect();
-    WeightSnapshot {
-        version,
-        params: Arc::new(Params { tensors }),
-    }
+    WeightSnapshot::new(version, Arc::new(Params { tensors }))
 }
 
 async fn held(actor: &ActorRef<Ping>) -> (Option<u64>, u64, u32) {
@@ -185,7 +182,7 @@ async fn agents_host_actors_and_a_killed_agents_actor_restarts_on_the_other_with
         r.load_weights(current.clone()).await.expect("pushed");
         assert_eq!(
             held(r).await,
-            (Some(1), 100 << 20, content_crc(&current.params))
+            (Some(1), 100 << 20, content_crc(current.params().unwrap()))
         );
     }
 
@@ -212,7 +209,7 @@ async fn agents_host_actors_and_a_killed_agents_actor_restarts_on_the_other_with
     eprintln!("kill -9 → restarted actor answering: {:?}", t0.elapsed());
     assert_eq!(victim.location(), "agent-b");
     assert!(
-        matches!(answer, PingResponse::Weights { version: Some(1), crc32c, .. } if crc32c == content_crc(&current.params)),
+        matches!(answer, PingResponse::Weights { version: Some(1), crc32c, .. } if crc32c == content_crc(current.params().unwrap())),
         "{answer:?}"
     );
     assert_eq!(head.agents().len(), 1);
@@ -269,7 +266,7 @@ async fn a_100_mb_snapshot_crosses_processes_over_grpc_and_a_wrong_token_is_refu
         ping.load_weights(w.clone()).await.expect("streamed");
         assert_eq!(
             held(&ping).await,
-            (Some(version), 100 << 20, content_crc(&w.params))
+            (Some(version), 100 << 20, content_crc(w.params().unwrap()))
         );
     }
     // An agent stopped by SIGTERM exits cleanly and the head notices.

@@ -216,10 +216,7 @@ fn the_served_engine_answers_the_vllm_and_sglang_adapters_like_the_in_process_en
             *x *= 1.0 + 0.05 * ((i % 7) as f32 - 3.0) / 3.0;
         }
     }
-    let snap = |v| WeightSnapshot {
-        version: v,
-        params: Arc::new(params.clone()),
-    };
+    let snap = |v| WeightSnapshot::new(v, Arc::new(params.clone()));
     local.update_weights_blocking(snap(3)).unwrap();
     let want = local.generate_blocking(requests()).unwrap();
     let root = scratch("push");

@@ -98,6 +98,17 @@ fn a_run_on_pjrt_engines_equals_the_native_run_and_resumes_after_kill_9() {
     );
     let (mn, mp) = (metrics(&native), metrics(&pjrt));
     assert_eq!(mn.len(), mp.len());
+    // Every RL update's new weights went to the engine on the learner's device, never read
+    // to the host; the native run's engine shares the learner's host memory instead.
+    let on_device = |rows: &[Value]| {
+        rows.iter()
+            .filter(|r| r.get("actor/pg_loss").is_some())
+            .map(|r| r.get("perf/weight_sync_on_device").and_then(Value::as_f64))
+            .collect::<Vec<_>>()
+    };
+    assert!(on_device(&mp).iter().all(|v| *v == Some(1.0)), "{mp:?}");
+    assert!(on_device(&mn).iter().all(Option::is_none), "{mn:?}");
+    assert!(!on_device(&mp).is_empty());
     let close = |a: f64, b: f64, tol: f64| (a - b).abs() <= tol * (1.0 + b.abs());
     for (n, p) in mn.iter().zip(&mp) {
         assert_eq!((&n["stage"], &n["step"]), (&p["stage"], &p["step"]));
@@ -124,6 +135,11 @@ fn a_run_on_pjrt_engines_equals_the_native_run_and_resumes_after_kill_9() {
     assert!(err.contains("data-parallel on 2 devices"), "{err}");
     let m2 = metrics(&two);
     assert_eq!(m2.len(), mp.len());
+    assert_eq!(
+        on_device(&m2),
+        on_device(&mp),
+        "2 devices: weights on the device"
+    );
     for (t, p) in m2.iter().zip(&mp) {
         for k in [
             "sft/loss",

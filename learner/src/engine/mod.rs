@@ -68,6 +68,13 @@ pub trait TrainEngine: Send + Sync {
     /// they are, and the engine's next step writes to memory of its own while they are held.
     fn share_weights(&mut self) -> Result<crate::Params>;
 
+    /// A copy of the weights on the engine's device, for a rollout engine on that device to
+    /// serve without the host ([`kernels::tensor::WeightSnapshot::on_device`]); `None` from an
+    /// engine whose weights live on the host (use [`TrainEngine::share_weights`]).
+    fn device_weights(
+        &mut self,
+    ) -> Result<Option<std::sync::Arc<dyn kernels::tensor::DeviceWeights>>>;
+
     /// Starts a new optimiser: drops summed gradients and any moments the engine keeps, so the
     /// next step starts from the host optimiser's state.
     fn reset_optimizer(&mut self);

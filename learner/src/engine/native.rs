@@ -90,6 +90,12 @@ impl TrainEngine for NativeTrainer {
         Ok(self.model.params.share())
     }
 
+    fn device_weights(
+        &mut self,
+    ) -> Result<Option<std::sync::Arc<dyn kernels::tensor::DeviceWeights>>> {
+        Ok(None)
+    }
+
     fn reset_optimizer(&mut self) {
         self.tape = None;
         self.grads.fill_zero();

@@ -105,6 +105,13 @@ impl TrainEngine for PjrtTrainer {
         Ok(self.host.params.share())
     }
 
+    fn device_weights(
+        &mut self,
+    ) -> Result<Option<std::sync::Arc<dyn kernels::tensor::DeviceWeights>>> {
+        // The host copy stays stale: read only when a checkpoint or a host reader asks.
+        Ok(Some(std::sync::Arc::new(self.device.copy_params()?)))
+    }
+
     fn reset_optimizer(&mut self) {
         self.pending = None;
         self.device.reset_optimizer();

@@ -140,10 +140,7 @@ pub fn run(model: Model, repeats: usize) -> Result<EngineBenchReport, BenchError
     let bytes = params.numel() * 4;
     let (mut write, mut reload, mut total) = (Vec::new(), Vec::new(), Vec::new());
     for v in 1..=repeats as u64 {
-        let snap = WeightSnapshot {
-            version: v,
-            params: Arc::clone(&params),
-        };
+        let snap = WeightSnapshot::new(v, Arc::clone(&params));
         let t = Instant::now();
         let dir = folders.write(&snap, &config).map_err(fail)?;
         let w = t.elapsed().as_secs_f64();

@@ -246,7 +246,8 @@ pub(crate) struct StepCx<'s, 'a> {
 /// engines on agents read them from the learner ranks where the policy has ranks on agents.
 /// Returns the seconds it took and its metrics (`perf/weight_sync_from_ranks`: engines that
 /// read the weights from the ranks themselves; `perf/weight_sync_beside`: engines that took
-/// them, shared, from a rank in their own process).
+/// them, shared, from a rank in their own process; `perf/weight_sync_on_device`: engines that
+/// took them on the learner's device, the weights never read to the host).
 pub(super) fn push_weights(
     policy: &mut dyn Policy,
     rollouts: &dyn Rollouts,
@@ -255,8 +256,16 @@ pub(super) fn push_weights(
     let t = Instant::now();
     *version += 1;
     let snapshot = policy.snapshot(*version)?;
+    // Clones share the host copy: whether anyone read it shows once the engines have them.
+    let on_device = snapshot.device().is_some().then(|| snapshot.clone());
     let pulls = rollouts.update_weights(snapshot, policy.weight_source())?;
     let mut metrics = Metrics::new();
+    if let Some(s) = on_device
+        && !s.on_host()
+    {
+        let engines = rollouts.locations().len() - rollouts.down_count();
+        metrics.insert("perf/weight_sync_on_device".into(), engines as f64);
+    }
     if pulls.from_ranks > 0 {
         metrics.insert(
             "perf/weight_sync_from_ranks".into(),

@@ -36,6 +36,9 @@ pub enum ExecError {
     /// An RL formula's inputs.
     #[error(transparent)]
     Rl(#[from] learner::rl::RlError),
+    /// Weights left on a device could not be read back.
+    #[error(transparent)]
+    DeviceWeights(#[from] kernels::tensor::DeviceReadError),
     /// A role (the policy, its reference or critic, the rollout engines).
     #[error(transparent)]
     Role(#[from] RoleError),

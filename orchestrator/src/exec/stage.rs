@@ -193,7 +193,7 @@ impl<'a> Executor<'a> {
                 Arc::new(learner::Model::load_weights(config.clone(), &dir)?.params)
             } else {
                 std::fs::create_dir_all(&dir).map_err(ExecError::io(&dir))?;
-                let w = policy.snapshot(self.version)?.params;
+                let w = policy.snapshot(self.version)?.into_params()?;
                 w.save(&dir.join("model.safetensors"))?;
                 current = Some(w.clone());
                 w
@@ -206,7 +206,7 @@ impl<'a> Executor<'a> {
             Some(c) => {
                 let weights = match current {
                     Some(w) => w,
-                    None => policy.snapshot(self.version)?.params,
+                    None => policy.snapshot(self.version)?.into_params()?,
                 };
                 Some(
                     self.roles

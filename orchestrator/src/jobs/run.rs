@@ -544,10 +544,7 @@ fn run(
     }
     // Shared with the learner that trains `model` below: engines in this process start on
     // these values without a copy.
-    let weights = WeightSnapshot {
-        version,
-        params: Arc::new(model.params.share()),
-    };
+    let weights = WeightSnapshot::new(version, Arc::new(model.params.share()));
     let stopped = |e: PoolError| match e {
         PoolError::StoppedWaiting => JobError::StoppedWaiting {
             resume: resume.clone(),
@@ -679,7 +676,7 @@ fn run(
             "learner on the {} engine",
             policy_engine(&plan.learner.engine)
         );
-        Box::new(LocalPolicy::new(engine, assets))
+        Box::new(LocalPolicy::new(engine, assets).weights_on_device(plan.weights_stay_on_device()))
     };
     let roles = Roles {
         policy,

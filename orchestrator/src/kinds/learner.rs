@@ -469,7 +469,7 @@ impl Actor for LearnerActor {
     }
 
     async fn load_weights(&mut self, snapshot: WeightSnapshot) -> Result<(), String> {
-        let params = Arc::unwrap_or_clone(snapshot.params);
+        let params = Arc::unwrap_or_clone(snapshot.into_params().map_err(|e| e.to_string())?);
         let trainee = match self.role {
             RankRole::Policy => {
                 let mut model =

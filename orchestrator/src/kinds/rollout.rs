@@ -144,11 +144,8 @@ impl Actor for RolloutActor {
                 if let Some(params) = crate::kinds::learner::weights_beside(&source.key) {
                     let crc = actors::snapshot::content_crc(&params);
                     if crc == content_crc {
-                        self.load_weights(WeightSnapshot {
-                            version,
-                            params: Arc::new(params),
-                        })
-                        .await?;
+                        self.load_weights(WeightSnapshot::new(version, Arc::new(params)))
+                            .await?;
                         return Ok(RolloutResponse::Beside);
                     }
                     tracing::warn!(
@@ -175,11 +172,8 @@ impl Actor for RolloutActor {
                         "weights {version} read from the learner ranks have CRC-32C {crc:#010x}, the learner's {content_crc:#010x}"
                     )));
                 }
-                self.load_weights(WeightSnapshot {
-                    version,
-                    params: Arc::new(params),
-                })
-                .await?;
+                self.load_weights(WeightSnapshot::new(version, Arc::new(params)))
+                    .await?;
                 Ok(RolloutResponse::Pulled)
             }
         }
@@ -197,7 +191,8 @@ impl Actor for RolloutActor {
                 .await
                 .map_err(|e| e.to_string());
         }
-        let params = Arc::unwrap_or_clone(snapshot.params);
+        let version = snapshot.version;
+        let params = Arc::unwrap_or_clone(snapshot.into_params().map_err(|e| e.to_string())?);
         let model = Model::new(self.config.clone(), params).map_err(|e| e.to_string())?;
         let spec = match &self.start.engine {
             EngineSpec::Pjrt { device, plugin } => {
@@ -220,7 +215,7 @@ impl Actor for RolloutActor {
                 ..Default::default()
             }),
         };
-        let engine = rollout::open(spec, model, snapshot.version).map_err(|e| e.to_string())?;
+        let engine = rollout::open(spec, model, version).map_err(|e| e.to_string())?;
         self.engine = Some(engine);
         Ok(())
     }
@@ -256,10 +251,7 @@ pub(crate) mod tests {
         })
         .unwrap();
         actor
-            .load_weights(WeightSnapshot {
-                version: 1,
-                params: Arc::new(first.params.clone()),
-            })
+            .load_weights(WeightSnapshot::new(1, Arc::new(first.params.clone())))
             .await
             .unwrap();
         let flat = learner::wire::read_range(&next.params, 0, next.params.numel()).unwrap();

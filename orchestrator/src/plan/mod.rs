@@ -484,6 +484,28 @@ impl Plan {
         self.stages.iter().find(|s| s.id == id)
     }
 
+    /// Whether the learner hands its new weights to the rollout engines on its device: a pjrt
+    /// learner in this process and pjrt engines in this process on the same device and plugin
+    /// (one PJRT client), so the weights never pass through the host.
+    pub fn weights_stay_on_device(&self) -> bool {
+        match (&self.learner.engine, &self.rollout.engine) {
+            (
+                LearnerEngine::Pjrt { device, plugin },
+                RolloutEngine::Pjrt {
+                    device: d,
+                    plugin: p,
+                    ..
+                },
+            ) => {
+                !self.learner.on_actors()
+                    && self.rollout.placement == Placement::Local
+                    && device == d
+                    && plugin == p
+            }
+            _ => false,
+        }
+    }
+
     /// Whether some stage trains on the engines' own log-probs (`async` mode).
     pub fn trains_on_engine_logprobs(&self) -> bool {
         self.stages.iter().any(|s| match &s.work {

@@ -310,10 +310,7 @@ pub fn run(o: &LearnerBenchOptions) -> Result<LearnerBench, PoolError> {
             };
             copy(&copy(&engine.model()?.params))
         };
-        rollout.update_weights_blocking(WeightSnapshot {
-            version: i,
-            params: Arc::new(params),
-        })?;
+        rollout.update_weights_blocking(WeightSnapshot::new(i, Arc::new(params)))?;
         let handover_s = t.elapsed().as_secs_f64();
         if i % 2 == 0 {
             // This update followed a copied hand-over.
@@ -334,10 +331,7 @@ pub fn run(o: &LearnerBenchOptions) -> Result<LearnerBench, PoolError> {
     }
     drop((engine, rollout));
 
-    let weights = WeightSnapshot {
-        version: 0,
-        params: Arc::new(model.params),
-    };
+    let weights = WeightSnapshot::new(0, Arc::new(model.params));
     let gradient_bytes = params * 4;
     let mut runs = Vec::new();
     let rt = tokio::runtime::Builder::new_multi_thread()

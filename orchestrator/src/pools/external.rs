@@ -43,7 +43,7 @@ impl Probe {
         dir: PathBuf,
         dtype: WeightDtype,
     ) -> Result<Self, PoolError> {
-        let mut params = (*snapshot.params).clone();
+        let mut params = (**snapshot.params()?).clone();
         if dtype == WeightDtype::Bf16 {
             for t in &mut params.tensors {
                 for x in t.data.iter_mut() {

@@ -132,7 +132,7 @@ impl LearnerPool {
             .enable_all()
             .build()
             .map_err(|e| PoolError::Runtime(format!("cannot start the actor runtime: {e}")))?;
-        let layout = start.weights.params.zeros_like();
+        let layout = start.weights.params()?.zeros_like();
         // Each rank's (offset, length): the values whose sum it makes in a group, whose
         // optimiser state it keeps with ZeRO-1.
         let split: Vec<(usize, usize)> = split(0, layout.numel(), start.count)
@@ -833,10 +833,10 @@ impl LearnerPool {
     /// The weights, as `version` (each tensor shared: engines in this process take them as
     /// they are while the pool keeps the snapshot for restarts).
     pub fn snapshot(&mut self, version: u64) -> Result<WeightSnapshot> {
-        Ok(WeightSnapshot {
+        Ok(WeightSnapshot::new(
             version,
-            params: Arc::new(self.weights()?.share()),
-        })
+            Arc::new(self.weights()?.share()),
+        ))
     }
 
     /// Writes a checkpoint folder from the ranks' weights and optimiser state.

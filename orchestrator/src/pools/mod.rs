@@ -26,6 +26,9 @@ pub enum PoolError {
     /// An actor (or its agent) failed.
     #[error(transparent)]
     Actor(#[from] ActorError),
+    /// Weights left on a device could not be read back.
+    #[error(transparent)]
+    DeviceWeights(#[from] kernels::tensor::DeviceReadError),
     /// An external engine could not be reached when the pool started.
     #[error("pools.rollout.endpoints[{index}]: {api} engine at {url}: {source}")]
     Endpoint {

@@ -500,9 +500,10 @@ impl RolloutPool {
             let remote = |a: &ActorRef<RolloutActor>| a.agent_host().is_some();
             // What a pull needs (its source and the content CRC the read must match), when some
             // actor is on an agent to pull.
-            let pull = source
-                .filter(|_| pool.actors().iter().any(remote))
-                .map(|s| (s, actors::snapshot::content_crc(&snapshot.params)));
+            let pull = match source.filter(|_| pool.actors().iter().any(remote)) {
+                Some(s) => Some((s, actors::snapshot::content_crc(snapshot.params()?))),
+                None => None,
+            };
             let version = snapshot.version;
             let pulled: Arc<[AtomicUsize; 2]> = Arc::default();
             let counted = Arc::clone(&pulled);
@@ -616,10 +617,7 @@ mod tests {
         PoolStart {
             plan,
             config: &model.config,
-            weights: WeightSnapshot {
-                version: 0,
-                params: Arc::new(model.params.clone()),
-            },
+            weights: WeightSnapshot::new(0, Arc::new(model.params.clone())),
             cluster: None,
             stop: &|| false,
             run_dir: Path::new("."),
@@ -668,10 +666,7 @@ mod tests {
                 .collect()
         };
         assert_eq!(tokens(&a), tokens(&b));
-        let snap = WeightSnapshot {
-            version: 4,
-            params: Arc::new(model.params.clone()),
-        };
+        let snap = WeightSnapshot::new(4, Arc::new(model.params.clone()));
         three.update_weights(snap).unwrap();
         let c = three
             .generate(vec![GenerateRequest {
@@ -734,10 +729,7 @@ mod tests {
             probe: Mutex::new(None),
             raw_warned: Default::default(),
         };
-        let snap = |m: &Model, version| WeightSnapshot {
-            version,
-            params: Arc::new(m.params.clone()),
-        };
+        let snap = |m: &Model, version| WeightSnapshot::new(version, Arc::new(m.params.clone()));
         // The engine serves what the folder holds, as the learner says: accepted.
         let probe = x.publish(&snap(&a, 1)).unwrap();
         rt.block_on(x.reload_and_verify(&*engine, &probe)).unwrap();

@@ -94,10 +94,7 @@ fn load_params(state: &State, dir: &str) -> Result<Params, HttpError> {
 async fn swap(state: &State, params: Arc<Params>, version: u64) -> Result<(), HttpError> {
     state
         .engine
-        .replace_weights(WeightSnapshot {
-            version,
-            params: Arc::clone(&params),
-        })
+        .replace_weights(WeightSnapshot::new(version, Arc::clone(&params)))
         .await
         .map_err(|e| bad(e.to_string()))?;
     *state.current.lock().await = params;

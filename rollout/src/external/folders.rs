@@ -74,14 +74,17 @@ impl WeightFolders {
         }
         let text = serde_json::to_string_pretty(&hf).expect("JSON serialises");
         std::fs::write(&cfg, text).map_err(|e| io(&cfg, e))?;
+        let params = snapshot
+            .params()
+            .map_err(|e| EngineError::BadWeights(e.to_string()))?;
         let saved = if config.tie_word_embeddings {
-            with_explicit_head(&snapshot.params)
+            with_explicit_head(params)
         } else {
             None
         };
         saved
             .as_ref()
-            .unwrap_or(&snapshot.params)
+            .unwrap_or(params)
             .save_sharded(&tmp, u64::MAX, self.dtype)
             .map_err(|e| EngineError::BadWeights(e.to_string()))?;
         std::fs::rename(&tmp, &dir).map_err(|e| io(&dir, e))?;
@@ -156,10 +159,7 @@ mod tests {
         let _ = std::fs::remove_dir_all(&root);
         let folders = WeightFolders::new(&root);
         for v in 1..=4u64 {
-            let snap = WeightSnapshot {
-                version: v,
-                params: std::sync::Arc::new(model.params.clone()),
-            };
+            let snap = WeightSnapshot::new(v, std::sync::Arc::new(model.params.clone()));
             let dir = folders.write(&snap, &cfg).unwrap();
             assert_eq!(dir, root.join(format!("v{v:08}")));
         }
