@@ -134,6 +134,12 @@ pub struct PjrtBenchReport {
     pub mfu_vs_device_peak: Option<f64>,
     /// Native step time ÷ pjrt step time (above 1: pjrt is faster).
     pub speedup_vs_native: f64,
+    /// The trained weights to a rollout engine's decoder on the same device as a push did
+    /// before they stayed there: read to the host, uploaded again (median seconds).
+    pub handover_via_host_seconds: f64,
+    /// The same hand-over on the device: a copy there the decoder serves as it is (median
+    /// seconds; what `trellis train` does when both engines are pjrt on one device).
+    pub handover_on_device_seconds: f64,
 }
 
 /// Model FLOPs of one forward+backward over `tokens` tokens in rows of `seq`: 6 per
@@ -148,6 +154,34 @@ pub fn train_flops(c: &ModelConfig, tokens: usize, seq: usize) -> f64 {
     let matmul_params = (c.num_params() - embed) as f64;
     let attn = 12.0 * (c.num_layers * c.num_heads * c.head_dim * seq) as f64;
     (6.0 * matmul_params + attn) * tokens as f64
+}
+
+/// Median seconds of handing `dev`'s weights to a decoder on `client` (the same device) through
+/// the host and on the device, `times` each after one untimed round (which compiles the copy).
+fn handovers(
+    dev: &mut crate::pjrt::PjrtModel,
+    client: libtpu_sys::pjrt::Client,
+    model: &Model,
+    times: usize,
+) -> crate::Result<(f64, f64)> {
+    let mut decoder = crate::pjrt::PjrtDecoder::new(client, model)?;
+    let mut host = model.params.clone();
+    let (mut via_host, mut on_device) = (Vec::new(), Vec::new());
+    for i in 0..=times.max(1) {
+        let t = Instant::now();
+        dev.read_params(&mut host)?;
+        decoder.set_params(&host)?;
+        let a = t.elapsed().as_secs_f64();
+        let t = Instant::now();
+        let copy = std::sync::Arc::new(dev.copy_params()?);
+        decoder.set_device_params(copy)?;
+        let b = t.elapsed().as_secs_f64();
+        if i > 0 {
+            via_host.push(a);
+            on_device.push(b);
+        }
+    }
+    Ok((median(&via_host), median(&on_device)))
 }
 
 /// The median of timings (NaN for none: not timed).
@@ -284,7 +318,11 @@ pub fn train_bench(
             } else {
                 None
             };
-            let (dev, ptimes) = steps(client)?;
+            let decoder = client
+                .with_device_count(1)
+                .map_err(|e| crate::Error::Device(e.to_string()))?;
+            let (mut dev, ptimes) = steps(client)?;
+            let (via_host, on_device) = handovers(&mut dev, decoder, &model, opts.steps)?;
             let ps = median(&ptimes);
             let pa = flops / ps / 1e9;
             Some(PjrtBenchReport {
@@ -299,6 +337,8 @@ pub fn train_bench(
                 mfu_vs_host_peak: pa / peak,
                 mfu_vs_device_peak: opts.device_peak_tflops.map(|t| pa / (t * 1e3)),
                 speedup_vs_native: step / ps,
+                handover_via_host_seconds: via_host,
+                handover_on_device_seconds: on_device,
             })
         }
     };

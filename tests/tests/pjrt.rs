@@ -259,3 +259,36 @@ fn a_learner_device_that_cannot_be_had_is_refused_before_the_run_starts() {
         assert!(!dir.exists(), "{args:?}: nothing may run");
     }
 }
+
+/// `trellis bench train --engine pjrt` as a user runs it (a small model): the pjrt step beside
+/// the native one, and the trained weights handed to a rollout engine on the device both ways —
+/// through the host, as a push did before, and on the device, as `trellis train` does now.
+#[test]
+fn bench_train_times_the_pjrt_step_and_the_hand_over_both_ways() {
+    if !have_plugin() {
+        return;
+    }
+    let plugin = libtpu_sys::testing::cpu_plugin().unwrap();
+    let out = run_ok(
+        trellis()
+            .args(["--log", "warn", "bench", "train", "--engine", "pjrt"])
+            .args([
+                "--hidden", "64", "--layers", "2", "--heads", "2", "--vocab", "256",
+            ])
+            .args(["--batch", "2", "--seq", "16", "--steps", "2", "--json"])
+            .arg("--plugin")
+            .arg(plugin),
+    );
+    let r: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let p = &r["pjrt"];
+    assert_eq!(p["platform"], "cpu", "{r}");
+    for key in [
+        "step_seconds_median",
+        "tokens_per_second",
+        "handover_via_host_seconds",
+        "handover_on_device_seconds",
+    ] {
+        assert!(p[key].as_f64().is_some_and(|v| v > 0.0), "{key}: {r}");
+    }
+    assert!(r["tokens_per_second"].as_f64().unwrap() > 0.0, "{r}");
+}

@@ -320,6 +320,12 @@ fn bench_train(a: TrainBench) -> Result<()> {
         if let Some(m) = p.mfu_vs_device_peak {
             println!("  MFU (device peak given)    {:.1}%", 100.0 * m);
         }
+        println!(
+            "  weights to an engine on the device: {:.1} ms on the device, {:.1} ms through the host ({:.1}×)",
+            1e3 * p.handover_on_device_seconds,
+            1e3 * p.handover_via_host_seconds,
+            p.handover_via_host_seconds / p.handover_on_device_seconds
+        );
     }
     Ok(())
 }
