@@ -126,9 +126,15 @@ fn a_run_on_pjrt_engines_equals_the_native_run_and_resumes_after_kill_9() {
             }
         }
     }
-    // Two devices: the same run to the rounding of the gradient sums' order.
+    // Two devices: the same run to the rounding of the gradient sums' order; the engine placed
+    // as a user who wants it on the learner's device says it (`colocate`: in its process).
     let out = train(
-        &[&PJRT[..], &["-o", "pools.learner.count=2"]].concat(),
+        &[
+            &PJRT[..],
+            &["-o", "pools.learner.count=2"],
+            &["-o", "pools.rollout.placement=colocate"],
+        ]
+        .concat(),
         &two,
     );
     let err = String::from_utf8_lossy(&out.stderr);

@@ -558,14 +558,41 @@ fn colocation(
         (_, Colocate) => "pools.learner.placement",
         _ => return Ok(()),
     };
-    if r == Local || l == Local {
-        let other = if r == Local { "rollout" } else { "learner" };
-        return Err(e.at(
-            field,
-            format!(
-                "`colocate` runs rollout engine i in the agent process of learner rank i, but pools.{other}.placement is `local`: put it on agents too (pack, spread or colocate)"
-            ),
-        ));
+    let pjrt_learner = matches!(learner.engine, LearnerEngine::Pjrt { .. });
+    if l == Local || r == Local || pjrt_learner {
+        // Beside a pool that runs in the driver process (a pjrt learner always does): both
+        // there, on one device — for pjrt engines one client, the weights kept on the device.
+        if pjrt_learner && r != Local && r != Colocate {
+            return Err(e.at(
+                field,
+                format!(
+                    "the pjrt learner trains in the driver process, so engines beside it run there too, but pools.rollout.placement is `{}`: make it `colocate` or `local`",
+                    placement_name(r)
+                ),
+            ));
+        }
+        if rollout.device() != learner.device {
+            return Err(e.at(
+                field,
+                format!(
+                    "`colocate` runs the rollout engines and the learner on one device in one process, but pools.rollout.device is {} and pools.learner.device {}",
+                    rollout.device(),
+                    learner.device
+                ),
+            ));
+        }
+        if let (RolloutEngine::Pjrt { plugin: a, .. }, LearnerEngine::Pjrt { plugin: b, .. }) =
+            (&rollout.engine, &learner.engine)
+            && a != b
+        {
+            return Err(e.at(
+                field,
+                "`colocate` runs the rollout engines and the learner on one device in one process, through one PJRT plugin, but pools.rollout.plugin and pools.learner.plugin differ",
+            ));
+        }
+        rollout.placement = Placement::Local;
+        learner.placement = Placement::Local;
+        return Ok(());
     }
     if rollout.count != learner.count {
         return Err(e.at(
@@ -625,11 +652,17 @@ fn learner(p: &schema::Pool, e: &Errs<'_>) -> Result<LearnerPlan, PlanError> {
             ));
         }
         Engine::Native => LearnerEngine::Native,
-        Engine::Pjrt if p.placement != schema::Placement::Local => {
+        // `colocate`: beside its engines, in the driver process (checked in `colocation`).
+        Engine::Pjrt
+            if !matches!(
+                p.placement,
+                schema::Placement::Local | schema::Placement::Colocate
+            ) =>
+        {
             return Err(e.at(
                 "pools.learner.placement",
                 format!(
-                    "`{}` cannot be placed: the pjrt learner trains in the driver process (placement: local), data-parallel over `count` devices of its plugin; engine: native ranks run on agents",
+                    "`{}` cannot be placed: the pjrt learner trains in the driver process (placement: local, or colocate beside its rollout engines), data-parallel over `count` devices of its plugin; engine: native ranks run on agents",
                     placement_name(p.placement)
                 ),
             ));

@@ -107,6 +107,36 @@ fn colocated_pools_take_the_other_pools_strategy() {
         &[],
     );
     assert!(!plan.unwrap().rollout.colocated);
+    // Beside a pool in the driver process (a pjrt learner always is): both there, on one
+    // device; pjrt on both sides keeps the weights on it.
+    for (pools, on_device) in [
+        ("{rollout: {placement: colocate}}", false),
+        (
+            "{rollout: {placement: local}, learner: {placement: colocate}}",
+            false,
+        ),
+        (
+            "{rollout: {placement: colocate, engine: pjrt}, learner: {engine: pjrt}}",
+            true,
+        ),
+        (
+            "{rollout: {placement: colocate, engine: pjrt}, learner: {engine: pjrt, placement: colocate}}",
+            true,
+        ),
+        (
+            "{rollout: {placement: local, engine: pjrt, device: gpu}, learner: {engine: pjrt, device: gpu, placement: colocate}}",
+            true,
+        ),
+    ] {
+        let plan = parse(&format!("pools: {pools}\n{BASE}"), "t.yaml", &[]).unwrap();
+        assert!(!plan.rollout.colocated, "{pools}");
+        assert_eq!(
+            (plan.rollout.placement, plan.learner.placement),
+            (Placement::Local, Placement::Local),
+            "{pools}"
+        );
+        assert_eq!(plan.weights_stay_on_device(), on_device, "{pools}");
+    }
 }
 
 #[test]
@@ -381,12 +411,17 @@ fn bad_workflows_get_messages_that_say_where_and_why() {
         (
             "stages:\n",
             "pools: {learner: {engine: pjrt, placement: spread}}\nstages:\n",
-            "t.yaml: pools.learner.placement: `spread` cannot be placed: the pjrt learner trains in the driver process (placement: local), data-parallel over `count` devices of its plugin; engine: native ranks run on agents",
+            "t.yaml: pools.learner.placement: `spread` cannot be placed: the pjrt learner trains in the driver process (placement: local, or colocate beside its rollout engines), data-parallel over `count` devices of its plugin; engine: native ranks run on agents",
         ),
         (
             "stages:\n",
-            "pools: {rollout: {placement: colocate}}\nstages:\n",
-            "t.yaml: pools.rollout.placement: `colocate` runs rollout engine i in the agent process of learner rank i, but pools.learner.placement is `local`: put it on agents too (pack, spread or colocate)",
+            "pools: {rollout: {placement: colocate, engine: pjrt, device: tpu}}\nstages:\n",
+            "t.yaml: pools.rollout.placement: `colocate` runs the rollout engines and the learner on one device in one process, but pools.rollout.device is tpu and pools.learner.device cpu",
+        ),
+        (
+            "stages:\n",
+            "pools: {rollout: {placement: colocate, engine: pjrt, plugin: /a.so}, learner: {engine: pjrt}}\nstages:\n",
+            "t.yaml: pools.rollout.placement: `colocate` runs the rollout engines and the learner on one device in one process, through one PJRT plugin, but pools.rollout.plugin and pools.learner.plugin differ",
         ),
         (
             "stages:\n",
@@ -401,7 +436,7 @@ fn bad_workflows_get_messages_that_say_where_and_why() {
         (
             "stages:\n",
             "pools: {learner: {engine: pjrt, placement: colocate}, rollout: {placement: spread}}\nstages:\n",
-            "t.yaml: pools.learner.placement: `colocate` cannot be placed: the pjrt learner trains in the driver process (placement: local), data-parallel over `count` devices of its plugin; engine: native ranks run on agents",
+            "t.yaml: pools.learner.placement: the pjrt learner trains in the driver process, so engines beside it run there too, but pools.rollout.placement is `spread`: make it `colocate` or `local`",
         ),
         (
             "stages:\n",
