@@ -28,6 +28,11 @@ fn dev(e: PjrtError) -> Error {
     Error::Device(e.to_string())
 }
 
+/// One argument of `g` per parameter of `specs`, in layout order.
+fn param_args(g: &mut Graph, specs: &[(String, Vec<usize>)]) -> Vec<V> {
+    specs.iter().map(|(_, s)| g.arg(Shape::f32(s))).collect()
+}
+
 /// The traced model: arguments in order are the parameters (layout order), then the batch
 /// inputs of [`Inputs`].
 struct Trace {
@@ -56,7 +61,7 @@ fn trace(
 ) -> Trace {
     let mut g = Graph::new();
     g.set_linear_precision(precision);
-    let params: Vec<V> = specs.iter().map(|(_, s)| g.arg(Shape::f32(s))).collect();
+    let params = param_args(&mut g, specs);
     let n = rows * seq;
     let d = c.head_dim;
     let tokens = g.arg(Shape::i32(&[n]));
@@ -259,10 +264,15 @@ impl PjrtModel {
 
     /// Compiles `text` with one replica on each device.
     fn compile(&self, text: &str) -> Result<Executable> {
+        self.compile_on(text, self.devices())
+    }
+
+    /// Compiles `text` with one replica on each of the first `replicas` devices.
+    fn compile_on(&self, text: &str, replicas: usize) -> Result<Executable> {
         let t = Instant::now();
         let exe = self
             .client
-            .compile_replicated(text, self.devices())
+            .compile_replicated(text, replicas)
             .map_err(dev)?;
         if let Ok(mut s) = self.stats.lock() {
             s.compiles += 1;
@@ -453,11 +463,7 @@ impl PjrtModel {
             let n = rows * seq;
             let dl = t.g.arg(Shape::f32(&[n]));
             let de = t.g.arg(Shape::f32(&[n]));
-            let acc: Vec<V> = self
-                .specs
-                .iter()
-                .map(|(_, s)| t.g.arg(Shape::f32(s)))
-                .collect();
+            let acc = param_args(&mut t.g, &self.specs);
             let grads = t.g.vjp(&[(t.logp, dl), (t.entropy, de)], &t.params);
             // Every device's share summed on the interconnect (nothing on one device).
             let sums: Vec<V> = grads
@@ -542,26 +548,7 @@ impl PjrtModel {
         let key = [opt.hparams.beta1, opt.hparams.beta2, opt.hparams.eps].map(f32::to_bits);
         if self.adamw.as_ref().is_none_or(|(_, k)| *k != key) {
             let mut g = Graph::new();
-            let p: Vec<V> = self
-                .specs
-                .iter()
-                .map(|(_, s)| g.arg(Shape::f32(s)))
-                .collect();
-            let gr: Vec<V> = self
-                .specs
-                .iter()
-                .map(|(_, s)| g.arg(Shape::f32(s)))
-                .collect();
-            let m: Vec<V> = self
-                .specs
-                .iter()
-                .map(|(_, s)| g.arg(Shape::f32(s)))
-                .collect();
-            let v: Vec<V> = self
-                .specs
-                .iter()
-                .map(|(_, s)| g.arg(Shape::f32(s)))
-                .collect();
+            let [p, gr, m, v] = [(); 4].map(|_| param_args(&mut g, &self.specs));
             let s = [0; 4].map(|_| g.arg(Shape::f32(&[])));
             let mut outs = Vec::with_capacity(3 * np);
             let (mut om, mut ov) = (Vec::new(), Vec::new());
@@ -661,19 +648,8 @@ impl PjrtModel {
     pub fn copy_params(&mut self) -> Result<DeviceParams> {
         if self.copy.is_none() {
             let mut g = Graph::new();
-            let args: Vec<V> = self
-                .specs
-                .iter()
-                .map(|(_, s)| g.arg(Shape::f32(s)))
-                .collect();
-            let text = g.emit(&args, &[]);
-            let t = Instant::now();
-            let exe = self.client.compile(&text).map_err(dev)?;
-            if let Ok(mut s) = self.stats.lock() {
-                s.compiles += 1;
-                s.compile_s += t.elapsed().as_secs_f64();
-            }
-            self.copy = Some(exe);
+            let args = param_args(&mut g, &self.specs);
+            self.copy = Some(self.compile_on(&g.emit(&args, &[]), 1)?);
         }
         let exe = self
             .copy
@@ -946,11 +922,7 @@ impl PjrtDecoder {
             let (d, kvd) = (c.head_dim, c.num_kv_heads * c.head_dim);
             let n = rows * new;
             let mut g = Graph::new();
-            let params: Vec<V> = self
-                .specs
-                .iter()
-                .map(|(_, s)| g.arg(Shape::f32(s)))
-                .collect();
+            let params = param_args(&mut g, &self.specs);
             let tokens = g.arg(Shape::i32(&[n]));
             let sel = g.arg(Shape::i32(&[rows]));
             let cos = g.arg(Shape::f32(&[n, d]));

@@ -55,6 +55,14 @@ fn req(prompt: &[u32], f: impl FnOnce(&mut SamplingParams)) -> GenerateRequest {
     }
 }
 
+/// One greedy request of 8 tokens.
+fn greedy(prompt: &[u32]) -> Vec<GenerateRequest> {
+    vec![req(prompt, |s| {
+        s.temperature = 0.0;
+        s.max_tokens = 8;
+    })]
+}
+
 fn same(a: &[Completion], b: &[Completion]) {
     assert_eq!(a.len(), b.len());
     for (x, y) in a.iter().zip(b) {
@@ -147,15 +155,9 @@ fn weight_updates_change_the_model_and_bad_requests_are_refused() {
     block_on(engine.update_weights(WeightSnapshot::new(7, Arc::new(p)))).unwrap();
     assert_eq!(engine.weight_version(), 7);
     let prompt = ids(&reference()["input_ids"][1]);
-    let r = || {
-        vec![req(&prompt, |s| {
-            s.temperature = 0.0;
-            s.max_tokens = 8;
-        })]
-    };
-    let got = block_on(engine.generate(r())).unwrap();
+    let got = block_on(engine.generate(greedy(&prompt))).unwrap();
     let want = NativeEngine::new(newer, NativeConfig::default())
-        .generate_blocking(r())
+        .generate_blocking(greedy(&prompt))
         .unwrap();
     same(&got, &want);
     assert_eq!(got[0].weight_versions[0].version, 7);
@@ -210,19 +212,13 @@ fn an_engine_on_the_learners_device_takes_its_weights_without_the_host() {
         "the engine read the weights to the host"
     );
     let prompt = ids(&reference()["input_ids"][0]);
-    let r = || {
-        vec![req(&prompt, |s| {
-            s.temperature = 0.0;
-            s.max_tokens = 8;
-        })]
-    };
-    let got = block_on(engine.generate(r())).unwrap();
+    let got = block_on(engine.generate(greedy(&prompt))).unwrap();
     let want = NativeEngine::new(newer, NativeConfig::default())
-        .generate_blocking(r())
+        .generate_blocking(greedy(&prompt))
         .unwrap();
     same(&got, &want);
     let base = NativeEngine::new(m.clone(), NativeConfig::default())
-        .generate_blocking(r())
+        .generate_blocking(greedy(&prompt))
         .unwrap();
     assert_ne!(
         got[0].logprobs, base[0].logprobs,
@@ -232,5 +228,5 @@ fn an_engine_on_the_learners_device_takes_its_weights_without_the_host() {
     let native = NativeEngine::new(m, NativeConfig::default());
     block_on(native.update_weights(snapshot.clone())).unwrap();
     assert!(snapshot.on_host(), "a host engine reads them back");
-    same(&native.generate_blocking(r()).unwrap(), &want);
+    same(&native.generate_blocking(greedy(&prompt)).unwrap(), &want);
 }
