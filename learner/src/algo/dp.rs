@@ -164,19 +164,44 @@ fn policy_gradient(
     cfg: &PolicyUpdate,
 ) -> Result<Outcome> {
     let rows = &shard.rows;
-    let Some(c) = rows.chunks(rows.shape.rows).next() else {
+    let (n, cols) = (rows.shape.rows, rows.shape.cols);
+    if n == 0 {
         // More ranks than rows: this one adds nothing.
         return Ok(Outcome::default());
+    }
+    // Every policy loss's gradient at a token is proportional to its advantage, so a row whose
+    // advantages are all zero (a GRPO group that all passed or all failed) adds nothing to the
+    // gradient unless an entropy bonus or a KL loss is on: it is scored for the metrics, not
+    // trained (its forward keeps nothing and it has no backward). One row is always trained,
+    // so every share has a backward.
+    let idle = |r: usize| {
+        cfg.loss.entropy_coeff == 0.0
+            && cfg.loss.kl.is_none()
+            && (r * cols..(r + 1) * cols)
+                .all(|i| rows.mask[i] == 0.0 || shard.advantages[i] == 0.0)
     };
-    let sc = engine.forward(&c.batch, cfg.temperature)?;
-    let logp = c.gather(&sc.logp);
-    let ent = c.gather(&sc.entropy);
+    let mut skip: Vec<bool> = (0..n).map(idle).collect();
+    if skip.iter().all(|&s| s) {
+        skip[0] = false;
+    }
+    let trained = rows.select(|r| !skip[r]);
+    let sc = engine.forward(&trained.batch, cfg.temperature)?;
+    let mut logp = trained.gather(&sc.logp);
+    let mut ent = trained.gather(&sc.entropy);
+    let mut positions = trained.batch.len();
+    if skip.iter().any(|&s| s) {
+        let scored = rows.select(|r| skip[r]);
+        let s = engine.score(&scored.batch, cfg.temperature)?;
+        scored.gather_into(&s.logp, &mut logp);
+        scored.gather_into(&s.entropy, &mut ent);
+        positions += scored.batch.len();
+    }
     let old = shard.old_logp.as_ref().unwrap_or(&logp);
     let out = actor_loss(
         &cfg.loss,
         &shard.norm,
         ActorInput {
-            shape: c.shape(),
+            shape: rows.shape,
             logp: &logp,
             old_logp: old,
             advantages: &shard.advantages,
@@ -186,11 +211,23 @@ fn policy_gradient(
             is_weights: None,
         },
     )?;
-    engine.backward(&c.scatter(&out.grad), &c.scatter(&out.grad_entropy))?;
+    let stray = (0..n)
+        .filter(|&r| skip[r])
+        .flat_map(|r| r * cols..(r + 1) * cols)
+        .any(|i| out.grad[i] != 0.0 || out.grad_entropy[i] != 0.0);
+    if stray {
+        return Err(crate::Error::Batch(
+            "a row with zero advantages got a gradient from the policy loss: it cannot be left out of the backward".into(),
+        ));
+    }
+    engine.backward(
+        &trained.scatter(&out.grad),
+        &trained.scatter(&out.grad_entropy),
+    )?;
     Ok(Outcome {
         metrics: out.metrics,
         tokens: rows.response_tokens(),
-        positions: c.batch.len(),
+        positions,
     })
 }
 
@@ -390,6 +427,89 @@ mod tests {
             ModelConfig::from_json(cfg, std::path::Path::new("t")).unwrap(),
             5,
         )
+    }
+
+    /// Rows whose advantages are all zero (a GRPO group with one reward) are scored, not
+    /// trained: the update's metrics and weights equal a forward and backward over every row,
+    /// computed here by hand; with an entropy bonus every row is trained (the same again).
+    #[test]
+    fn rows_with_zero_advantages_are_scored_not_trained() {
+        let rows = TokenRows::new((0..6).map(|i| Row {
+            prompt: [&[1u32, 2, 3][..], &[4, 5], &[6, 7, 8, 9]][i % 3],
+            response: [&[11u32, 12][..], &[13, 14, 15], &[16, 17, 18, 19]][i / 2],
+            group: (i / 2) as u64,
+            observed: &[],
+        }));
+        // Group 0 (rows 0, 1): one reward, zero advantages; the others are not.
+        let adv: Vec<f32> = (0..rows.shape.len())
+            .map(|i| match i / rows.shape.cols {
+                0 | 1 => 0.0,
+                r => (r as f32 - 3.5) * (1.0 + (i % 3) as f32 * 0.2),
+            })
+            .collect();
+        for entropy_coeff in [0.0, 0.01] {
+            let cfg = PolicyUpdate {
+                loss: PolicyLossConfig {
+                    entropy_coeff,
+                    ..Default::default()
+                },
+                agg: LossAgg::TokenMean,
+                temperature: 0.9,
+                epochs: 1,
+                rows_per_update: 6,
+            };
+            let batch = PolicyBatch {
+                rows: &rows,
+                advantages: &adv,
+                old_logp: None,
+                ref_logp: None,
+            };
+            let m = model();
+            let opt = Optimizer::new(
+                &m.params,
+                Default::default(),
+                LrSchedule::constant(1e-2),
+                Some(1.0),
+            );
+            let (mut e, mut o) = (open(m.clone(), Backend::Native).unwrap(), opt.clone());
+            let got = update(&mut *e, &mut o, batch, &cfg).unwrap();
+            // By hand: every row forward and backward.
+            let (mut r, mut ro) = (open(m, Backend::Native).unwrap(), opt);
+            let (_, _, norm) = mini_batches(&rows, 6, cfg.agg).next().unwrap().unwrap();
+            let c = rows.chunks(6).next().unwrap();
+            let sc = r.forward(&c.batch, cfg.temperature).unwrap();
+            let logp = c.gather(&sc.logp);
+            let out = actor_loss(
+                &cfg.loss,
+                &norm,
+                ActorInput {
+                    shape: rows.shape,
+                    logp: &logp,
+                    old_logp: &logp,
+                    advantages: &adv,
+                    mask: &rows.mask,
+                    entropy: Some(&c.gather(&sc.entropy)),
+                    ref_logp: None,
+                    is_weights: None,
+                },
+            )
+            .unwrap();
+            r.backward(&c.scatter(&out.grad), &c.scatter(&out.grad_entropy))
+                .unwrap();
+            r.step(&mut ro).unwrap();
+            for (k, v) in &out.metrics {
+                assert!(
+                    (got[k] - v).abs() <= 1e-6 * v.abs().max(1.0),
+                    "entropy {entropy_coeff}: {k} {} vs {v}",
+                    got[k]
+                );
+            }
+            let (a, b) = (&e.model().unwrap().params, &r.model().unwrap().params);
+            let worst = (crate::wire::flatten(a).iter().zip(crate::wire::flatten(b)))
+                .map(|(x, y)| (x - y).abs())
+                .fold(0.0f32, f32::max);
+            assert!(worst <= 1e-5, "entropy {entropy_coeff}: weights differ by {worst}");
+        }
     }
 
     /// Data parallelism changes where the arithmetic runs, not what it computes: every loss and

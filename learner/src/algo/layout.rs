@@ -112,6 +112,13 @@ impl TokenRows {
             .map(move |(k, seqs)| Chunk::new(seqs, k * per.max(1), cols))
     }
 
+    /// The rows `keep` picks, packed into one batch whose [`Chunk::gather`] and
+    /// [`Chunk::scatter`] use the layout of all the rows (the others' slots stay zero).
+    pub fn select(&self, keep: impl Fn(usize) -> bool) -> Chunk {
+        let picked = self.seqs.iter().enumerate().filter(|(r, _)| keep(*r));
+        Chunk::of(picked, 0, self.shape.rows, self.shape.cols)
+    }
+
     /// `f`'s value at every position of the rows, `per` rows a batch, gathered into the
     /// `[rows, cols]` layout (the value that predicts each response token).
     pub fn per_response_token(
@@ -151,17 +158,28 @@ pub struct Chunk {
 
 impl Chunk {
     fn new(seqs: &[(usize, Vec<u32>)], r0: usize, cols: usize) -> Self {
-        let refs: Vec<&[u32]> = seqs.iter().map(|s| s.1.as_slice()).collect();
+        Chunk::of(seqs.iter().enumerate(), r0, r0 + seqs.len(), cols)
+    }
+
+    /// Rows `r0..r1` of which `seqs` (each with its index from `r0`) are in the batch.
+    fn of<'s>(
+        seqs: impl Iterator<Item = (usize, &'s (usize, Vec<u32>))>,
+        r0: usize,
+        r1: usize,
+        cols: usize,
+    ) -> Self {
+        let seqs: Vec<(usize, &(usize, Vec<u32>))> = seqs.collect();
+        let refs: Vec<&[u32]> = seqs.iter().map(|(_, s)| s.1.as_slice()).collect();
         let (batch, starts) = Batch::packed(&refs, PACKED_ROW);
         let mut slots = Vec::new();
-        for (r, ((plen, tokens), start)) in seqs.iter().zip(starts).enumerate() {
+        for ((r, (plen, tokens)), start) in seqs.iter().zip(starts) {
             for j in 0..tokens.len() - plen {
                 slots.push((r * cols + j, start + plen - 1 + j));
             }
         }
         Self {
             r0,
-            r1: r0 + seqs.len(),
+            r1,
             batch,
             slots,
             cols,
@@ -179,10 +197,15 @@ impl Chunk {
     /// Per-position values of the batch at the response tokens, as `[rows, cols]`.
     pub fn gather(&self, v: &[f32]) -> Vec<f32> {
         let mut out = vec![0.0f32; self.shape().len()];
+        self.gather_into(v, &mut out);
+        out
+    }
+
+    /// [`Chunk::gather`] into `out`, leaving the slots of rows not in the batch as they are.
+    pub fn gather_into(&self, v: &[f32], out: &mut [f32]) {
         for &(r, b) in &self.slots {
             out[r] = v[b];
         }
-        out
     }
 
     /// `[rows, cols]` values put back at their batch positions (zero elsewhere): the

@@ -708,6 +708,51 @@ mod tests {
         }
     }
 
+    /// What lets the policy update leave such rows out of its backward: without an entropy
+    /// bonus or a KL loss, a row whose advantages are all zero gets exactly zero gradient from
+    /// every loss in every aggregation, while the others' is unchanged.
+    #[test]
+    fn a_row_of_zero_advantages_gets_no_gradient() {
+        let mut rng = ChaCha8Rng::seed_from_u64(21);
+        let shape = Shape { rows: 4, cols: 6 };
+        let (logp, old, adv, _, ent, _) = random_case(&mut rng, 4, 6);
+        let mask = vec![1.0f32; shape.len()];
+        let mut zeroed = adv.clone();
+        zeroed[6..12].fill(0.0);
+        for loss in [
+            PolicyLoss::Vanilla,
+            PolicyLoss::Gspo,
+            PolicyLoss::Cispo,
+            PolicyLoss::Gpg,
+        ] {
+            let cfg = PolicyLossConfig {
+                loss,
+                ..Default::default()
+            };
+            for mode in MODES {
+                let norm = AggNorm::new(mode.parse().unwrap(), shape, &mask).unwrap();
+                let out = actor_loss(
+                    &cfg,
+                    &norm,
+                    ActorInput {
+                        shape,
+                        logp: &logp,
+                        old_logp: &old,
+                        advantages: &zeroed,
+                        mask: &mask,
+                        entropy: Some(&ent),
+                        ref_logp: None,
+                        is_weights: None,
+                    },
+                )
+                .unwrap();
+                assert!(out.grad[6..12].iter().all(|&g| g == 0.0), "{loss:?} {mode}");
+                assert!(out.grad_entropy.iter().all(|&g| g == 0.0), "{loss:?} {mode}");
+                assert!(out.grad[..6].iter().any(|&g| g != 0.0), "{loss:?} {mode}");
+            }
+        }
+    }
+
     #[test]
     fn masked_tokens_contribute_exactly_nothing() {
         let mut rng = ChaCha8Rng::seed_from_u64(13);
