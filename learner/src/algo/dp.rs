@@ -177,8 +177,7 @@ fn policy_gradient(
     let idle = |r: usize| {
         cfg.loss.entropy_coeff == 0.0
             && cfg.loss.kl.is_none()
-            && (r * cols..(r + 1) * cols)
-                .all(|i| rows.mask[i] == 0.0 || shard.advantages[i] == 0.0)
+            && (r * cols..(r + 1) * cols).all(|i| rows.mask[i] == 0.0 || shard.advantages[i] == 0.0)
     };
     let mut skip: Vec<bool> = (0..n).map(idle).collect();
     if skip.iter().all(|&s| s) {
@@ -508,7 +507,10 @@ mod tests {
             let worst = (crate::wire::flatten(a).iter().zip(crate::wire::flatten(b)))
                 .map(|(x, y)| (x - y).abs())
                 .fold(0.0f32, f32::max);
-            assert!(worst <= 1e-5, "entropy {entropy_coeff}: weights differ by {worst}");
+            assert!(
+                worst <= 1e-5,
+                "entropy {entropy_coeff}: weights differ by {worst}"
+            );
         }
     }
 

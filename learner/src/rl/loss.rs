@@ -747,7 +747,10 @@ mod tests {
                 )
                 .unwrap();
                 assert!(out.grad[6..12].iter().all(|&g| g == 0.0), "{loss:?} {mode}");
-                assert!(out.grad_entropy.iter().all(|&g| g == 0.0), "{loss:?} {mode}");
+                assert!(
+                    out.grad_entropy.iter().all(|&g| g == 0.0),
+                    "{loss:?} {mode}"
+                );
                 assert!(out.grad[..6].iter().any(|&g| g != 0.0), "{loss:?} {mode}");
             }
         }
