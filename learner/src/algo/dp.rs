@@ -428,6 +428,13 @@ mod tests {
         )
     }
 
+    /// The largest difference between two sets of weights.
+    fn max_diff(a: &Params, b: &Params) -> f32 {
+        (crate::wire::flatten(a).iter().zip(crate::wire::flatten(b)))
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0f32, f32::max)
+    }
+
     /// Rows whose advantages are all zero (a GRPO group with one reward) are scored, not
     /// trained: the update's metrics and weights equal a forward and backward over every row,
     /// computed here by hand; with an entropy bonus every row is trained (the same again).
@@ -503,10 +510,7 @@ mod tests {
                     got[k]
                 );
             }
-            let (a, b) = (&e.model().unwrap().params, &r.model().unwrap().params);
-            let worst = (crate::wire::flatten(a).iter().zip(crate::wire::flatten(b)))
-                .map(|(x, y)| (x - y).abs())
-                .fold(0.0f32, f32::max);
+            let worst = max_diff(&e.model().unwrap().params, &r.model().unwrap().params);
             assert!(
                 worst <= 1e-5,
                 "entropy {entropy_coeff}: weights differ by {worst}"
@@ -612,10 +616,7 @@ mod tests {
                 // Adam divides by √v: on weights whose gradient is near zero a rounding
                 // difference moves them by a part of a step (lr 1e-2, 5 steps).
                 for e in &mut ranks.engines {
-                    let (a, b) = (&e.model().unwrap().params, &one.model().unwrap().params);
-                    let worst = (crate::wire::flatten(a).iter().zip(crate::wire::flatten(b)))
-                        .map(|(x, y)| (x - y).abs())
-                        .fold(0.0f32, f32::max);
+                    let worst = max_diff(&e.model().unwrap().params, &one.model().unwrap().params);
                     assert!(
                         worst <= 1e-4,
                         "{agg:?} on {n} ranks: weights differ by {worst}"
