@@ -760,11 +760,6 @@ impl DeviceParams {
             bufs,
         })
     }
-
-    /// The client device holding them.
-    pub fn device(&self) -> usize {
-        self.device
-    }
 }
 
 impl std::fmt::Debug for DeviceParams {
