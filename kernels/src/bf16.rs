@@ -140,7 +140,8 @@ impl PackedB {
         if m == 0 {
             return;
         }
-        let ap = pack(&a[..m * k], m, k, rs, cs, MR);
+        let mut ap = LEFT.take();
+        pack_into(&mut ap, &a[..m * k], m, k, rs, cs, MR);
         let outs: Vec<Out<'_>> = bs
             .iter()
             .zip(c.iter_mut())
@@ -153,6 +154,7 @@ impl PackedB {
         // SAFETY: a `PackedB` exists only where the features were detected; the panels hold
         // `m`/`n` padded rows of `ceil(k/2)` pairs, each `c` holds `m·n` values (checked).
         unsafe { multiply(m, k.div_ceil(2), &ap, &outs, accumulate) };
+        LEFT.set(ap);
     }
 }
 
@@ -184,15 +186,34 @@ fn halves(v: std::arch::x86_64::__m512i) -> std::arch::x86_64::__m512bh {
 /// of `w` rows: panel `i` holds, for each k-pair `q`, the pair `(M[r][2q], M[r][2q+1])` of each
 /// of its rows as one u32 (the first in the low half), bf16-rounded; rows past `rows` and the
 /// odd k's missing partner are zero.
+///
+/// The panels go into `out` (its old values overwritten, grown as needed), so that a caller
+/// can keep one buffer between products instead of allocating and zeroing one each time.
 #[cfg(target_arch = "x86_64")]
-fn pack(src: &[f32], rows: usize, k: usize, rs: usize, cs: usize, w: usize) -> Vec<u32> {
+fn pack_into(
+    out: &mut Vec<u32>,
+    src: &[f32],
+    rows: usize,
+    k: usize,
+    rs: usize,
+    cs: usize,
+    w: usize,
+) {
     let kp = k.div_ceil(2);
-    let mut out = vec![0u32; rows.div_ceil(w) * kp * w];
+    let len = rows.div_ceil(w) * kp * w;
+    if out.len() < len {
+        out.resize(len, 0);
+    }
+    out.truncate(len);
     out.par_chunks_mut(kp * w)
         .enumerate()
         .for_each(|(i, panel)| {
             let r0 = i * w;
             let live = w.min(rows - r0);
+            if live < w {
+                // Rows past the matrix are zero (pack_* write only the live ones).
+                panel.fill(0);
+            }
             // SAFETY: `available()` was checked by the caller; the indices stay inside `src`
             // (rows r0..r0+live, inner 0..k) and `panel` (`kp · w`).
             unsafe {
@@ -203,7 +224,22 @@ fn pack(src: &[f32], rows: usize, k: usize, rs: usize, cs: usize, w: usize) -> V
                 }
             }
         });
+}
+
+/// [`pack_into`] a new buffer.
+#[cfg(target_arch = "x86_64")]
+fn pack(src: &[f32], rows: usize, k: usize, rs: usize, cs: usize, w: usize) -> Vec<u32> {
+    let mut out = Vec::new();
+    pack_into(&mut out, src, rows, k, rs, cs, w);
     out
+}
+
+#[cfg(target_arch = "x86_64")]
+thread_local! {
+    /// The left operand's panels of the last [`PackedB::multiply_many`] on this thread, kept
+    /// for the next (a training step makes hundreds; a nested call finds it taken and makes
+    /// its own).
+    static LEFT: std::cell::Cell<Vec<u32>> = const { std::cell::Cell::new(Vec::new()) };
 }
 
 /// Rows contiguous in `p`: each row's values `p0..k` (`p0` even) are rounded 32 at a time into

@@ -14,3 +14,12 @@ pub fn init(threads: usize) -> usize {
 pub fn current() -> usize {
     rayon::current_num_threads()
 }
+
+/// Runs `f` on one of the pool's threads (the caller waits): the kernels `f` calls then split
+/// their work from inside the pool, where a call from outside would hand every kernel to the
+/// pool and wait for it (a wake-up of the pool and of the caller per kernel, and the pool's
+/// idle threads spinning beside a caller doing serial work). A step of a small model makes
+/// hundreds of kernel calls.
+pub fn inside<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    rayon::scope(|_| f())
+}

@@ -31,11 +31,12 @@ impl TrainEngine for NativeTrainer {
     }
 
     fn score(&self, b: &Batch, temperature: f32) -> Result<Scores> {
-        self.model.score(b, temperature)
+        kernels::threads::inside(|| self.model.score(b, temperature))
     }
 
     fn forward(&mut self, b: &Batch, temperature: f32) -> Result<Scores> {
-        let (scores, tape) = self.model.forward(b, temperature)?;
+        let model = &self.model;
+        let (scores, tape) = kernels::threads::inside(|| model.forward(b, temperature))?;
         self.tape = Some(tape);
         Ok(scores)
     }
@@ -45,8 +46,8 @@ impl TrainEngine for NativeTrainer {
             .tape
             .take()
             .ok_or_else(|| Error::Batch("backward without a forward".into()))?;
-        self.model
-            .backward(tape, d_logp, d_entropy, &mut self.grads);
+        let (model, grads) = (&self.model, &mut self.grads);
+        kernels::threads::inside(|| model.backward(tape, d_logp, d_entropy, grads));
         Ok(())
     }
 
@@ -77,8 +78,12 @@ impl TrainEngine for NativeTrainer {
     }
 
     fn step(&mut self, opt: &mut Optimizer) -> Result<StepReport> {
-        let report = opt.step(&mut self.model.params, &mut self.grads);
-        self.grads.fill_zero();
+        let (params, grads) = (&mut self.model.params, &mut self.grads);
+        let report = kernels::threads::inside(|| {
+            let report = opt.step(params, grads);
+            grads.fill_zero();
+            report
+        });
         Ok(report)
     }
 
