@@ -61,6 +61,24 @@ impl RopeTable {
     /// Tables for `positions` under `inv_freq`.
     pub fn new(positions: &[u32], inv_freq: &[f64]) -> Self {
         let half = inv_freq.len();
+        let top = positions.iter().max().map_or(0, |&p| p as usize + 1);
+        if top < positions.len() {
+            // Positions repeat (every packed sequence starts at 0): each one's row is made
+            // once and copied.
+            let rows = Self::new(&(0..top as u32).collect::<Vec<_>>(), inv_freq);
+            let gather = |t: &[f32]| -> Vec<f32> {
+                positions
+                    .iter()
+                    .flat_map(|&p| &t[p as usize * half..(p as usize + 1) * half])
+                    .copied()
+                    .collect()
+            };
+            return Self {
+                cos: gather(&rows.cos),
+                sin: gather(&rows.sin),
+                half,
+            };
+        }
         let mut cos = Vec::with_capacity(positions.len() * half);
         let mut sin = Vec::with_capacity(positions.len() * half);
         for &p in positions {
@@ -138,6 +156,21 @@ mod tests {
         apply(&mut y, heads, &table, false);
         apply(&mut y, heads, &table, true);
         crate::testutil::close(&y, &x, 1e-5, "rope round trip");
+    }
+
+    /// Tables for repeated positions (packed sequences) hold, row for row, what each position
+    /// alone gets.
+    #[test]
+    fn repeated_positions_get_the_rows_each_gets_alone() {
+        let f = inv_freq(8, 10_000.0, None);
+        let positions = [0, 1, 2, 0, 1, 5, 0, 0];
+        let t = RopeTable::new(&positions, &f);
+        assert_eq!((t.cos.len(), t.half), (positions.len() * 4, 4));
+        for (i, &p) in positions.iter().enumerate() {
+            let one = RopeTable::new(&[p], &f);
+            assert_eq!(t.cos[i * 4..(i + 1) * 4], one.cos[..], "cos at {i}");
+            assert_eq!(t.sin[i * 4..(i + 1) * 4], one.sin[..], "sin at {i}");
+        }
     }
 
     #[test]

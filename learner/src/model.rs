@@ -329,11 +329,26 @@ fn linears<const N: usize>(
     ys
 }
 
+/// A linear layer's input `[n, inp]` as its weight gradient (`dW += dYᵀ·X`) reads it: in bf16
+/// rounded and packed once for every linear that shares it (q, k and v; gate and up), the
+/// values one product each would give.
+struct Input<'a> {
+    x: &'a [f32],
+    packed: Option<Rhs>,
+}
+
+impl<'a> Input<'a> {
+    fn new(x: &'a [f32], n: usize, inp: usize, p: Precision) -> Self {
+        let packed = (p == Precision::Bf16 && n > 0).then(|| Rhs::new(n, inp, x, Op::N));
+        Self { x, packed }
+    }
+}
+
 /// Backward of [`linear`]: `dW += dyᵀ·x`, `db += Σ dy`, `dx (+)= dy·W`, the products in `p`.
 fn linear_backward(
     dy: &[f32],
     n: usize,
-    x: &[f32],
+    x: &Input<'_>,
     w: &Tensor,
     dw: &mut [f32],
     db: Option<&mut [f32]>,
@@ -342,7 +357,10 @@ fn linear_backward(
     p: Precision,
 ) {
     let (out, inp) = (w.shape[0], w.shape[1]);
-    matmul(out, n, inp, dy, Op::T, x, Op::N, dw, true, Par::Pool, p);
+    match &x.packed {
+        Some(xp) => xp.matmul(out, dy, Op::T, dw, true),
+        None => matmul(out, n, inp, dy, Op::T, x.x, Op::N, dw, true, Par::Pool, p),
+    }
     if let Some(db) = db {
         for r in dy.chunks(out) {
             db.iter_mut().zip(r).for_each(|(a, b)| *a += b);
@@ -830,7 +848,7 @@ impl Model {
             linear_backward(
                 &dx,
                 n,
-                &lt.m,
+                &Input::new(&lt.m, n, self.t(ids.down).shape[1], self.precision),
                 self.t(ids.down),
                 &mut grads.tensors[ids.down].data,
                 None,
@@ -842,10 +860,11 @@ impl Model {
             activation::swiglu_backward(&lt.g, &lt.u, &dm, &mut dg, &mut du);
             drop(dm);
             let mut dh2 = vec![0.0; n * h];
+            let h2 = Input::new(&lt.h2, n, h, self.precision);
             linear_backward(
                 &dg,
                 n,
-                &lt.h2,
+                &h2,
                 self.t(ids.gate),
                 &mut grads.tensors[ids.gate].data,
                 None,
@@ -856,7 +875,7 @@ impl Model {
             linear_backward(
                 &du,
                 n,
-                &lt.h2,
+                &h2,
                 self.t(ids.up),
                 &mut grads.tensors[ids.up].data,
                 None,
@@ -880,7 +899,7 @@ impl Model {
             linear_backward(
                 &dx2,
                 n,
-                &lt.o,
+                &Input::new(&lt.o, n, self.t(ids.o).shape[1], self.precision),
                 self.t(ids.o),
                 dw_o,
                 db_o,
@@ -944,11 +963,12 @@ impl Model {
                 dk = dk_pre;
             }
             let mut dh1 = vec![0.0; n * h];
+            let h1 = Input::new(&lt.h1, n, h, self.precision);
             let (dw, db) = two_mut(&mut grads.tensors, ids.q, ids.q_bias);
             linear_backward(
                 &dq,
                 n,
-                &lt.h1,
+                &h1,
                 self.t(ids.q),
                 dw,
                 db,
@@ -960,7 +980,7 @@ impl Model {
             linear_backward(
                 &dk,
                 n,
-                &lt.h1,
+                &h1,
                 self.t(ids.k),
                 dw,
                 db,
@@ -972,7 +992,7 @@ impl Model {
             linear_backward(
                 &dv,
                 n,
-                &lt.h1,
+                &h1,
                 self.t(ids.v),
                 dw,
                 db,
