@@ -10,8 +10,9 @@
 //! only the summation order differs).
 //!
 //! Owns the bf16 number ([`Bf16`], [`round`]) and the packed kernel on strided operands. Never:
-//! chooses a precision or knows about transposes (the matmul module does), or keeps state
-//! between calls.
+//! chooses a precision or knows about transposes (the matmul module does), or keeps anything
+//! between calls but each thread's buffer for left-operand panels (every product rewrites the
+//! part it reads).
 
 use rayon::prelude::*;
 

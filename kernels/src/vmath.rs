@@ -1,6 +1,6 @@
 //! `exp` over slices, sixteen lanes at a time: the softmaxes of attention and of the output
-//! head take one exponential per score (tens of millions a training step), which libm computes
-//! one at a time.
+//! head take one exponential per score (tens of millions a training step), and SwiGLU's gate
+//! one per hidden unit and token ([`sigmoid`]), which libm computes one at a time.
 //!
 //! Owns one exponential ([`exp`]: Cody–Waite range reduction and a degree-6 polynomial, within
 //! 2 ulp of the correctly rounded value over f32's range; `exp(-inf) = 0`), used the same on
