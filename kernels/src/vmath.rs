@@ -1,6 +1,6 @@
 //! `exp` over slices, sixteen lanes at a time: the softmaxes of attention and of the output
-//! head take one exponential per score (tens of millions a training step), which libm computes
-//! one at a time.
+//! head take one exponential per score (tens of millions a training step), and SwiGLU's gate
+//! one per hidden unit and token ([`sigmoid`]), which libm computes one at a time.
 //!
 //! Owns one exponential ([`exp`]: Cody–Waite range reduction and a degree-6 polynomial, within
 //! 2 ulp of the correctly rounded value over f32's range; `exp(-inf) = 0`), used the same on
@@ -88,6 +88,20 @@ pub fn exp_affine(xs: &mut [f32], a: f32, b: f32, c: f32) {
     }
     for x in xs {
         *x = x.exp() * (a + b * *x) * c;
+    }
+}
+
+/// `out[i] = 1 / (1 + e^(−x[i]))` (SwiGLU's gate), as [`exp`] makes it on every lane and in the
+/// tails; CPUs without AVX-512 take libm's `expf`.
+pub fn sigmoid(xs: &[f32], out: &mut [f32]) {
+    assert_eq!(xs.len(), out.len(), "sigmoid: shapes");
+    #[cfg(target_arch = "x86_64")]
+    if avx512() {
+        // SAFETY: the feature was just detected.
+        return unsafe { sigmoid_avx512(xs, out) };
+    }
+    for (o, &x) in out.iter_mut().zip(xs) {
+        *o = 1.0 / (1.0 + (-x).exp());
     }
 }
 
@@ -194,6 +208,28 @@ unsafe fn exp_affine_avx512(xs: &mut [f32], a: f32, b: f32, c: f32) {
     }
 }
 
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn sigmoid_avx512(xs: &[f32], out: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let one = _mm512_set1_ps(1.0);
+    let mut outs = out.chunks_exact_mut(16);
+    let mut ins = xs.chunks_exact(16);
+    for (o, x) in (&mut outs).zip(&mut ins) {
+        // SAFETY: both hold 16 floats.
+        unsafe {
+            let e = exp16(_mm512_sub_ps(
+                _mm512_setzero_ps(),
+                _mm512_loadu_ps(x.as_ptr()),
+            ));
+            _mm512_storeu_ps(o.as_mut_ptr(), _mm512_div_ps(one, _mm512_add_ps(one, e)));
+        }
+    }
+    for (o, &x) in outs.into_remainder().iter_mut().zip(ins.remainder()) {
+        *o = 1.0 / (1.0 + exp(-x));
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -201,6 +237,30 @@ mod tests {
     /// ulps between two finite f32 of the same sign.
     fn ulps(a: f32, b: f32) -> u32 {
         (a.to_bits() as i64 - b.to_bits() as i64).unsigned_abs() as u32
+    }
+
+    /// The gate is within 4 ulp of the f64 logistic where e^(−x) is finite, 0 below (where the
+    /// logistic is subnormal), and a value does not depend on where in the slice it sits.
+    #[test]
+    fn sigmoid_matches_the_logistic_on_every_lane_and_tail() {
+        let xs: Vec<f32> = (0..4001).map(|i| (i as f32 - 2000.0) * 0.05).collect();
+        let mut out = vec![0.0; xs.len()];
+        sigmoid(&xs, &mut out);
+        for (&x, &y) in xs.iter().zip(&out) {
+            let want = if x < -HI {
+                0.0
+            } else {
+                (1.0 / (1.0 + (-(x as f64)).exp())) as f32
+            };
+            assert!(ulps(y, want) <= 4, "sigmoid({x}) = {y}, want {want}");
+        }
+        let mut shifted = vec![0.0; xs.len() - 3];
+        sigmoid(&xs[3..], &mut shifted);
+        assert_eq!(&shifted[..], &out[3..], "a value moved with its lane");
+        let mut ends = [0.0; 3];
+        sigmoid(&[-200.0, 200.0, f32::NAN], &mut ends);
+        assert_eq!(ends[..2], [0.0, 1.0]);
+        assert!(ends[2].is_nan());
     }
 
     /// Every 24 832nd f32 bit pattern of the range exp maps to normal numbers, and the edges:

@@ -442,9 +442,9 @@ impl Model {
         self.precision
     }
 
-    /// Attention's products: bf16 under `precision: bf16` and when served in bf16, so that
-    /// an engine serving the model attends as a bf16 learner does.
-    fn attention_precision(&self) -> Precision {
+    /// What attention's products and SwiGLU's gate use: bf16 under `precision: bf16` and when
+    /// served in bf16, so that an engine serving the model computes them as a bf16 learner does.
+    fn inner_precision(&self) -> Precision {
         if self.is_bf16() {
             Precision::Bf16
         } else {
@@ -524,7 +524,7 @@ impl Model {
             shape: self.attn_shape(b),
             segments: &b.segments,
             scale: 1.0 / (self.config.head_dim as f32).sqrt(),
-            precision: self.attention_precision(),
+            precision: self.inner_precision(),
         };
         self.layers(&b.tokens, &b.positions, &mut attn, keep)
     }
@@ -640,7 +640,7 @@ impl Model {
                 self.served_of([ids.gate, ids.up]),
             );
             let mut m = vec![0.0; g.len()];
-            activation::swiglu(&g, &u, &mut m);
+            activation::swiglu(&g, &u, &mut m, self.inner_precision());
             let f = linear(
                 &m,
                 n,
@@ -857,7 +857,14 @@ impl Model {
                 self.precision,
             );
             let (mut dg, mut du) = (vec![0.0; dm.len()], vec![0.0; dm.len()]);
-            activation::swiglu_backward(&lt.g, &lt.u, &dm, &mut dg, &mut du);
+            activation::swiglu_backward(
+                &lt.g,
+                &lt.u,
+                &dm,
+                &mut dg,
+                &mut du,
+                self.inner_precision(),
+            );
             drop(dm);
             let mut dh2 = vec![0.0; n * h];
             let h2 = Input::new(&lt.h2, n, h, self.precision);
@@ -925,7 +932,7 @@ impl Model {
                 &mut dq,
                 &mut dk,
                 &mut dv,
-                self.attention_precision(),
+                self.inner_precision(),
             );
             drop(d_o);
             rope(&mut dq, nh, &tape.rope, true);
