@@ -155,7 +155,9 @@ impl PackedB {
         // SAFETY: a `PackedB` exists only where the features were detected; the panels hold
         // `m`/`n` padded rows of `ceil(k/2)` pairs, each `c` holds `m·n` values (checked).
         unsafe { multiply(m, k.div_ceil(2), &ap, &outs, accumulate) };
-        LEFT.set(ap);
+        if ap.capacity() <= KEEP_PAIRS {
+            LEFT.set(ap);
+        }
     }
 }
 
@@ -234,6 +236,11 @@ fn pack(src: &[f32], rows: usize, k: usize, rs: usize, cs: usize, w: usize) -> V
     pack_into(&mut out, src, rows, k, rs, cs, w);
     out
 }
+
+/// The largest left-operand buffer a thread keeps (16 MiB): a long prefill of a large model
+/// packs far more, once, and gives it back.
+#[cfg(target_arch = "x86_64")]
+const KEEP_PAIRS: usize = 4 << 20;
 
 #[cfg(target_arch = "x86_64")]
 thread_local! {
