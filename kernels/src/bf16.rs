@@ -212,21 +212,41 @@ fn pack_into(
         .enumerate()
         .for_each(|(i, panel)| {
             let r0 = i * w;
-            let live = w.min(rows - r0);
-            if live < w {
-                // Rows past the matrix are zero (pack_* write only the live ones).
-                panel.fill(0);
-            }
             // SAFETY: `available()` was checked by the caller; the indices stay inside `src`
             // (rows r0..r0+live, inner 0..k) and `panel` (`kp · w`).
-            unsafe {
-                if cs == 1 {
-                    pack_rows(src, r0, live, (0, k), rs, w, panel);
-                } else {
-                    pack_cols(src, r0, live, (0, k), cs, w, panel);
-                }
-            }
+            unsafe { pack_panel(src, r0, w.min(rows - r0), (0, k), (rs, cs), w, panel) };
         });
+}
+
+/// One panel of `w` rows from row `r0` (`live` of them in the matrix) over the pairs of `ks`:
+/// rows past the matrix zero, the live ones packed by whichever of [`pack_rows`] and
+/// [`pack_cols`] the strides call for.
+///
+/// # Safety
+/// AVX512-BF16 must be available; every addressed element must lie inside `src`, and `panel`
+/// must hold `ceil(k/2) · w` pairs.
+#[cfg(target_arch = "x86_64")]
+unsafe fn pack_panel(
+    src: &[f32],
+    r0: usize,
+    live: usize,
+    ks: (usize, usize),
+    (rs, cs): (usize, usize),
+    w: usize,
+    panel: &mut [u32],
+) {
+    if live < w {
+        // pack_* write only the live rows.
+        panel.fill(0);
+    }
+    // SAFETY: the caller's contract.
+    unsafe {
+        if cs == 1 {
+            pack_rows(src, r0, live, ks, rs, w, panel);
+        } else {
+            pack_cols(src, r0, live, ks, cs, w, panel);
+        }
+    }
 }
 
 /// [`pack_into`] a new buffer.
@@ -444,11 +464,6 @@ impl Panels {
         (self.kp, self.w) = (kp, w);
         for (i, panel) in self.buf[..len].chunks_mut(kp * w).enumerate() {
             let r0 = i * w;
-            let live = w.min(rows - r0);
-            if live < w {
-                // Rows past the matrix are zero (pack_* write only the live ones).
-                panel.fill(0);
-            }
             // `w` is even, so a part starts on a pair.
             let ks = match part {
                 Part::All => (0, k),
@@ -456,13 +471,7 @@ impl Panels {
                 Part::Upper => (r0.min(k), k),
             };
             // SAFETY: the caller's contract; `panel` holds `kp · w` pairs.
-            unsafe {
-                if cs == 1 {
-                    pack_rows(src, r0, live, ks, rs, w, panel);
-                } else {
-                    pack_cols(src, r0, live, ks, cs, w, panel);
-                }
-            }
+            unsafe { pack_panel(src, r0, w.min(rows - r0), ks, (rs, cs), w, panel) };
         }
     }
 
