@@ -10,6 +10,7 @@ use kernels::attention::{AttnShape, attention, attention_backward};
 use kernels::matmul::{Op, Par, Precision, Rhs, matmul, matmul_nt_many};
 use kernels::rope::{RopeTable, apply as rope, inv_freq};
 use kernels::{activation, embedding, head, norm};
+use std::borrow::Cow;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -33,6 +34,11 @@ pub struct Batch {
     /// Target id whose log-prob is scored at each position (the next token; arbitrary where
     /// the caller masks it out).
     pub targets: Vec<u32>,
+    /// The positions whose scores the caller reads (ascending), when not all of them: the model
+    /// may then skip what only the others' scores need (the last layer's attention output, MLP
+    /// and head at a prompt's positions, whose keys and values are all the later positions
+    /// read). Scores elsewhere are then 0, and their gradients must be 0.
+    pub scored: Option<Vec<usize>>,
 }
 
 impl Batch {
@@ -58,6 +64,7 @@ impl Batch {
             positions: vec![0; n],
             segments: vec![PAD_SEGMENT; n],
             targets: vec![0; n],
+            scored: None,
         }
     }
 
@@ -102,6 +109,12 @@ impl Batch {
         (b, starts)
     }
 
+    /// The batch whose caller reads the scores at `positions` only (see [`Batch::scored`]).
+    pub fn scoring_only(mut self, positions: Vec<usize>) -> Self {
+        self.scored = Some(positions);
+        self
+    }
+
     /// Total positions (`rows · seq`).
     pub fn len(&self) -> usize {
         self.rows * self.seq
@@ -143,6 +156,19 @@ impl Batch {
                 "token id {t} at index {} is not below vocab_size {vocab}",
                 i % n
             )));
+        }
+        if let Some(scored) = &self.scored {
+            if let Some(w) = scored.windows(2).find(|w| w[0] >= w[1]) {
+                return Err(Error::Batch(format!(
+                    "`scored` positions must ascend: {} is followed by {}",
+                    w[0], w[1]
+                )));
+            }
+            if let Some(p) = scored.last().filter(|&&p| p >= n) {
+                return Err(Error::Batch(format!(
+                    "scored position {p} is beyond the batch's {n} positions"
+                )));
+            }
         }
         if let Some(p) = self
             .positions
@@ -207,6 +233,9 @@ struct Trunk {
 /// Everything a forward pass keeps for its backward.
 pub struct Tape {
     batch: Batch,
+    /// The positions the last layer's output, the final norm and the head were computed at,
+    /// when not all ([`Batch::scored`]).
+    live: Option<Vec<usize>>,
     temperature: f32,
     rope: RopeTable,
     layers: Vec<LayerTape>,
@@ -385,6 +414,28 @@ fn add_into(a: &mut [f32], b: &[f32]) {
     a.iter_mut().zip(b).for_each(|(x, y)| *x += y);
 }
 
+/// The rows `at` of `[_, width]` values.
+fn rows_at(v: &[f32], width: usize, at: &[usize]) -> Vec<f32> {
+    let mut out = Vec::with_capacity(at.len() * width);
+    for &r in at {
+        out.extend_from_slice(&v[r * width..(r + 1) * width]);
+    }
+    out
+}
+
+/// Adds `[at.len(), width]` values to rows `at` of `dst` (to every row in order when `at` is
+/// `None`).
+fn add_rows(dst: &mut [f32], v: &[f32], width: usize, at: Option<&[usize]>) {
+    match at {
+        None => add_into(dst, v),
+        Some(at) => {
+            for (&r, src) in at.iter().zip(v.chunks(width)) {
+                add_into(&mut dst[r * width..(r + 1) * width], src);
+            }
+        }
+    }
+}
+
 impl Model {
     /// A model with the given weights (their names and shapes must follow `config`).
     pub fn new(config: ModelConfig, params: Params) -> Result<Self> {
@@ -518,15 +569,16 @@ impl Model {
         }
     }
 
-    /// Runs the decoder stack; returns the final normed hidden states and, when `keep`, the tape.
-    fn trunk(&self, b: &Batch, keep: bool) -> Trunk {
+    /// Runs the decoder stack; returns the final normed hidden states (at `live`'s positions
+    /// only, when given) and, when `keep`, the tape.
+    fn trunk(&self, b: &Batch, keep: bool, live: Option<&[usize]>) -> Trunk {
         let mut attn = BatchAttend {
             shape: self.attn_shape(b),
             segments: &b.segments,
             scale: 1.0 / (self.config.head_dim as f32).sqrt(),
             precision: self.inner_precision(),
         };
-        self.layers(&b.tokens, &b.positions, &mut attn, keep)
+        self.layers(&b.tokens, &b.positions, &mut attn, keep, live)
     }
 
     /// The final normed hidden states (`[tokens, hidden]`) of `tokens` at `positions`, with
@@ -543,7 +595,7 @@ impl Model {
             positions.len(),
             "forward_hidden: one position per token"
         );
-        self.layers(tokens, positions, attn, false).hidden
+        self.layers(tokens, positions, attn, false, None).hidden
     }
 
     /// Logits (`[rows, vocab]`) of final hidden states (`[rows, hidden]`).
@@ -564,6 +616,7 @@ impl Model {
         positions: &[u32],
         attn: &mut dyn Attend,
         keep: bool,
+        live: Option<&[usize]>,
     ) -> Trunk {
         let c = &self.config;
         let (n, h, d) = (tokens.len(), c.hidden_size, c.head_dim);
@@ -572,7 +625,13 @@ impl Model {
         let mut x = vec![0.0f32; n * h];
         embedding::gather(&self.t(self.layout.embed).data, h, tokens, &mut x);
         let mut tapes = Vec::new();
+        let last = self.layout.layers.len().saturating_sub(1);
         for (layer, ids) in self.layout.layers.iter().enumerate() {
+            // The rows this layer's attention output, MLP and residual are computed for: all,
+            // except at the last layer when only `live`'s scores are read (every position's
+            // keys and values are still made: later positions attend to them).
+            let part = live.filter(|_| layer == last);
+            let rows = part.map_or(n, <[usize]>::len);
             let mut h1 = vec![0.0; n * h];
             let mut inv1 = vec![0.0; n];
             norm::rmsnorm(
@@ -613,18 +672,27 @@ impl Model {
             rope(&mut k, nkv, &table, false);
             let mut o = vec![0.0; n * nh * d];
             let lse = attn.attend(layer, &q, &k, &v, &mut o);
-            let a = linear(
-                &o,
-                n,
-                self.t(ids.o),
-                ids.o_bias.map(|i| self.t(i)),
-                self.precision,
-                self.served_of([ids.o]),
-            );
-            let mut x2 = a;
-            add_into(&mut x2, &x);
-            let mut h2 = vec![0.0; n * h];
-            let mut inv2 = vec![0.0; n];
+            let x2 = {
+                let (o_in, x_in) = match part {
+                    Some(at) => (
+                        Cow::Owned(rows_at(&o, nh * d, at)),
+                        Cow::Owned(rows_at(&x, h, at)),
+                    ),
+                    None => (Cow::Borrowed(&o[..]), Cow::Borrowed(&x[..])),
+                };
+                let mut x2 = linear(
+                    &o_in,
+                    rows,
+                    self.t(ids.o),
+                    ids.o_bias.map(|i| self.t(i)),
+                    self.precision,
+                    self.served_of([ids.o]),
+                );
+                add_into(&mut x2, &x_in);
+                x2
+            };
+            let mut h2 = vec![0.0; rows * h];
+            let mut inv2 = vec![0.0; rows];
             norm::rmsnorm(
                 &x2,
                 &self.t(ids.ln2).data,
@@ -634,7 +702,7 @@ impl Model {
             );
             let [g, u] = linears(
                 &h2,
-                n,
+                rows,
                 [(self.t(ids.gate), None), (self.t(ids.up), None)],
                 self.precision,
                 self.served_of([ids.gate, ids.up]),
@@ -643,7 +711,7 @@ impl Model {
             activation::swiglu(&g, &u, &mut m, self.inner_precision());
             let f = linear(
                 &m,
-                n,
+                rows,
                 self.t(ids.down),
                 None,
                 self.precision,
@@ -672,8 +740,12 @@ impl Model {
             }
             x = x3;
         }
-        let mut hf = vec![0.0; n * h];
-        let mut invf = vec![0.0; n];
+        if let (Some(at), true) = (live, self.layout.layers.is_empty()) {
+            x = rows_at(&x, h, at);
+        }
+        let rows = x.len() / h.max(1);
+        let mut hf = vec![0.0; rows * h];
+        let mut invf = vec![0.0; rows];
         norm::rmsnorm(
             &x,
             &self.t(self.layout.norm).data,
@@ -694,7 +766,7 @@ impl Model {
     /// materialises the whole matrix.
     pub fn logits(&self, b: &Batch) -> Result<Vec<f32>> {
         b.validate(&self.config)?;
-        let hidden = self.trunk(b, false).hidden;
+        let hidden = self.trunk(b, false, None).hidden;
         Ok(linear(
             &hidden,
             b.len(),
@@ -735,26 +807,41 @@ impl Model {
             layers,
             x_last,
             inv_final,
-        } = self.trunk(b, keep);
-        let (mut logp, mut entropy, mut lse) = (vec![0.0; n], vec![0.0; n], vec![0.0; n]);
+        } = self.trunk(b, keep, b.scored.as_deref());
+        let targets = targets_at(b, b.scored.as_deref());
+        let rows = targets.len();
+        let (mut logp, mut entropy, mut lse) = (vec![0.0; rows], vec![0.0; rows], vec![0.0; rows]);
         let w = self.head_weight();
         head::logprob_entropy(
             &hf,
             &w.data,
             self.config.hidden_size,
-            &b.targets,
+            &targets,
             temperature,
             &mut logp,
             &mut entropy,
             &mut lse,
             self.precision,
         );
-        let scores = Scores {
-            logp,
-            entropy: entropy.clone(),
+        let scores = match &b.scored {
+            None => Scores {
+                logp,
+                entropy: entropy.clone(),
+            },
+            Some(at) => {
+                let mut s = Scores {
+                    logp: vec![0.0; n],
+                    entropy: vec![0.0; n],
+                };
+                for (k, &i) in at.iter().enumerate() {
+                    (s.logp[i], s.entropy[i]) = (logp[k], entropy[k]);
+                }
+                s
+            }
         };
         let tape = keep.then(|| Tape {
             batch: b.clone(),
+            live: b.scored.clone(),
             temperature,
             rope,
             layers,
@@ -777,18 +864,32 @@ impl Model {
             d_logp.len() == n && d_entropy.len() == n,
             "backward: gradient length"
         );
+        let (d_logp, d_entropy) = match &tape.live {
+            None => (Cow::Borrowed(d_logp), Cow::Borrowed(d_entropy)),
+            Some(at) => {
+                let mut live = vec![false; n];
+                at.iter().for_each(|&i| live[i] = true);
+                assert!(
+                    (0..n).all(|i| live[i] || (d_logp[i] == 0.0 && d_entropy[i] == 0.0)),
+                    "backward: a gradient at a position the batch does not score"
+                );
+                let pick = |v: &[f32]| -> Vec<f32> { at.iter().map(|&i| v[i]).collect() };
+                (Cow::Owned(pick(d_logp)), Cow::Owned(pick(d_entropy)))
+            }
+        };
+        let targets = targets_at(b, tape.live.as_deref());
         let head_id = self.layout.lm_head.unwrap_or(self.layout.embed);
-        let mut dh = vec![0.0; n * h];
+        let mut dh = vec![0.0; targets.len() * h];
         head::logprob_entropy_backward(
             &tape.h_final,
             &self.t(head_id).data,
             h,
-            &b.targets,
+            &targets,
             tape.temperature,
             &tape.lse,
             &tape.entropy,
-            d_logp,
-            d_entropy,
+            &d_logp,
+            &d_entropy,
             &mut dh,
             &mut grads.tensors[head_id].data,
             self.precision,
@@ -807,9 +908,10 @@ impl Model {
             layers,
             x_last,
             inv_final,
-        } = self.trunk(b, true);
+        } = self.trunk(b, true, None);
         let tape = Tape {
             batch: b.clone(),
+            live: None,
             temperature: 1.0,
             rope,
             layers,
@@ -830,10 +932,12 @@ impl Model {
         let b = &tape.batch;
         let (n, h, d) = (b.len(), c.hidden_size, c.head_dim);
         let (nh, nkv) = (c.num_heads, c.num_kv_heads);
-        assert_eq!(dh.len(), n * h, "backward_hidden: gradient length");
+        let live = tape.live.as_deref();
+        let rows = live.map_or(n, <[usize]>::len);
+        assert_eq!(dh.len(), rows * h, "backward_hidden: gradient length");
         let sh = self.attn_shape(b);
         let scale = 1.0 / (d as f32).sqrt();
-        let mut dx = vec![0.0; n * h];
+        let mut dx = vec![0.0; rows * h];
         norm::rmsnorm_backward(
             &tape.x_last,
             &self.t(self.layout.norm).data,
@@ -842,13 +946,17 @@ impl Model {
             &mut dx,
             &mut grads.tensors[self.layout.norm].data,
         );
-        for (ids, lt) in self.layout.layers.iter().zip(tape.layers).rev() {
+        let last = self.layout.layers.len().saturating_sub(1);
+        for (layer, (ids, lt)) in self.layout.layers.iter().zip(tape.layers).enumerate().rev() {
+            // The rows the forward computed this layer's attention output and MLP at.
+            let part = live.filter(|_| layer == last);
+            let rows = part.map_or(n, <[usize]>::len);
             // MLP: x3 = x2 + down(swiglu(gate(h2), up(h2)))
             let mut dm = vec![0.0; lt.m.len()];
             linear_backward(
                 &dx,
-                n,
-                &Input::new(&lt.m, n, self.t(ids.down).shape[1], self.precision),
+                rows,
+                &Input::new(&lt.m, rows, self.t(ids.down).shape[1], self.precision),
                 self.t(ids.down),
                 &mut grads.tensors[ids.down].data,
                 None,
@@ -866,11 +974,11 @@ impl Model {
                 self.inner_precision(),
             );
             drop(dm);
-            let mut dh2 = vec![0.0; n * h];
-            let h2 = Input::new(&lt.h2, n, h, self.precision);
+            let mut dh2 = vec![0.0; rows * h];
+            let h2 = Input::new(&lt.h2, rows, h, self.precision);
             linear_backward(
                 &dg,
-                n,
+                rows,
                 &h2,
                 self.t(ids.gate),
                 &mut grads.tensors[ids.gate].data,
@@ -881,7 +989,7 @@ impl Model {
             );
             linear_backward(
                 &du,
-                n,
+                rows,
                 &h2,
                 self.t(ids.up),
                 &mut grads.tensors[ids.up].data,
@@ -890,7 +998,7 @@ impl Model {
                 true,
                 self.precision,
             );
-            let mut dx2 = vec![0.0; n * h];
+            let mut dx2 = vec![0.0; rows * h];
             norm::rmsnorm_backward(
                 &lt.x2,
                 &self.t(ids.ln2).data,
@@ -901,19 +1009,33 @@ impl Model {
             );
             add_into(&mut dx2, &dx);
             // Attention: x2 = x + o_proj(attn(rope(q), rope(k), v))
-            let mut d_o = vec![0.0; lt.o.len()];
-            let (dw_o, db_o) = two_mut(&mut grads.tensors, ids.o, ids.o_bias);
-            linear_backward(
-                &dx2,
-                n,
-                &Input::new(&lt.o, n, self.t(ids.o).shape[1], self.precision),
-                self.t(ids.o),
-                dw_o,
-                db_o,
-                &mut d_o,
-                false,
-                self.precision,
-            );
+            let d_o = {
+                let o_in = match part {
+                    Some(at) => Cow::Owned(rows_at(&lt.o, nh * d, at)),
+                    None => Cow::Borrowed(&lt.o[..]),
+                };
+                let mut d_o = vec![0.0; rows * nh * d];
+                let (dw_o, db_o) = two_mut(&mut grads.tensors, ids.o, ids.o_bias);
+                linear_backward(
+                    &dx2,
+                    rows,
+                    &Input::new(&o_in, rows, self.t(ids.o).shape[1], self.precision),
+                    self.t(ids.o),
+                    dw_o,
+                    db_o,
+                    &mut d_o,
+                    false,
+                    self.precision,
+                );
+                match part {
+                    Some(at) => {
+                        let mut all = vec![0.0; lt.o.len()];
+                        add_rows(&mut all, &d_o, nh * d, Some(at));
+                        all
+                    }
+                    None => d_o,
+                }
+            };
             let (mut dq, mut dk, mut dv) = (
                 vec![0.0; lt.q.len()],
                 vec![0.0; lt.k.len()],
@@ -1016,8 +1138,13 @@ impl Model {
                 &mut dx1,
                 &mut grads.tensors[ids.ln1].data,
             );
-            add_into(&mut dx1, &dx2);
+            add_rows(&mut dx1, &dx2, h, part);
             dx = dx1;
+        }
+        if let (Some(at), true) = (live, self.layout.layers.is_empty()) {
+            let mut all = vec![0.0; n * h];
+            add_rows(&mut all, &dx, h, Some(at));
+            dx = all;
         }
         embedding::scatter_add(
             &mut grads.tensors[self.layout.embed].data,
@@ -1025,6 +1152,14 @@ impl Model {
             &b.tokens,
             &dx,
         );
+    }
+}
+
+/// The targets at positions `at` (all of them when `None`).
+fn targets_at<'b>(b: &'b Batch, at: Option<&[usize]>) -> Cow<'b, [u32]> {
+    match at {
+        None => Cow::Borrowed(&b.targets),
+        Some(at) => Cow::Owned(at.iter().map(|&i| b.targets[i]).collect()),
     }
 }
 
@@ -1206,6 +1341,92 @@ mod tests {
         }
     }
 
+    /// The largest difference between two gradients' tensors, relative to the first's largest
+    /// value in that tensor.
+    fn worst_gap(a: &Params, b: &Params) -> (f32, String) {
+        let mut worst = (0.0f32, String::new());
+        for (x, y) in a.tensors.iter().zip(&b.tensors) {
+            let scale = x.data.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+            let gap = x
+                .data
+                .iter()
+                .zip(&y.data)
+                .fold(0.0f32, |a, (u, v)| a.max((u - v).abs()))
+                / scale.max(f32::MIN_POSITIVE);
+            if gap >= worst.0 {
+                worst = (gap, x.name.clone());
+            }
+        }
+        worst
+    }
+
+    #[test]
+    fn scoring_some_positions_gives_their_scores_and_gradients_as_the_whole_pass() {
+        let seqs: [&[u32]; 4] = [
+            &[3, 4, 11],
+            &[1, 5, 9, 13, 2, 7, 8],
+            &[8, 6],
+            &[2, 2, 2, 2, 2],
+        ];
+        let (full, _) = Batch::packed(&seqs, 8);
+        // Some positions in every row, none of some sequences, not the padding.
+        let scored: Vec<usize> = (0..full.len())
+            .filter(|&i| full.segments[i] != PAD_SEGMENT && i % 3 != 1 && full.segments[i] != 2)
+            .collect();
+        let part = full.clone().scoring_only(scored.clone());
+        let models = [
+            tiny("qwen2", json!({})),
+            tiny("qwen3", json!({"tie_word_embeddings": true})),
+            tiny("llama", json!({"attention_bias": true})),
+        ];
+        for (m, p) in models
+            .into_iter()
+            .flat_map(|m| [Precision::F32, Precision::Bf16].map(|p| (m.clone(), p)))
+        {
+            let mut m = m;
+            m.set_precision(p);
+            let arch = &m.config.arch;
+            let tol = if p == Precision::F32 { 1e-5 } else { 1e-4 };
+            let (a, b) = (m.score(&full, 0.9).unwrap(), m.score(&part, 0.9).unwrap());
+            for i in 0..full.len() {
+                let (want_l, want_e) = match scored.binary_search(&i) {
+                    Ok(_) => (a.logp[i], a.entropy[i]),
+                    Err(_) => (0.0, 0.0),
+                };
+                assert!(
+                    (b.logp[i] - want_l).abs() <= tol && (b.entropy[i] - want_e).abs() <= tol,
+                    "{arch:?} {p:?} position {i}: {} {} vs {want_l} {want_e}",
+                    b.logp[i],
+                    b.entropy[i]
+                );
+            }
+            let (mut dl, mut de) = (vec![0.0; full.len()], vec![0.0; full.len()]);
+            for (k, &i) in scored.iter().enumerate() {
+                dl[i] = ((k * 5) % 7) as f32 * 0.1 - 0.3;
+                de[i] = ((k * 3) % 4) as f32 * 0.05 - 0.1;
+            }
+            let grads = |b: &Batch| {
+                let (_, tape) = m.forward(b, 0.9).unwrap();
+                let mut g = m.params.zeros_like();
+                m.backward(tape, &dl, &de, &mut g);
+                g
+            };
+            let (gap, name) = worst_gap(&grads(&full), &grads(&part));
+            let tol = if p == Precision::F32 { 1e-5 } else { 1e-3 };
+            assert!(gap <= tol, "{arch:?} {p:?} grad {name}: {gap}");
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "a position the batch does not score")]
+    fn a_gradient_where_nothing_is_scored_is_refused() {
+        let m = tiny("qwen2", json!({}));
+        let b = Batch::padded(&[&[1u32, 5, 9, 13][..]]).scoring_only(vec![1, 2]);
+        let (_, tape) = m.forward(&b, 1.0).unwrap();
+        let mut g = m.params.zeros_like();
+        m.backward(tape, &[0.5, 0.0, 0.0, 0.0], &[0.0; 4], &mut g);
+    }
+
     #[test]
     fn bad_batches_are_refused_naming_the_value() {
         let m = tiny("qwen2", json!({}));
@@ -1233,5 +1454,16 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("temperature"), "{e}");
+        let b = Batch::padded(&[&[1u32, 5, 9][..]]);
+        let e = m
+            .score(&b.clone().scoring_only(vec![2, 1]), 1.0)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("must ascend: 2 is followed by 1"), "{e}");
+        let e = m
+            .score(&b.scoring_only(vec![0, 3]), 1.0)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("scored position 3 is beyond"), "{e}");
     }
 }

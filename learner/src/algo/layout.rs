@@ -177,10 +177,14 @@ impl Chunk {
                 slots.push((r * cols + j, start + plen - 1 + j));
             }
         }
+        // Only the response tokens' scores are read: the model skips what only the prompts'
+        // own scores need.
+        let mut scored: Vec<usize> = slots.iter().map(|&(_, b)| b).collect();
+        scored.sort_unstable();
         Self {
             r0,
             r1,
-            batch,
+            batch: batch.scoring_only(scored),
             slots,
             cols,
         }
