@@ -421,13 +421,13 @@ fn runs_are_reproducible() {
 }
 
 /// The SFT stage of `recipes/grpo-arith.yaml`, then its RL stage with 30 GRPO steps instead of
-/// 180 started from the SFT checkpoint: on the native engines, and (when the XLA CPU plugin is
+/// up to 300 started from the SFT checkpoint: on the native engines, and (when the XLA CPU plugin is
 /// installed, as in CI) on the pjrt engines. Each must raise greedy accuracy on the held-out set
 /// over the warm start. Where SFT's held-out accuracy jumps moves with the CPU kind's summation
 /// order (AVX-512 and AVX2 machines sum in different orders), so the recipe's SFT stage stops at
 /// an accuracy (`stop_at_accuracy`), not after a step count: checked here, with the target
-/// lowered from the recipe's 0.3 to 0.2 so that 30 steps have room to show a lift (from 0.54,
-/// where 0.3 stops on an AVX-512 EPYC, GRPO first dips and needs ~40 steps to pass it).
+/// lowered from the recipe's 0.5 to 0.2 so that 30 steps have room to show a lift (from 0.54,
+/// GRPO first dips and needs ~40 steps to pass it).
 #[test]
 fn the_arith_recipe_shortened_lifts_held_out_accuracy_on_native_and_pjrt_engines() {
     let recipe = std::fs::read_to_string(
@@ -471,7 +471,7 @@ fn the_arith_recipe_shortened_lifts_held_out_accuracy_on_native_and_pjrt_engines
     // The stage ended at its first evaluation at or above the target, and its checkpoint there
     // is the warm start.
     assert!(
-        recipe.contains("stop_at_accuracy: 0.3"),
+        recipe.contains("stop_at_accuracy: 0.5"),
         "the recipe's target"
     );
     let evals: Vec<(u64, f64)> = metrics(&dir.join("sft"))
@@ -533,7 +533,8 @@ fn the_arith_recipe_shortened_lifts_held_out_accuracy_on_native_and_pjrt_engines
                 .arg(&rl)
                 .args(&kv)
                 .args(["--quiet", "-o", "stages.rl.trainer.steps=30"])
-                .args(["-o", "stages.rl.trainer.eval_freq=0"])
+                // One evaluation, at the end (the stage's own `stop_at_accuracy` needs one).
+                .args(["-o", "stages.rl.trainer.eval_freq=30"])
                 .args(["-o", "stages.rl.trainer.save_freq=0"])
                 .args(["-o", &format!("pools.learner.engine={engine}")])
                 .args(["-o", &format!("pools.learner.precision={precision}")])
