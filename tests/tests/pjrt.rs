@@ -154,8 +154,10 @@ fn a_run_on_pjrt_engines_equals_the_native_run_and_resumes_after_kill_9() {
             "actor/entropy",
         ] {
             if p.get(k).is_some() {
+                // The order's rounding compounds over the steps: 1.7e-4 on `actor/grad_norm`
+                // at SFT step 28 with the XLA CPU plugin on an AVX2 EPYC.
                 assert!(
-                    close(num(t, k), num(p, k), 1e-4),
+                    close(num(t, k), num(p, k), 1e-3),
                     "{k}: 2 devices {t} vs 1 {p}"
                 );
             }
