@@ -514,6 +514,7 @@ fn the_update_loops_run_on_either_engine_behind_one_face() {
             advantages: &adv,
             old_logp: None,
             ref_logp: None,
+            entropy: None,
         };
         let m = update(&mut *engine, &mut opt, batch, &cfg).unwrap();
         let sft = learner::algo::sft::step(

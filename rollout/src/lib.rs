@@ -86,6 +86,11 @@ pub struct Completion {
     pub token_ids: Vec<u32>,
     /// Log-prob of each generated token (see [`sampling`] for the exact definition).
     pub logprobs: Vec<f32>,
+    /// Entropy of the distribution each token was drawn from (the one its log-prob is of), or
+    /// empty where the engine does not report it (external servers, raw log-probs, episodes):
+    /// the learner reads it instead of scoring a row it does not train.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub entropies: Vec<f32>,
     /// Why it ended.
     pub finish_reason: FinishReason,
     /// Which weights produced which tokens.

@@ -14,7 +14,7 @@
 //! a client gone) — the KV blocks are freed at the next step.
 
 use crate::kv::{BlockPool, CachedStep, KvShape, SeqCache};
-use crate::sampling::{raw_logprob, sample};
+use crate::sampling::{Pick, raw_logprob, sample};
 use crate::{
     BoxFuture, Completion, EngineError, FinishReason, GenerateRequest, InferenceEngine, VersionSpan,
 };
@@ -501,13 +501,14 @@ struct Seq {
     pending: u32,
     tokens: Vec<u32>,
     logprobs: Vec<f32>,
+    entropies: Vec<f32>,
     spans: Vec<VersionSpan>,
     sink: Option<Arc<Sink>>,
 }
 
 impl Seq {
     /// Records a sampled token; returns the finish reason if the sequence is done.
-    fn push(&mut self, token: u32, logprob: f32) -> Option<FinishReason> {
+    fn push(&mut self, token: u32, logprob: f32, entropy: f32) -> Option<FinishReason> {
         let i = self.tokens.len();
         match self.spans.last_mut() {
             Some(s) if s.version == self.version => s.end = i + 1,
@@ -519,6 +520,7 @@ impl Seq {
         }
         self.tokens.push(token);
         self.logprobs.push(logprob);
+        self.entropies.push(entropy);
         self.pending = token;
         if let Some(sink) = &self.sink {
             let sent = sink.tx.send(Streamed {
@@ -807,14 +809,17 @@ impl Worker {
                 pending: 0,
                 tokens: Vec::new(),
                 logprobs: Vec::new(),
+                entropies: Vec::new(),
                 spans: Vec::new(),
                 sink: sink.clone(),
             };
-            let (tok, mut lp) = sample(logits, &seq.params, &mut seq.rng);
-            if self.cfg.raw_logprobs {
-                lp = raw_logprob(logits, tok);
-            }
-            match seq.push(tok, lp) {
+            let s = sample(logits, &seq.params, &mut seq.rng);
+            let lp = if self.cfg.raw_logprobs {
+                raw_logprob(logits, s.token)
+            } else {
+                s.logprob
+            };
+            match seq.push(s.token, lp, s.entropy) {
                 Some(reason) => self.finish(seq, reason),
                 None => self.running.push(seq),
             }
@@ -863,17 +868,22 @@ impl Worker {
                 }
             }
             // each row draws from its own stream, so rows sample in parallel
-            let picks: Vec<(u32, f32)> = members
+            let picks: Vec<Pick> = members
                 .par_iter_mut()
                 .zip(logits.par_chunks(vocab))
                 .map(|(s, row)| {
-                    let (tok, lp) = sample(row, &s.params, &mut s.rng);
-                    (tok, if raw { raw_logprob(row, tok) } else { lp })
+                    let p = sample(row, &s.params, &mut s.rng);
+                    let logprob = if raw {
+                        raw_logprob(row, p.token)
+                    } else {
+                        p.logprob
+                    };
+                    Pick { logprob, ..p }
                 })
                 .collect();
-            for ((s, (tok, lp)), &i) in members.into_iter().zip(picks).zip(&idx) {
+            for ((s, p), &i) in members.into_iter().zip(picks).zip(&idx) {
                 s.cache.len += 1;
-                if let Some(reason) = s.push(tok, lp) {
+                if let Some(reason) = s.push(p.token, p.logprob, p.entropy) {
                     done.push((i, reason));
                 }
             }
@@ -907,6 +917,13 @@ impl Worker {
             index: s.index,
             token_ids: s.tokens,
             logprobs: s.logprobs,
+            // Raw log-probs are not of the sampled distribution: neither would its entropies be
+            // what they go with.
+            entropies: if self.cfg.raw_logprobs {
+                Vec::new()
+            } else {
+                s.entropies
+            },
             finish_reason: reason,
             weight_versions: s.spans,
             observations: Vec::new(),

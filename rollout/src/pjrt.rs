@@ -51,6 +51,7 @@ struct Row {
     stops: Vec<u32>,
     tokens: Vec<u32>,
     logprobs: Vec<f32>,
+    entropies: Vec<f32>,
     done: Option<FinishReason>,
 }
 
@@ -81,6 +82,7 @@ impl Inner {
                     stops: stops.clone(),
                     tokens: Vec::new(),
                     logprobs: Vec::new(),
+                    entropies: Vec::new(),
                     done: None,
                 });
             }
@@ -104,10 +106,11 @@ impl Inner {
                         continue;
                     }
                     let params = &reqs[row.request].params;
-                    let (tok, lp) =
-                        sample(&logits[j * vocab..(j + 1) * vocab], params, &mut row.rng);
+                    let s = sample(&logits[j * vocab..(j + 1) * vocab], params, &mut row.rng);
+                    let tok = s.token;
                     row.tokens.push(tok);
-                    row.logprobs.push(lp);
+                    row.logprobs.push(s.logprob);
+                    row.entropies.push(s.entropy);
                     if row.stops.contains(&tok) {
                         row.done = Some(FinishReason::Stop);
                     } else if row.tokens.len() >= params.max_tokens {
@@ -152,6 +155,7 @@ impl Inner {
                 }],
                 token_ids: r.tokens,
                 logprobs: r.logprobs,
+                entropies: r.entropies,
                 finish_reason: r.done.unwrap_or(FinishReason::Length),
                 observations: Vec::new(),
                 prompt: None,

@@ -2,7 +2,8 @@
 //!
 //! The reported log-prob is `log_softmax(logits / temperature)` of the chosen token *before*
 //! top-k/top-p/min-p truncation, which is what the learner recomputes, so importance ratios start
-//! at 1. Greedy (`temperature == 0`) reports `log_softmax(logits)`.
+//! at 1. Greedy (`temperature == 0`) reports `log_softmax(logits)`. The reported entropy is that
+//! distribution's (what the learner's `actor/entropy` computes at the same position).
 
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
@@ -78,17 +79,41 @@ fn uniform(rng: &mut ChaCha8Rng) -> f64 {
     (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64
 }
 
-/// Picks a token from `logits` and returns it with its log-prob.
-pub fn sample(logits: &[f32], p: &SamplingParams, rng: &mut ChaCha8Rng) -> (u32, f32) {
+/// A sampled token, with its log-prob and the entropy of the distribution it was drawn from
+/// (both before truncation: see the module's docs).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Pick {
+    /// The token.
+    pub token: u32,
+    /// Its log-prob.
+    pub logprob: f32,
+    /// The distribution's entropy (nats).
+    pub entropy: f32,
+}
+
+/// Picks a token from `logits`.
+pub fn sample(logits: &[f32], p: &SamplingParams, rng: &mut ChaCha8Rng) -> Pick {
     let greedy = p.temperature == 0.0;
     let t = if greedy { 1.0 } else { p.temperature };
     let max = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
     let probs: Vec<f32> = logits.iter().map(|&z| ((z - max) / t).exp()).collect();
     let sum: f32 = probs.iter().sum();
     let logp = |i: usize| (logits[i] - max) / t - sum.ln();
+    // H = ln Σe^s − Σ e^s·s / Σe^s, with s = (z − max)/t.
+    let weighted: f32 = probs
+        .iter()
+        .zip(logits)
+        .map(|(&q, &z)| q * ((z - max) / t))
+        .sum();
+    let entropy = (sum.ln() - weighted / sum).max(0.0);
+    let pick = |i: usize| Pick {
+        token: i as u32,
+        logprob: logp(i),
+        entropy,
+    };
     if greedy {
         let best = (0..logits.len()).fold(0, |b, i| if logits[i] > logits[b] { i } else { b });
-        return (best as u32, logp(best));
+        return pick(best);
     }
     let truncate = p.top_k > 0 || p.top_p < 1.0 || p.min_p > 0.0;
     let chosen = if !truncate {
@@ -143,7 +168,7 @@ pub fn sample(logits: &[f32], p: &SamplingParams, rng: &mut ChaCha8Rng) -> (u32,
         }
         pick
     };
-    (chosen as u32, logp(chosen))
+    pick(chosen)
 }
 
 /// `log_softmax(logits)[token]`: the log-prob before temperature and truncation (vLLM's
@@ -168,10 +193,10 @@ mod tests {
     #[test]
     fn greedy_picks_the_argmax_with_its_untempered_logprob() {
         let mut rng = ChaCha8Rng::seed_from_u64(0);
-        let (t, lp) = sample(&[0.0, 2.0, 1.0], &params(|p| p.temperature = 0.0), &mut rng);
-        assert_eq!(t, 1);
+        let s = sample(&[0.0, 2.0, 1.0], &params(|p| p.temperature = 0.0), &mut rng);
+        assert_eq!(s.token, 1);
         let want = 2.0 - (1.0f32 + 2f32.exp() + 1f32.exp()).ln();
-        assert!((lp - want).abs() < 1e-6);
+        assert!((s.logprob - want).abs() < 1e-6);
     }
 
     #[test]
@@ -185,10 +210,10 @@ mod tests {
             let p = params(f);
             let mut rng = ChaCha8Rng::seed_from_u64(1);
             for _ in 0..200 {
-                let (t, lp) = sample(&logits, &p, &mut rng);
-                assert!(t < 2, "{p:?} sampled {t}");
+                let s = sample(&logits, &p, &mut rng);
+                assert!(s.token < 2, "{p:?} sampled {}", s.token);
                 let z: f32 = logits.iter().map(|v| v.exp()).sum();
-                assert!((lp - (logits[t as usize] - z.ln())).abs() < 1e-5);
+                assert!((s.logprob - (logits[s.token as usize] - z.ln())).abs() < 1e-5);
             }
         }
     }
@@ -199,10 +224,48 @@ mod tests {
         let mut rng = ChaCha8Rng::seed_from_u64(2);
         let p = params(|p| p.temperature = 0.5);
         let ones = (0..4000)
-            .filter(|_| sample(&logits, &p, &mut rng).0 == 1)
+            .filter(|_| sample(&logits, &p, &mut rng).token == 1)
             .count();
         let want = 1.0 / (1.0 + (-2.0f64).exp()); // softmax([0, 2])[1]
         assert!((ones as f64 / 4000.0 - want).abs() < 0.03, "{ones}");
+    }
+
+    /// The entropy is the untruncated distribution's at the sampling temperature (greedy: at
+    /// 1), against `−Σ p·ln p` in f64.
+    #[test]
+    fn the_entropy_is_the_sampled_distributions() {
+        let logits = [3.0f32, 2.9, 0.0, -1.0, -30.0];
+        for (t, f) in [
+            (
+                1.0,
+                (|_: &mut SamplingParams| ()) as fn(&mut SamplingParams),
+            ),
+            (0.7, |p| p.temperature = 0.7),
+            (1.0, |p| p.temperature = 0.0),
+            (1.0, |p| p.top_k = 1),
+            (2.5, |p| {
+                p.temperature = 2.5;
+                p.top_p = 0.5
+            }),
+        ] {
+            let p = params(f);
+            let z: Vec<f64> = logits.iter().map(|&v| f64::from(v) / t).collect();
+            let m = z.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let lse = m + z.iter().map(|v| (v - m).exp()).sum::<f64>().ln();
+            let want: f64 = z.iter().map(|v| -(v - lse).exp() * (v - lse)).sum();
+            let got = sample(&logits, &p, &mut ChaCha8Rng::seed_from_u64(3)).entropy;
+            assert!(
+                (f64::from(got) - want).abs() < 1e-5,
+                "{p:?}: {got} vs {want}"
+            );
+        }
+        // One certain token: no uncertainty (not a rounding below 0).
+        let sure = sample(
+            &[0.0, -200.0],
+            &params(|_| ()),
+            &mut ChaCha8Rng::seed_from_u64(4),
+        );
+        assert_eq!(sure.entropy, 0.0);
     }
 
     #[test]

@@ -79,8 +79,9 @@ fn greedy_continuations_equal_transformers() {
     }
 }
 
-/// |engine − learner| log-prob of every token of 4 samples (temperature 0.7) of one prompt.
-fn gaps_to_the_learner(engine: &NativeEngine, m: &Model) -> Vec<f32> {
+/// |engine − learner| log-prob of every token of 4 samples (temperature 0.7) of one prompt, and
+/// the same of the entropy of the distribution it was drawn from.
+fn gaps_to_the_learner(engine: &NativeEngine, m: &Model) -> (Vec<f32>, Vec<f32>) {
     let prompt = ids(&reference()["input_ids"][2]);
     let temp = 0.7;
     let out = engine
@@ -92,25 +93,29 @@ fn gaps_to_the_learner(engine: &NativeEngine, m: &Model) -> Vec<f32> {
             s.ignore_eos = true;
         })])
         .unwrap();
-    let mut gaps = Vec::new();
+    let (mut gaps, mut entropy) = (Vec::new(), Vec::new());
     for c in &out {
         let full: Vec<u32> = prompt.iter().chain(&c.token_ids).copied().collect();
         let scores = m.score(&Batch::padded(&[&full]), temp).unwrap();
-        for (j, lp) in c.logprobs.iter().enumerate() {
+        assert_eq!(c.entropies.len(), c.logprobs.len());
+        for (j, (lp, h)) in c.logprobs.iter().zip(&c.entropies).enumerate() {
             gaps.push((lp - scores.logp[prompt.len() - 1 + j]).abs());
+            entropy.push((h - scores.entropy[prompt.len() - 1 + j]).abs());
         }
     }
-    gaps
+    (gaps, entropy)
 }
 
 #[test]
 fn engine_logprobs_equal_the_learners() {
     let m = model();
     let engine = NativeEngine::new(m.clone(), NativeConfig::default());
-    let gaps = gaps_to_the_learner(&engine, &m);
+    let (gaps, entropy) = gaps_to_the_learner(&engine, &m);
     assert_eq!(gaps.len(), 4 * 24);
     let worst = gaps.iter().copied().fold(0.0, f32::max);
     assert!(worst < 1e-4, "engine vs learner: {worst}");
+    let worst = entropy.iter().copied().fold(0.0, f32::max);
+    assert!(worst < 1e-4, "engine vs learner entropy: {worst}");
 }
 
 /// A bf16 KV cache holds twice the tokens in the same bytes, and its samples' log-probs stay
@@ -130,7 +135,7 @@ fn a_bf16_kv_cache_holds_twice_the_tokens_and_stays_near_the_learner() {
         NativeEngine::new(m.clone(), cfg(learner::params::WeightDtype::Bf16)),
     );
     assert_eq!(bf16s.kv_shape().num_blocks, 2 * f32s.kv_shape().num_blocks);
-    let gaps = gaps_to_the_learner(&bf16s, &m);
+    let (gaps, _) = gaps_to_the_learner(&bf16s, &m);
     let mean = gaps.iter().sum::<f32>() / gaps.len() as f32;
     assert!(mean > 1e-4 && mean < 5e-2, "mean gap {mean}");
 }

@@ -662,6 +662,7 @@ impl rollout::InferenceEngine for ToolCaller {
                     request,
                     index: 0,
                     logprobs: vec![-1.0; token_ids.len()],
+                    entropies: Vec::new(),
                     weight_versions: vec![rollout::VersionSpan {
                         version: 0,
                         start: 0,

@@ -65,6 +65,10 @@ pub struct PolicyShard {
     /// The reference policy's log-probs.
     #[serde(with = "crate::wire::opt_floats")]
     pub ref_logp: Option<Vec<f32>>,
+    /// The rollout engine's entropy of each token's sampling distribution (see
+    /// [`PolicyBatch::entropy`](super::policy::PolicyBatch::entropy)).
+    #[serde(default, with = "crate::wire::opt_floats")]
+    pub entropy: Option<Vec<f32>>,
     /// Normalisers of the whole mini-batch.
     pub norm: AggNorm,
 }
@@ -188,7 +192,16 @@ fn policy_gradient(
     let mut logp = trained.gather(&sc.logp);
     let mut ent = trained.gather(&sc.entropy);
     let mut positions = trained.batch.len();
-    if skip.iter().any(|&s| s) {
+    // On policy (no behaviour log-probs) an untrained row's ratio is 1 whatever its log-probs
+    // (they are their own `old_logp`), so of its forward the metrics read only the entropy:
+    // where the engine that sampled the row reported it, the row is not scored at all (its
+    // log-probs stay 0, its ratio exp(0)).
+    let engine_entropy = shard.entropy.as_ref().filter(|_| shard.old_logp.is_none());
+    if let Some(e) = engine_entropy {
+        for r in (0..n).filter(|&r| skip[r]) {
+            ent[r * cols..(r + 1) * cols].copy_from_slice(&e[r * cols..(r + 1) * cols]);
+        }
+    } else if skip.iter().any(|&s| s) {
         let scored = rows.select(|r| skip[r]);
         let s = engine.score(&scored.batch, cfg.temperature)?;
         scored.gather_into(&s.logp, &mut logp);
@@ -469,6 +482,7 @@ mod tests {
                 advantages: &adv,
                 old_logp: None,
                 ref_logp: None,
+                entropy: None,
             };
             let m = model();
             let opt = Optimizer::new(
@@ -516,6 +530,88 @@ mod tests {
                 "entropy {entropy_coeff}: weights differ by {worst}"
             );
         }
+    }
+
+    /// On policy, an untrained row's entropies come from the engine that sampled it when it
+    /// reported them, and the row is not run at all: the gradient and every other metric are
+    /// those of scoring it, `actor/entropy` moves by exactly what the engine's values differ
+    /// by; with behaviour log-probs (ratios not 1) the row is scored as before.
+    #[test]
+    fn an_engines_entropies_spare_untrained_rows_their_forward() {
+        let rows = TokenRows::new((0..6).map(|i| Row {
+            prompt: [&[1u32, 2, 3][..], &[4, 5], &[6, 7, 8, 9]][i % 3],
+            response: [&[11u32, 12][..], &[13, 14, 15], &[16, 17, 18, 19]][i / 2],
+            group: (i / 2) as u64,
+            observed: &[],
+        }));
+        let cols = rows.shape.cols;
+        // Rows 0 and 1 are untrained (one reward in their group).
+        let adv: Vec<f32> = (0..rows.shape.len())
+            .map(|i| match i / cols {
+                0 | 1 => 0.0,
+                r => (r as f32 - 3.5) * (1.0 + (i % 3) as f32 * 0.2),
+            })
+            .collect();
+        let cfg = PolicyUpdate {
+            loss: PolicyLossConfig::default(),
+            agg: LossAgg::TokenMean,
+            temperature: 0.9,
+            epochs: 1,
+            rows_per_update: 6,
+        };
+        let (_, _, norm) = mini_batches(&rows, 6, cfg.agg).next().unwrap().unwrap();
+        let m = model();
+        let c = rows.chunks(6).next().unwrap();
+        let whole = open(m.clone(), Backend::Native)
+            .unwrap()
+            .score(&c.batch, cfg.temperature)
+            .unwrap();
+        // What the engine reported: the learner's own values, 0.25 higher on the untrained rows
+        // (so that reading them shows).
+        let shift = 0.25f32;
+        let mut reported = c.gather(&whole.entropy);
+        reported[..2 * cols].iter_mut().for_each(|v| *v += shift);
+        let old = c.gather(&whole.logp);
+        let run = |entropy: Option<Vec<f32>>, old_logp: Option<Vec<f32>>| {
+            let mut e = open(m.clone(), Backend::Native).unwrap();
+            let work = Work::Policy {
+                shard: Box::new(PolicyShard {
+                    rows: rows.clone(),
+                    advantages: adv.clone(),
+                    old_logp,
+                    ref_logp: None,
+                    entropy,
+                    norm,
+                }),
+                cfg,
+            };
+            let out = gradient(&mut *e, &work).unwrap();
+            (out, crate::wire::flatten(e.gradients_mut().unwrap()))
+        };
+        let (scored, g_scored) = run(None, None);
+        let (spared, g_spared) = run(Some(reported.clone()), None);
+        let trained = rows.select(|r| r >= 2).batch.len();
+        assert_eq!(spared.positions, trained, "the untrained rows were run");
+        assert!(scored.positions > trained);
+        assert_eq!(g_spared, g_scored, "the same gradient");
+        let idle_tokens = rows.mask[..2 * cols].iter().sum::<f32>() as f64;
+        for (k, v) in &scored.metrics {
+            let want = match k.as_str() {
+                "actor/entropy" => v + f64::from(shift) * idle_tokens / rows.response_tokens(),
+                _ => *v,
+            };
+            assert!(
+                (spared.metrics[k] - want).abs() <= 1e-6 * want.abs().max(1.0),
+                "{k}: {} vs {want}",
+                spared.metrics[k]
+            );
+        }
+        // Behaviour log-probs: the untrained rows' ratios are not 1 in general, so they are
+        // scored and the engine's entropies are not read.
+        let (with_old, _) = run(Some(reported), Some(old.clone()));
+        let (want, _) = run(None, Some(old));
+        assert_eq!(with_old.positions, want.positions);
+        assert_eq!(with_old.metrics, want.metrics);
     }
 
     /// Data parallelism changes where the arithmetic runs, not what it computes: every loss and
@@ -569,6 +665,7 @@ mod tests {
                 advantages: &adv,
                 old_logp: with_old.then_some(&old[..]),
                 ref_logp: kl.map(|_| &reference[..]),
+                entropy: None,
             };
             let m = model();
             let opt = Optimizer::new(

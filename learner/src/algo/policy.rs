@@ -21,6 +21,12 @@ pub struct PolicyBatch<'a> {
     pub old_logp: Option<&'a [f32]>,
     /// The reference policy's log-probs (the KL loss).
     pub ref_logp: Option<&'a [f32]>,
+    /// The rollout engine's entropy of each token's sampling distribution, at the update's
+    /// temperature (`None`: not reported). On policy, a row the update does not train (its
+    /// advantages all zero) then needs no forward: its ratio is 1 and its `actor/entropy` is
+    /// this (which differs from the learner's by the engines' rounding gap, as the log-probs do:
+    /// `rollout/logprob_diff_mean`).
+    pub entropy: Option<&'a [f32]>,
 }
 
 /// Runs the update on one engine; returns the loss metrics averaged over the optimiser steps,
@@ -56,6 +62,7 @@ pub fn update_ranks<R: Ranks>(
                         advantages: rows.slice(batch.advantages, a, b).to_vec(),
                         old_logp: batch.old_logp.map(|o| rows.slice(o, a, b).to_vec()),
                         ref_logp: batch.ref_logp.map(|r| rows.slice(r, a, b).to_vec()),
+                        entropy: batch.entropy.map(|e| rows.slice(e, a, b).to_vec()),
                         norm,
                     }),
                     cfg: *cfg,

@@ -173,6 +173,16 @@ impl Board {
         }
     }
 
+    /// The engines' entropies of every response token's sampling distribution in the
+    /// `[rows, cols]` layout of `rows`, if every completion has them.
+    pub fn engine_entropy(&self, rows: &TokenRows) -> Option<Vec<f32>> {
+        let completions = self.groups.iter().flat_map(|g| g.completions.iter());
+        completions
+            .clone()
+            .all(|c| c.entropies.len() == c.token_ids.len())
+            .then(|| rows.scatter(completions.map(|c| c.entropies.as_slice())))
+    }
+
     /// Applies `node`'s update, refusing a write the graph does not give it.
     pub(super) fn apply(
         &mut self,

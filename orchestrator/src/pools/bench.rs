@@ -256,6 +256,7 @@ pub fn run(o: &LearnerBenchOptions) -> Result<LearnerBench, PoolError> {
         advantages: &advantages,
         old_logp: None,
         ref_logp: None,
+        entropy: None,
     };
     let cfg = PolicyUpdate {
         loss: Default::default(),

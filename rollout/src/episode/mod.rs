@@ -182,6 +182,8 @@ impl Trajectory {
             index,
             token_ids: response.to_vec(),
             logprobs: self.logprobs,
+            // An episode's turns may sample at an agent's own settings: its rows are scored.
+            entropies: Vec::new(),
             finish_reason: self.finish,
             weight_versions: self.spans,
             observations: self.observations,

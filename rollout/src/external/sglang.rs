@@ -217,6 +217,7 @@ async fn generate(
             index,
             token_ids,
             logprobs,
+            entropies: Vec::new(),
             finish_reason,
             weight_versions,
             observations: Vec::new(),

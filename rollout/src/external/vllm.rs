@@ -334,6 +334,7 @@ impl Call {
                 index,
                 token_ids,
                 logprobs,
+                entropies: Vec::new(),
                 finish_reason,
                 weight_versions,
                 observations: Vec::new(),

@@ -69,6 +69,7 @@ mod tests {
             index: 0,
             token_ids: vec![3; tokens],
             logprobs: vec![0.0; tokens],
+            entropies: Vec::new(),
             finish_reason: FinishReason::Stop,
             weight_versions: Vec::new(),
             observations: Vec::new(),

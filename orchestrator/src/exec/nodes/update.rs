@@ -41,11 +41,15 @@ impl Act for UpdateActor {
         // Behaviour log-probs: recomputed (`old_logp` node), the engine's (`async` mode), or
         // none (one update per batch: the current log-probs, detached).
         let old = board.old_logp(&rows);
+        // The engines' entropies spare an on-policy update the forward of rows it does not
+        // train (their sampling temperature is the update's: both are the algorithm's).
+        let entropy = old.is_none().then(|| board.engine_entropy(&rows)).flatten();
         let batch = PolicyBatch {
             rows: &rows,
             advantages,
             old_logp: old.as_deref(),
             ref_logp: board.ref_logp.as_deref(),
+            entropy: entropy.as_deref(),
         };
         let metrics = cx.policy.update(batch, &cx.rl.update)?;
         Ok(Update {

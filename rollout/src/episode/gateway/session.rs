@@ -423,6 +423,7 @@ mod tests {
             request: 0,
             index: 0,
             logprobs: vec![-0.5; tokens.len()],
+            entropies: Vec::new(),
             weight_versions: vec![VersionSpan {
                 version: 7,
                 start: 0,
