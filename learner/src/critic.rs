@@ -24,7 +24,10 @@ pub struct Critic {
 /// What [`Critic::forward`] keeps for the backward.
 pub struct CriticTape {
     trunk: Tape,
+    /// The final hidden states at the positions valued.
     hidden: Vec<f32>,
+    /// Those positions, when not all ([`Batch::scored`]).
+    scored: Option<Vec<usize>>,
 }
 
 const HEAD_FILE: &str = "value_head.safetensors";
@@ -54,17 +57,33 @@ impl Critic {
             .collect()
     }
 
-    /// The value at every position of `b` (`[rows·seq]`), without a tape.
+    /// The value at every position of `b` (`[rows·seq]`; 0 at those [`Batch::scored`] leaves
+    /// out), without a tape.
     pub fn values(&self, b: &Batch) -> Result<Vec<f32>> {
-        b.validate(&self.model.config)?;
-        let hidden = self.model.forward_hidden_tape(b)?.0;
-        Ok(self.values_of(&hidden))
+        Ok(self.forward(b)?.0)
     }
 
-    /// Values at every position, keeping what the backward needs.
+    /// Values at every position (as [`Critic::values`]), keeping what the backward needs.
     pub fn forward(&self, b: &Batch) -> Result<(Vec<f32>, CriticTape)> {
         let (hidden, trunk) = self.model.forward_hidden_tape(b)?;
-        Ok((self.values_of(&hidden), CriticTape { trunk, hidden }))
+        let v = self.values_of(&hidden);
+        let values = match &b.scored {
+            None => v,
+            Some(at) => {
+                let mut all = vec![0.0; b.len()];
+                at.iter().zip(v).for_each(|(&i, v)| all[i] = v);
+                all
+            }
+        };
+        let scored = b.scored.clone();
+        Ok((
+            values,
+            CriticTape {
+                trunk,
+                hidden,
+                scored,
+            },
+        ))
     }
 
     /// Gradient buffers: the trunk's tensors followed by the head's.
@@ -74,11 +93,25 @@ impl Critic {
         g
     }
 
-    /// Backward from d(loss)/d(value) per position; accumulates into `grads` (from
-    /// [`Critic::zeros_grads`]).
+    /// Backward from d(loss)/d(value) per position (0 where the batch valued nothing);
+    /// accumulates into `grads` (from [`Critic::zeros_grads`]).
     pub fn backward(&self, tape: CriticTape, d_values: &[f32], grads: &mut Params) {
         let w = &self.head.tensors[0].data;
         let h = w.len();
+        let picked: Vec<f32>;
+        let d_values = match &tape.scored {
+            None => d_values,
+            Some(at) => {
+                let mut valued = vec![false; d_values.len()];
+                at.iter().for_each(|&i| valued[i] = true);
+                assert!(
+                    valued.iter().zip(d_values).all(|(&v, &d)| v || d == 0.0),
+                    "critic: a gradient at a position the batch does not value"
+                );
+                picked = at.iter().map(|&i| d_values[i]).collect();
+                &picked
+            }
+        };
         assert_eq!(
             d_values.len() * h,
             tape.hidden.len(),
@@ -239,6 +272,49 @@ mod tests {
         let numeric = (shifted(1.0) - shifted(-1.0)) / (2.0 * eps as f64);
         let rel = (numeric - analytic).abs() / analytic.abs().max(1e-3);
         assert!(rel < 2e-2, "numeric {numeric} analytic {analytic}");
+    }
+
+    #[test]
+    fn valuing_some_positions_gives_their_values_and_gradients_as_the_whole_pass() {
+        let c = tiny();
+        let (full, _) = Batch::packed(&[&[1u32, 5, 9, 13, 2][..], &[3, 4, 11][..], &[7, 7]], 8);
+        let scored = vec![2, 3, 4, 6, 7, 9];
+        let part = full.clone().scoring_only(scored.clone());
+        let (a, ta) = c.forward(&full).unwrap();
+        let (b, tb) = c.forward(&part).unwrap();
+        for i in 0..full.len() {
+            let want = if scored.contains(&i) { a[i] } else { 0.0 };
+            assert!(
+                (b[i] - want).abs() <= 1e-5,
+                "position {i}: {} vs {want}",
+                b[i]
+            );
+        }
+        let d: Vec<f32> = (0..full.len())
+            .map(|i| {
+                if scored.contains(&i) {
+                    (i % 3) as f32 - 0.7
+                } else {
+                    0.0
+                }
+            })
+            .collect();
+        let (mut ga, mut gb) = (c.zeros_grads(), c.zeros_grads());
+        c.backward(ta, &d, &mut ga);
+        c.backward(tb, &d, &mut gb);
+        for (x, y) in ga.tensors.iter().zip(&gb.tensors) {
+            let scale = x.data.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            let gap = x
+                .data
+                .iter()
+                .zip(&y.data)
+                .fold(0.0f32, |m, (u, v)| m.max((u - v).abs()));
+            assert!(
+                gap <= 1e-5 * scale.max(1e-6),
+                "{}: {gap} of {scale}",
+                x.name
+            );
+        }
     }
 
     #[test]

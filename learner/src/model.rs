@@ -897,9 +897,9 @@ impl Model {
         self.backward_hidden(tape, &dh, grads);
     }
 
-    /// Final normed hidden states (`[tokens, hidden]`) of a batch, keeping what
-    /// [`Model::backward_hidden`] needs: the trunk of a model whose head is not the LM head (a
-    /// critic's value head).
+    /// Final normed hidden states of a batch (`[positions, hidden]`, the positions of
+    /// [`Batch::scored`] when it is set, in its order), keeping what [`Model::backward_hidden`]
+    /// needs: the trunk of a model whose head is not the LM head (a critic's value head).
     pub fn forward_hidden_tape(&self, b: &Batch) -> Result<(Vec<f32>, Tape)> {
         b.validate(&self.config)?;
         let Trunk {
@@ -908,10 +908,10 @@ impl Model {
             layers,
             x_last,
             inv_final,
-        } = self.trunk(b, true, None);
+        } = self.trunk(b, true, b.scored.as_deref());
         let tape = Tape {
             batch: b.clone(),
-            live: None,
+            live: b.scored.clone(),
             temperature: 1.0,
             rope,
             layers,
@@ -924,8 +924,8 @@ impl Model {
         Ok((hidden, tape))
     }
 
-    /// Backward from d(loss)/d(final hidden states) (`[tokens, hidden]`) through the decoder
-    /// stack and the embedding; accumulates into the first tensors of `grads` (same layout as
+    /// Backward from d(loss)/d(final hidden states) (`[positions, hidden]`, the positions
+    /// [`Model::forward_hidden_tape`] gave) through the decoder stack and the embedding; accumulates into the first tensors of `grads` (same layout as
     /// `params`; tensors after them, such as a value head's, are left alone).
     pub fn backward_hidden(&self, tape: Tape, dh: &[f32], grads: &mut Params) {
         let c = &self.config;
