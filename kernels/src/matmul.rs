@@ -2,7 +2,7 @@
 //! `gemm` crate (runtime dispatch picks AVX-512 where present), or with bf16 operands and f32
 //! accumulation through [`crate::bf16`].
 
-use gemm::Parallelism;
+use gemm_common::Parallelism;
 
 /// How a matrix operand is laid out in memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -325,9 +325,9 @@ pub unsafe fn strided(
         Par::Pool if m * n * k >= 64 * 64 * 64 => Parallelism::Rayon(0),
         _ => Parallelism::None,
     };
-    // SAFETY: forwarded from the caller's contract.
+    // SAFETY: forwarded from the caller's contract. (`gemm::gemm` for f32 is this call.)
     unsafe {
-        gemm::gemm(
+        gemm_f32::gemm::f32::get_gemm_fn()(
             m,
             n,
             k,

@@ -611,11 +611,29 @@ mod tests {
     use super::*;
     use serde_json::{Value, json};
 
-    fn tmp(tag: &str) -> PathBuf {
+    /// A store file in a fresh folder of its own, removed with the folder when dropped.
+    struct Tmp(PathBuf);
+
+    impl std::ops::Deref for Tmp {
+        type Target = Path;
+        fn deref(&self) -> &Path {
+            &self.0
+        }
+    }
+
+    impl Drop for Tmp {
+        fn drop(&mut self) {
+            if let Some(d) = self.0.parent() {
+                let _ = std::fs::remove_dir_all(d);
+            }
+        }
+    }
+
+    fn tmp(tag: &str) -> Tmp {
         let d = std::env::temp_dir().join(format!("trellis-store-{tag}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&d);
         std::fs::create_dir_all(&d).unwrap();
-        d.join("store.redb")
+        Tmp(d.join("store.redb"))
     }
 
     /// Metric values come back bit for bit: JSON parsing that is not correctly rounded changed

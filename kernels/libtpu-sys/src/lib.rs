@@ -13,7 +13,9 @@
 
 pub mod locate;
 pub mod pjrt;
-#[cfg(any(test, feature = "testing"))]
+// Always compiled (a few functions, no dependencies): behind a feature that only the test
+// builds turned on, `cargo build -p trellis` — which the end-to-end tests run to get the binary —
+// resolved libtpu-sys differently from `cargo test --workspace` and rebuilt every crate above it.
 pub mod testing;
 
 use std::ffi::{c_char, c_int, c_void};

@@ -1,4 +1,4 @@
-//! For tests only (feature `testing`): the XLA CPU plugin every pjrt test runs on. A test asks
+//! For tests only: the XLA CPU plugin every pjrt test runs on. A test asks
 //! for it and gets it: found where `.ci/setup` unpacks the wheel, or fetched by running
 //! `.ci/setup xla` the first time. A test is skipped only when `TRELLIS_SKIP_PJRT=1` asks for it
 //! (and says so); a plugin that cannot be had otherwise fails the test with the command that
