@@ -245,7 +245,7 @@ mod tests {
             (1.0, |p| p.top_k = 1),
             (2.5, |p| {
                 p.temperature = 2.5;
-                p.top_p = 0.5
+                p.top_p = 0.5;
             }),
         ] {
             let p = params(f);

@@ -198,6 +198,14 @@ fn policy_gradient(
     // log-probs stay 0, its ratio exp(0)).
     let engine_entropy = shard.entropy.as_ref().filter(|_| shard.old_logp.is_none());
     if let Some(e) = engine_entropy {
+        if e.len() != rows.shape.len() {
+            return Err(crate::Error::Batch(format!(
+                "{} engine entropies for {} rows of {} tokens",
+                e.len(),
+                n,
+                cols
+            )));
+        }
         for r in (0..n).filter(|&r| skip[r]) {
             ent[r * cols..(r + 1) * cols].copy_from_slice(&e[r * cols..(r + 1) * cols]);
         }
@@ -448,24 +456,30 @@ mod tests {
             .fold(0.0f32, f32::max)
     }
 
-    /// Rows whose advantages are all zero (a GRPO group with one reward) are scored, not
-    /// trained: the update's metrics and weights equal a forward and backward over every row,
-    /// computed here by hand; with an entropy bonus every row is trained (the same again).
-    #[test]
-    fn rows_with_zero_advantages_are_scored_not_trained() {
+    /// Six rows in three groups of two; group 0 (rows 0 and 1) got one reward, so its
+    /// advantages are zero, and the others' are not.
+    fn one_group_untrained() -> (TokenRows, Vec<f32>) {
         let rows = TokenRows::new((0..6).map(|i| Row {
             prompt: [&[1u32, 2, 3][..], &[4, 5], &[6, 7, 8, 9]][i % 3],
             response: [&[11u32, 12][..], &[13, 14, 15], &[16, 17, 18, 19]][i / 2],
             group: (i / 2) as u64,
             observed: &[],
         }));
-        // Group 0 (rows 0, 1): one reward, zero advantages; the others are not.
-        let adv: Vec<f32> = (0..rows.shape.len())
+        let adv = (0..rows.shape.len())
             .map(|i| match i / rows.shape.cols {
                 0 | 1 => 0.0,
                 r => (r as f32 - 3.5) * (1.0 + (i % 3) as f32 * 0.2),
             })
             .collect();
+        (rows, adv)
+    }
+
+    /// Rows whose advantages are all zero (a GRPO group with one reward) are scored, not
+    /// trained: the update's metrics and weights equal a forward and backward over every row,
+    /// computed here by hand; with an entropy bonus every row is trained (the same again).
+    #[test]
+    fn rows_with_zero_advantages_are_scored_not_trained() {
+        let (rows, adv) = one_group_untrained();
         for entropy_coeff in [0.0, 0.01] {
             let cfg = PolicyUpdate {
                 loss: PolicyLossConfig {
@@ -538,20 +552,8 @@ mod tests {
     /// by; with behaviour log-probs (ratios not 1) the row is scored as before.
     #[test]
     fn an_engines_entropies_spare_untrained_rows_their_forward() {
-        let rows = TokenRows::new((0..6).map(|i| Row {
-            prompt: [&[1u32, 2, 3][..], &[4, 5], &[6, 7, 8, 9]][i % 3],
-            response: [&[11u32, 12][..], &[13, 14, 15], &[16, 17, 18, 19]][i / 2],
-            group: (i / 2) as u64,
-            observed: &[],
-        }));
+        let (rows, adv) = one_group_untrained();
         let cols = rows.shape.cols;
-        // Rows 0 and 1 are untrained (one reward in their group).
-        let adv: Vec<f32> = (0..rows.shape.len())
-            .map(|i| match i / cols {
-                0 | 1 => 0.0,
-                r => (r as f32 - 3.5) * (1.0 + (i % 3) as f32 * 0.2),
-            })
-            .collect();
         let cfg = PolicyUpdate {
             loss: PolicyLossConfig::default(),
             agg: LossAgg::TokenMean,
@@ -612,6 +614,23 @@ mod tests {
         let (want, _) = run(None, Some(old));
         assert_eq!(with_old.positions, want.positions);
         assert_eq!(with_old.metrics, want.metrics);
+        // Entropies that do not fit the rows are refused, naming the counts.
+        let short = Work::Policy {
+            shard: Box::new(PolicyShard {
+                rows: rows.clone(),
+                advantages: adv.clone(),
+                old_logp: None,
+                ref_logp: None,
+                entropy: Some(vec![0.0; 3]),
+                norm,
+            }),
+            cfg,
+        };
+        let err = gradient(&mut *open(m.clone(), Backend::Native).unwrap(), &short).unwrap_err();
+        assert!(
+            err.to_string().contains("3 engine entropies for 6 rows"),
+            "{err}"
+        );
     }
 
     /// Data parallelism changes where the arithmetic runs, not what it computes: every loss and
