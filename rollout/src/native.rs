@@ -14,7 +14,7 @@
 //! a client gone) — the KV blocks are freed at the next step.
 
 use crate::kv::{BlockPool, CachedStep, KvShape, SeqCache};
-use crate::sampling::{Pick, raw_logprob, sample};
+use crate::sampling::{Pick, SamplingParams, raw_logprob, sample};
 use crate::{
     BoxFuture, Completion, EngineError, FinishReason, GenerateRequest, InferenceEngine, VersionSpan,
 };
@@ -506,6 +506,19 @@ struct Seq {
     sink: Option<Arc<Sink>>,
 }
 
+/// A token sampled from `logits`, its log-prob the raw one when the engine reports those.
+fn pick(logits: &[f32], params: &SamplingParams, rng: &mut ChaCha8Rng, raw: bool) -> Pick {
+    let p = sample(logits, params, rng);
+    if raw {
+        Pick {
+            logprob: raw_logprob(logits, p.token),
+            ..p
+        }
+    } else {
+        p
+    }
+}
+
 impl Seq {
     /// Records a sampled token; returns the finish reason if the sequence is done.
     fn push(&mut self, token: u32, logprob: f32, entropy: f32) -> Option<FinishReason> {
@@ -813,13 +826,8 @@ impl Worker {
                 spans: Vec::new(),
                 sink: sink.clone(),
             };
-            let s = sample(logits, &seq.params, &mut seq.rng);
-            let lp = if self.cfg.raw_logprobs {
-                raw_logprob(logits, s.token)
-            } else {
-                s.logprob
-            };
-            match seq.push(s.token, lp, s.entropy) {
+            let s = pick(logits, &seq.params, &mut seq.rng, self.cfg.raw_logprobs);
+            match seq.push(s.token, s.logprob, s.entropy) {
                 Some(reason) => self.finish(seq, reason),
                 None => self.running.push(seq),
             }
@@ -871,15 +879,7 @@ impl Worker {
             let picks: Vec<Pick> = members
                 .par_iter_mut()
                 .zip(logits.par_chunks(vocab))
-                .map(|(s, row)| {
-                    let p = sample(row, &s.params, &mut s.rng);
-                    let logprob = if raw {
-                        raw_logprob(row, p.token)
-                    } else {
-                        p.logprob
-                    };
-                    Pick { logprob, ..p }
-                })
+                .map(|(s, row)| pick(row, &s.params, &mut s.rng, raw))
                 .collect();
             for ((s, p), &i) in members.into_iter().zip(picks).zip(&idx) {
                 s.cache.len += 1;
