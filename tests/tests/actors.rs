@@ -257,7 +257,15 @@ async fn a_100_mb_snapshot_crosses_processes_over_grpc_and_a_wrong_token_is_refu
             "p",
             (),
             actors::Demand::new("ping", actors::Device::Cpu, 1),
-            SpawnOptions::default(),
+            // Once its only agent is gone, each restart waits `place_wait` for another with
+            // room (by default 120 s: 3 restarts held this test for 6 minutes).
+            SpawnOptions {
+                restart: actors::RestartPolicy {
+                    place_wait: Duration::from_secs(1),
+                    ..actors::RestartPolicy::default()
+                },
+                ..SpawnOptions::default()
+            },
         )
         .await
         .expect("spawned");
