@@ -5,6 +5,7 @@
 #![allow(clippy::print_stdout, clippy::print_stderr)]
 
 mod actors;
+mod arith_recipe;
 mod chaos;
 mod cli;
 mod deploy;
