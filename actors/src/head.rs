@@ -308,6 +308,7 @@ impl Head {
                 id: e.info.id.clone(),
                 name: e.info.name.clone(),
                 free: e.free,
+                actors: e.actors.len() as u32,
                 labels: e.info.labels.clone(),
                 kinds: e.info.kinds.clone(),
             })

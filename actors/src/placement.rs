@@ -150,7 +150,8 @@ pub enum Strategy {
     /// Fill the fullest agent that still fits first (fewest agents used).
     #[default]
     Pack,
-    /// One per agent before doubling up (most agents used).
+    /// One per agent before doubling up (most agents used), on the agents running the fewest
+    /// actors of any pool first.
     Spread,
 }
 
@@ -220,6 +221,8 @@ pub struct Offer {
     pub name: String,
     /// Not yet taken by other actors.
     pub free: Resources,
+    /// Actors it runs now, of any pool: spread places on the agents running fewest.
+    pub actors: u32,
     pub labels: BTreeMap<String, String>,
     pub kinds: Vec<String>,
 }
@@ -299,10 +302,12 @@ fn best(
         Strategy::Pack => fits
             .min_by_key(|(_, o)| (device_free(o), o.name.clone()))
             .map(|(i, _)| i),
+        // The pool's own actors first, then every pool's: an agent that runs nothing yet is
+        // taken before one with room beside another pool's actor.
         Strategy::Spread => fits
             .min_by_key(|(_, o)| {
                 let n = used.get(&o.id).copied().unwrap_or(0);
-                (n, u64::MAX - device_free(o), o.name.clone())
+                (n, o.actors, u64::MAX - device_free(o), o.name.clone())
             })
             .map(|(i, _)| i),
     }
@@ -421,6 +426,7 @@ pub fn place(pools: &[PoolSpec], offers: &[Offer]) -> Result<Vec<Assignment>, Pl
                 offers[i].free.take(d, n);
             }
             *used.entry(offers[i].id.clone()).or_insert(0) += 1;
+            offers[i].actors += members.len() as u32;
             for p in &members {
                 out.push(Assignment {
                     pool: p.name.clone(),
@@ -442,6 +448,7 @@ mod tests {
             id: format!("id-{name}"),
             name: name.into(),
             free: Resources::parse(res).expect("valid"),
+            actors: 0,
             labels: labels
                 .iter()
                 .map(|(k, v)| (k.to_string(), v.to_string()))
@@ -480,6 +487,38 @@ mod tests {
         let spread =
             place(&[pool("r", 3, Device::Gpu, 1, Strategy::Spread)], &offers).expect("fits");
         assert_eq!(agents_of(&spread), ["a", "b", "a"]);
+    }
+
+    #[test]
+    fn spread_takes_an_idle_agent_before_room_beside_another_pools_actor() {
+        // Two agents with room for two, two with room for one: the learner's ranks go to the
+        // roomiest, the engines to the agents running nothing — placed together or one pool
+        // after the other, as a pool's actors return.
+        let offers = [
+            offer("a", "cpu=2", &["rollout"], &[]),
+            offer("b", "cpu=2", &["rollout"], &[]),
+            offer("e0", "cpu=1", &["rollout"], &[]),
+            offer("e1", "cpu=1", &["rollout"], &[]),
+        ];
+        let (ranks, engines) = (
+            pool("ranks", 2, Device::Cpu, 1, Strategy::Spread),
+            pool("engines", 2, Device::Cpu, 1, Strategy::Spread),
+        );
+        let together = place(&[ranks.clone(), engines.clone()], &offers).expect("fits");
+        assert_eq!(agents_of(&together), ["a", "b", "e0", "e1"]);
+        let first = place(&[ranks], &offers).expect("fits");
+        assert_eq!(agents_of(&first), ["a", "b"]);
+        let mut after = offers.to_vec();
+        for o in &mut after[..2] {
+            o.free.take(Device::Cpu, 1);
+            o.actors = 1;
+        }
+        let second = place(std::slice::from_ref(&engines), &after).expect("fits");
+        assert_eq!(agents_of(&second), ["e0", "e1"]);
+        // Among agents running as many actors, the name decides where room is alike.
+        after[2].actors = 1;
+        let third = place(&[engines], &after).expect("fits");
+        assert_eq!(agents_of(&third), ["e1", "a"]);
     }
 
     #[test]

@@ -153,6 +153,7 @@ impl Head {
             id: entry.info.id.clone(),
             name: entry.info.name.clone(),
             free,
+            actors: entry.actors.len() as u32,
             labels: entry.info.labels.clone(),
             kinds: entry.info.kinds.clone(),
         };
