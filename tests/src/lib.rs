@@ -6,6 +6,13 @@
 use std::path::PathBuf;
 use std::process::Command;
 use std::sync::OnceLock;
+use std::time::Duration;
+
+/// How long a test waits for a child it started (a run, a job, a server) to reach a point: a
+/// deadline so that a hang fails, never a speed the test checks. A 2-core machine running the
+/// suite's tests side by side under load took more than 2 minutes to reach the calculator run's
+/// RL step 4.
+pub const PATIENCE: Duration = Duration::from_secs(600);
 
 /// Path to the `trellis` binary built from this workspace's current sources.
 ///
@@ -82,17 +89,24 @@ pub fn listening(child: &mut std::process::Child) -> String {
         .to_string()
 }
 
-/// Waits (up to 2 minutes) until the run in `dir` has completely written the checkpoint of RL
-/// step 4, then kills `child` (the run) with -9 and reaps it.
+/// Waits (up to [`PATIENCE`]) until the run in `dir` has completely written the checkpoint of
+/// RL step 4, then kills `child` (the run) with -9 and reaps it; fails at once if the run ends
+/// first.
 pub fn kill_at_rl_checkpoint(child: &mut std::process::Child, dir: &std::path::Path) {
     let done = dir.join("checkpoints/rl/step_000004/trainer_state.json");
     let start = std::time::Instant::now();
     while !done.exists() {
         assert!(
-            start.elapsed() < std::time::Duration::from_secs(120),
+            start.elapsed() < PATIENCE,
             "no RL checkpoint appeared in {}",
             dir.display()
         );
+        if let Some(status) = child.try_wait().expect("poll the run") {
+            panic!(
+                "the run in {} ended before RL step 4's checkpoint: {status}",
+                dir.display()
+            );
+        }
         std::thread::sleep(std::time::Duration::from_millis(2));
     }
     child.kill().expect("kill -9 the run");

@@ -19,7 +19,7 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use trellis_tests::{Killed, metric_rows, python, run_ok, trellis};
+use trellis_tests::{Killed, PATIENCE, metric_rows, python, run_ok, trellis};
 
 fn data(p: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -332,7 +332,7 @@ fn a_grpo_run_on_two_keyed_served_engines_one_over_https_trains_like_in_process_
         s
     });
     // Kill engine b -9 once RL is under way.
-    let deadline = Instant::now() + Duration::from_secs(120);
+    let deadline = Instant::now() + PATIENCE;
     while rl_rows(&run) < 3 {
         assert!(Instant::now() < deadline, "the run made no RL progress");
         assert!(train.0.try_wait().unwrap().is_none(), "the run ended early");
@@ -577,10 +577,7 @@ fn an_engine_that_freezes_mid_run_is_out_of_service_within_seconds() {
     let t0 = Instant::now();
     let metrics = run.join("metrics.jsonl");
     while !std::fs::read_to_string(&metrics).is_ok_and(|m| m.contains("\"stage\":\"rl\"")) {
-        assert!(
-            t0.elapsed() < Duration::from_secs(120),
-            "the RL stage never started"
-        );
+        assert!(t0.elapsed() < PATIENCE, "the RL stage never started");
         if let Some(status) = train.0.try_wait().unwrap() {
             panic!("the run ended early: {status}");
         }

@@ -10,7 +10,7 @@ use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
-use trellis_tests::{Killed, metric_rows, python, run_ok, trellis, without_timings};
+use trellis_tests::{Killed, PATIENCE, metric_rows, python, run_ok, trellis, without_timings};
 
 fn recipe() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data/tiny-arith.yaml")
@@ -76,10 +76,7 @@ impl Server {
             if done(&j) {
                 return j;
             }
-            assert!(
-                t0.elapsed() < Duration::from_secs(180),
-                "job {id} never {what}: {j:#}"
-            );
+            assert!(t0.elapsed() < PATIENCE, "job {id} never {what}: {j:#}");
             std::thread::sleep(Duration::from_millis(50));
         }
     }
@@ -97,10 +94,7 @@ impl Server {
             if j["state"] == state {
                 return;
             }
-            assert!(
-                t0.elapsed() < Duration::from_secs(180),
-                "job {id} never {state}: {j:#}"
-            );
+            assert!(t0.elapsed() < PATIENCE, "job {id} never {state}: {j:#}");
             std::thread::sleep(Duration::from_millis(50));
         }
     }
@@ -539,10 +533,7 @@ fn fifty_concurrent_submissions_all_get_ids_and_all_finish() {
         if jobs.iter().all(|j| j["state"] == "succeeded") {
             break;
         }
-        assert!(
-            t0.elapsed() < Duration::from_secs(300),
-            "jobs never finished"
-        );
+        assert!(t0.elapsed() < PATIENCE, "jobs never finished");
         std::thread::sleep(Duration::from_millis(200));
     }
     drop(server);

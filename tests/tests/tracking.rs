@@ -8,7 +8,7 @@ use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
-use trellis_tests::{run_ok, trellis};
+use trellis_tests::{PATIENCE, run_ok, trellis};
 
 fn recipe() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data/tiny-arith.yaml")
@@ -58,7 +58,7 @@ impl Server {
         let start = Instant::now();
         while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
             assert!(
-                start.elapsed() < Duration::from_secs(120),
+                start.elapsed() < PATIENCE,
                 "mlflow server did not start: {}",
                 std::fs::read_to_string(dir.join("server.log")).unwrap_or_default()
             );
@@ -137,10 +137,10 @@ fn metrics_reach_a_real_mlflow_server_once_each_across_a_kill_and_resume() {
         .join("checkpoints/rl/step_000004/trainer_state.json")
         .exists()
     {
-        assert!(
-            start.elapsed() < Duration::from_secs(120),
-            "no RL checkpoint"
-        );
+        assert!(start.elapsed() < PATIENCE, "no RL checkpoint");
+        if let Some(status) = child.try_wait().unwrap() {
+            panic!("the run ended before RL step 4's checkpoint: {status}");
+        }
         std::thread::sleep(Duration::from_millis(5));
     }
     std::thread::sleep(Duration::from_millis(300));
@@ -369,10 +369,7 @@ fn the_wandb_sidecar_follows_a_run_and_logs_every_step_once() {
     // Started while the run goes, the sidecar follows it to its end.
     let start = Instant::now();
     while !run.join("status.json").exists() {
-        assert!(
-            start.elapsed() < Duration::from_secs(120),
-            "the run did not start"
-        );
+        assert!(start.elapsed() < PATIENCE, "the run did not start");
         std::thread::sleep(Duration::from_millis(5));
     }
     let follower = sidecar(true)

@@ -4,7 +4,7 @@ use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
-use trellis_tests::{kill_at_rl_checkpoint, run_ok, trellis};
+use trellis_tests::{PATIENCE, kill_at_rl_checkpoint, run_ok, trellis};
 
 fn recipe() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data/tiny-arith.yaml")
@@ -185,7 +185,7 @@ fn status_is_readable_while_the_run_goes() {
     // While the run holds the store, status answers from what the run keeps current.
     let t0 = Instant::now();
     let live = loop {
-        assert!(t0.elapsed() < Duration::from_secs(120), "no live status");
+        assert!(t0.elapsed() < PATIENCE, "no live status");
         let out = trellis()
             .arg("status")
             .arg(&dir)
@@ -494,10 +494,7 @@ fn ppo_trains_a_critic_with_gae_and_resumes_it() {
     while !dir.join("checkpoints/rl/step_000008.tmp").exists()
         && !dir.join("checkpoints/rl/step_000008").exists()
     {
-        assert!(
-            start.elapsed() < Duration::from_secs(120),
-            "no RL checkpoint"
-        );
+        assert!(start.elapsed() < PATIENCE, "no RL checkpoint");
         if let Some(status) = child.try_wait().unwrap() {
             panic!("the run ended before its second RL checkpoint: {status}");
         }
@@ -651,7 +648,7 @@ fn an_async_run_killed_at_random_moments_trains_on_every_prompt_exactly_once() {
         let target = logged() + 1 + (next() % 5) as usize;
         let t0 = Instant::now();
         while logged() < target && child.try_wait().unwrap().is_none() {
-            assert!(t0.elapsed() < Duration::from_secs(120), "no RL progress");
+            assert!(t0.elapsed() < PATIENCE, "no RL progress");
             std::thread::sleep(Duration::from_millis(1));
         }
         std::thread::sleep(Duration::from_micros(next() % 30_000));
@@ -1255,7 +1252,7 @@ fn ctrl_c_checkpoints_the_current_step_and_resume_finishes() {
         "stages.rl.trainer.save_dtype=bf16",
     ];
     let dir = run_dir("sigint");
-    let child = trellis()
+    let mut child = trellis()
         .arg("train")
         .arg(recipe())
         .arg("--quiet")
@@ -1267,7 +1264,10 @@ fn ctrl_c_checkpoints_the_current_step_and_resume_finishes() {
         .unwrap();
     let t0 = Instant::now();
     while !dir.join("checkpoints/rl").exists() {
-        assert!(t0.elapsed() < Duration::from_secs(120), "no RL checkpoint");
+        assert!(t0.elapsed() < PATIENCE, "no RL checkpoint");
+        if let Some(status) = child.try_wait().unwrap() {
+            panic!("the run ended before its first RL checkpoint: {status}");
+        }
         std::thread::sleep(Duration::from_millis(2));
     }
     // SAFETY: signalling our own child.

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
-use trellis_tests::{Killed, metric_rows, run_ok, trellis};
+use trellis_tests::{Killed, PATIENCE, metric_rows, run_ok, trellis};
 
 fn recipe() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data/tiny-arith.yaml")
@@ -151,10 +151,7 @@ fn a_rollout_pool_on_two_agents_trains_like_one_in_process_and_survives_a_killed
     let _a2 = agent(&url, &token, "a2");
     let t0 = Instant::now();
     while !dir.join("run/checkpoints/rl").exists() {
-        assert!(
-            t0.elapsed() < Duration::from_secs(120),
-            "the RL stage never started"
-        );
+        assert!(t0.elapsed() < PATIENCE, "the RL stage never started");
         ended_early(&mut train, &lines);
         std::thread::sleep(Duration::from_millis(2));
     }
@@ -178,10 +175,7 @@ fn kill_in_rl(dir: &Path, train: &mut Killed, lines: &mpsc::Receiver<String>, vi
         .join("checkpoints/rl/step_000004/trainer_state.json")
         .exists()
     {
-        assert!(
-            t0.elapsed() < Duration::from_secs(120),
-            "the RL stage never checkpointed"
-        );
+        assert!(t0.elapsed() < PATIENCE, "the RL stage never checkpointed");
         ended_early(train, lines);
         std::thread::sleep(Duration::from_millis(2));
     }
@@ -387,7 +381,7 @@ fn learner_ranks_on_two_agents_train_as_in_process_ones_and_recover_from_a_kille
             unsafe { libc::kill(a1.0.id() as i32, libc::SIGSTOP) };
             frozen_at = Some(Instant::now());
         }
-        assert!(t0.elapsed() < Duration::from_secs(120), "no RL checkpoint");
+        assert!(t0.elapsed() < PATIENCE, "no RL checkpoint");
         ended_early(&mut train, &lines);
         std::thread::sleep(Duration::from_millis(2));
     }
