@@ -93,6 +93,14 @@ pub fn listening(child: &mut std::process::Child) -> String {
 /// RL step 4, then kills `child` (the run) with -9 and reaps it; fails at once if the run ends
 /// first.
 pub fn kill_at_rl_checkpoint(child: &mut std::process::Child, dir: &std::path::Path) {
+    wait_for_rl_checkpoint(child, dir);
+    child.kill().expect("kill -9 the run");
+    child.wait().expect("reap the run");
+}
+
+/// Waits (up to [`PATIENCE`]) until the run in `dir` has completely written the checkpoint of
+/// RL step 4; fails at once if `child` (the run) ends first.
+pub fn wait_for_rl_checkpoint(child: &mut std::process::Child, dir: &std::path::Path) {
     let done = dir.join("checkpoints/rl/step_000004/trainer_state.json");
     let start = std::time::Instant::now();
     while !done.exists() {
@@ -109,8 +117,6 @@ pub fn kill_at_rl_checkpoint(child: &mut std::process::Child, dir: &std::path::P
         }
         std::thread::sleep(std::time::Duration::from_millis(2));
     }
-    child.kill().expect("kill -9 the run");
-    child.wait().expect("reap the run");
 }
 
 /// Runs `cmd` to completion and returns its output, failing the test with its stderr if it

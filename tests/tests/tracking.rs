@@ -132,17 +132,7 @@ fn metrics_reach_a_real_mlflow_server_once_each_across_a_kill_and_resume() {
     tracked(&mut train);
     let mut child = train.stderr(Stdio::null()).spawn().unwrap();
     // Kill -9 inside the RL stage, after a checkpoint (steps after it run again on resume).
-    let start = Instant::now();
-    while !run
-        .join("checkpoints/rl/step_000004/trainer_state.json")
-        .exists()
-    {
-        assert!(start.elapsed() < PATIENCE, "no RL checkpoint");
-        if let Some(status) = child.try_wait().unwrap() {
-            panic!("the run ended before RL step 4's checkpoint: {status}");
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    trellis_tests::wait_for_rl_checkpoint(&mut child, &run);
     std::thread::sleep(Duration::from_millis(300));
     child.kill().unwrap();
     child.wait().unwrap();
