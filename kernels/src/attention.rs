@@ -2,9 +2,11 @@
 //! packing.
 //!
 //! Layout: `q` is `[batch·seq, heads·head_dim]`, `k` and `v` are `[batch·seq,
-//! kv_heads·head_dim]`. Query token `i` sees key token `j` of the same row iff `j ≤ i` and
-//! `seg[j] == seg[i]`: one segment per row gives a padded batch (give padding its own segment
-//! id), several per row a packed one.
+//! kv_heads·head_dim]`. Query token `i` sees key token `j` of the same row iff `j ≤ i` and `j`
+//! is in `i`'s segment or in the one segment `i` also sees ([`Segments`]): one segment per row
+//! gives a padded batch (give padding its own segment id), several per row a packed one, and a
+//! segment that several others also see is a prefix they share (a GRPO group's prompt, computed
+//! once for all its responses).
 //!
 //! Precision: in [`Precision::Bf16`] the products' operands (q, k, v, the probabilities, and
 //! in the backward dO and dS) are rounded to bf16 and summed in f32, as `torch.autocast` runs
@@ -36,8 +38,40 @@ pub struct AttnShape {
     pub head_dim: usize,
 }
 
+/// Which keys of its row each query sees besides causality (`j ≤ i`): those of its own segment
+/// (`ids`), and those of the segment `sees` names for it — a prefix its segment shares with
+/// others, or its own id where there is none. Both are `[batch·seq]`.
+#[derive(Clone, Copy, Debug)]
+pub struct Segments<'a> {
+    /// Each token's segment.
+    pub ids: &'a [u32],
+    /// The other segment each token sees.
+    pub sees: &'a [u32],
+}
+
+impl<'a> Segments<'a> {
+    /// Every token sees its own segment only.
+    pub fn own(ids: &'a [u32]) -> Self {
+        Self { ids, sees: ids }
+    }
+
+    /// Whether query `i` sees key `j` (when `j ≤ i`).
+    pub fn visible(&self, i: usize, j: usize) -> bool {
+        let s = self.ids[j];
+        s == self.ids[i] || s == self.sees[i]
+    }
+
+    /// The tokens `row0..row0 + t`.
+    fn row(&self, row0: usize, t: usize) -> Segments<'a> {
+        Segments {
+            ids: &self.ids[row0..row0 + t],
+            sees: &self.sees[row0..row0 + t],
+        }
+    }
+}
+
 impl AttnShape {
-    fn check(&self, q: &[f32], k: &[f32], v: &[f32], seg: &[u32]) {
+    fn check(&self, q: &[f32], k: &[f32], v: &[f32], seg: Segments<'_>) {
         let n = self.batch * self.seq;
         assert!(
             self.kv_heads > 0 && self.heads.is_multiple_of(self.kv_heads),
@@ -54,7 +88,8 @@ impl AttnShape {
             "attention: k shape"
         );
         assert_eq!(v.len(), k.len(), "attention: v shape");
-        assert_eq!(seg.len(), n, "attention: seg shape");
+        assert_eq!(seg.ids.len(), n, "attention: segment shape");
+        assert_eq!(seg.sees.len(), n, "attention: `sees` shape");
     }
 }
 
@@ -64,31 +99,31 @@ impl AttnShape {
 fn softmax_rows(
     s: &mut [f32],
     seq: usize,
-    seg: &[u32],
+    seg: Segments<'_>,
     scale: f32,
     lse: &mut [f32],
     recompute: bool,
 ) {
     for i in 0..seq {
         let row = &mut s[i * seq..(i + 1) * seq];
-        let si = seg[i];
-        // Scores past the diagonal never count; the rest count within the segment, as
-        // exponents (−∞ outside it) taken together.
+        let (si, pi) = (seg.ids[i], seg.sees[i]);
+        // Scores past the diagonal never count; the rest count where visible (the segment and
+        // the prefix it sees), as exponents (−∞ elsewhere) taken together.
         row[i + 1..].fill(0.0);
         let row = &mut row[..=i];
         let shift = if recompute {
             lse[i]
         } else {
             let mut max = f32::NEG_INFINITY;
-            for (x, &sj) in row.iter().zip(seg) {
-                if sj == si {
+            for (x, &sj) in row.iter().zip(seg.ids) {
+                if sj == si || sj == pi {
                     max = max.max(x * scale);
                 }
             }
             max
         };
-        for (x, &sj) in row.iter_mut().zip(seg) {
-            *x = if sj == si {
+        for (x, &sj) in row.iter_mut().zip(seg.ids) {
+            *x = if sj == si || sj == pi {
                 *x * scale - shift
             } else {
                 f32::NEG_INFINITY
@@ -191,7 +226,7 @@ pub fn attention(
     q: &[f32],
     k: &[f32],
     v: &[f32],
-    seg: &[u32],
+    seg: Segments<'_>,
     scale: f32,
     out: &mut [f32],
     lse: &mut [f32],
@@ -233,7 +268,7 @@ fn forward(
     q: &[f32],
     k: &[f32],
     v: &[f32],
-    seg: &[u32],
+    seg: Segments<'_>,
     scale: f32,
     out: &mut [f32],
     lse: &mut [f32],
@@ -249,7 +284,7 @@ fn forward(
             let (b, h) = (bh / nh, bh % nh);
             let g = h / group;
             let row0 = b * t;
-            let seg = &seg[row0..row0 + t];
+            let seg = seg.row(row0, t);
             let out_ptr = &out_ptr;
             // SAFETY: all views stay inside q/k/v/out (row0+t rows, head offsets < row width);
             // each task writes only its own head's columns of `out`.
@@ -278,7 +313,7 @@ pub fn attention_backward(
     q: &[f32],
     k: &[f32],
     v: &[f32],
-    seg: &[u32],
+    seg: Segments<'_>,
     scale: f32,
     out: &[f32],
     lse: &[f32],
@@ -359,7 +394,7 @@ fn backward(
     q: &[f32],
     k: &[f32],
     v: &[f32],
-    seg: &[u32],
+    seg: Segments<'_>,
     scale: f32,
     out: &[f32],
     lse: &[f32],
@@ -380,7 +415,7 @@ fn backward(
         |(p, dp, lse_buf), bg| {
             let (b, g) = (bg / nkv, bg % nkv);
             let row0 = b * t;
-            let seg = &seg[row0..row0 + t];
+            let seg = seg.row(row0, t);
             let (dq_p, dk_p, dv_p) = (&dq_p, &dk_p, &dv_p);
             for h in g * group..(g + 1) * group {
                 let first = h == g * group;
@@ -439,6 +474,7 @@ fn backward(
 /// so a tile computes only the columns its rows can see.
 #[cfg(target_arch = "x86_64")]
 mod dpbf16 {
+    use super::Segments;
     use super::{AttnShape, Grads, softmax_grad, softmax_rows};
     use crate::bf16::{MR, NR, Panels, Part, block};
     use crate::embedding::SendPtr;
@@ -563,7 +599,7 @@ mod dpbf16 {
         q: &[f32],
         k: &[f32],
         v: &[f32],
-        seg: &[u32],
+        seg: Segments<'_>,
         scale: f32,
         out: &mut [f32],
         lse: &mut [f32],
@@ -578,7 +614,7 @@ mod dpbf16 {
                 let (b, h) = (bh / nh, bh % nh);
                 let g = h / group;
                 let row0 = b * t;
-                let seg = &seg[row0..row0 + t];
+                let seg = seg.row(row0, t);
                 let out_ptr = &out_ptr;
                 let (qh, kg, vg) = (
                     &q[row0 * qs + h * d..],
@@ -609,7 +645,7 @@ mod dpbf16 {
         q: &[f32],
         k: &[f32],
         v: &[f32],
-        seg: &[u32],
+        seg: Segments<'_>,
         scale: f32,
         lse: &[f32],
         d_out: &[f32],
@@ -628,7 +664,7 @@ mod dpbf16 {
             |w, bg| {
                 let (b, g) = (bg / nkv, bg % nkv);
                 let row0 = b * t;
-                let seg = &seg[row0..row0 + t];
+                let seg = seg.row(row0, t);
                 let (dq_p, dk_p, dv_p) = (&dq_p, &dk_p, &dv_p);
                 let (kg, vg) = (&k[row0 * kvs + g * d..], &v[row0 * kvs + g * d..]);
                 // SAFETY: as below.
@@ -684,7 +720,7 @@ mod tests {
         q: &[f64],
         k: &[f64],
         v: &[f64],
-        seg: &[u32],
+        seg: Segments<'_>,
         scale: f64,
         coef: &[f32],
     ) -> (f64, Vec<f64>) {
@@ -697,7 +733,7 @@ mod tests {
                     let qi = &q[((b * t + i) * nh + h) * d..][..d];
                     let mut w = vec![f64::NEG_INFINITY; t];
                     for j in 0..=i {
-                        if seg[b * t + j] == seg[b * t + i] {
+                        if seg.visible(b * t + i, b * t + j) {
                             let kj = &k[((b * t + j) * nkv + g) * d..][..d];
                             w[j] = scale * qi.iter().zip(kj).map(|(a, b)| a * b).sum::<f64>();
                         }
@@ -720,7 +756,7 @@ mod tests {
 
     /// Forward and backward of one shape in `p`, checked against the f64 reference (of the
     /// bf16-rounded inputs, to bf16's tolerance, in bf16); returns (out, dq, dk, dv).
-    fn check_shape(sh: AttnShape, seg: &[u32], p: Precision, probes: usize) -> [Vec<f32>; 4] {
+    fn check_shape(sh: AttnShape, seg: Segments<'_>, p: Precision, probes: usize) -> [Vec<f32>; 4] {
         let n = sh.batch * sh.seq;
         let (qw, kw) = (sh.heads * sh.head_dim, sh.kv_heads * sh.head_dim);
         let (q, k, v) = (randn(n * qw, 11), randn(n * kw, 12), randn(n * kw, 13));
@@ -770,10 +806,19 @@ mod tests {
     #[test]
     fn forward_and_backward_match_an_f64_reference_in_either_precision() {
         // Row 0 padded after 5 tokens, row 1 two packed segments (head_dim odd); then 150
-        // tokens (three causal blocks, the last one ragged) in two segments; then 300 tokens
-        // (bf16: more pairs than one k block) with a head of one and a partial column panel.
+        // tokens (three causal blocks, the last one ragged) in two segments; then a row of a
+        // shared prefix (segment 5) that two segments (6 and 7) also see, and padding; then 150
+        // tokens of which the last two segments share the first 100 as their prefix (across
+        // causal blocks); then 300 tokens (bf16: more pairs than one k block) with a head of
+        // one and a partial column panel.
         let seg7 = [0u32, 0, 0, 0, 0, 9, 9, 1, 1, 1, 2, 2, 2, 2];
         let seg150: Vec<u32> = (0..150).map(|i| u32::from(i >= 100)).collect();
+        let tree12 = [5u32, 5, 5, 6, 6, 6, 7, 7, 7, 7, 9, 9];
+        let sees12 = [5u32, 5, 5, 5, 5, 5, 5, 5, 5, 5, 9, 9];
+        let tree150: Vec<u32> = (0..150)
+            .map(|i| (i >= 100) as u32 + (i >= 125) as u32)
+            .collect();
+        let sees150 = vec![0u32; 150];
         let seg300: Vec<u32> = (0..300).map(|i| u32::from(i >= 280)).collect();
         let shape = |batch, seq, heads, kv_heads, head_dim| AttnShape {
             batch,
@@ -782,10 +827,17 @@ mod tests {
             kv_heads,
             head_dim,
         };
+        let shared = |ids, sees| Segments { ids, sees };
         let cases = [
-            (shape(2, 7, 4, 2, 5), &seg7[..], 70),
-            (shape(1, 150, 2, 1, 4), &seg150[..], 70),
-            (shape(1, 300, 2, 1, 40), &seg300[..], 12),
+            (shape(2, 7, 4, 2, 5), Segments::own(&seg7), 70),
+            (shape(1, 150, 2, 1, 4), Segments::own(&seg150), 70),
+            (shape(1, 12, 2, 2, 3), shared(&tree12[..], &sees12[..]), 70),
+            (
+                shape(1, 150, 2, 1, 4),
+                shared(&tree150[..], &sees150[..]),
+                70,
+            ),
+            (shape(1, 300, 2, 1, 40), Segments::own(&seg300), 12),
         ];
         for (sh, seg, probes) in cases {
             check_shape(sh, seg, Precision::F32, probes);

@@ -6,7 +6,7 @@ use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::params::ParamsIo;
 use crate::params::{Layout, Params, Tensor};
-use kernels::attention::{AttnShape, attention, attention_backward};
+use kernels::attention::{AttnShape, Segments, attention, attention_backward};
 use kernels::matmul::{Op, Par, Precision, Rhs, matmul, matmul_nt_many};
 use kernels::rope::{RopeTable, apply as rope, inv_freq};
 use kernels::{activation, embedding, head, norm};
@@ -29,8 +29,13 @@ pub struct Batch {
     pub tokens: Vec<u32>,
     /// Position id of each token (restarts at 0 in each segment).
     pub positions: Vec<u32>,
-    /// Segment id of each token: attention never crosses segments.
+    /// Segment id of each token: attention never crosses segments, except into the one
+    /// segment `sees` names.
     pub segments: Vec<u32>,
+    /// The segment each token also sees (the earlier tokens of a prefix its own segment shares
+    /// with others: a GRPO group's prompt, computed once for all its responses); its own
+    /// segment where there is none.
+    pub sees: Vec<u32>,
     /// Target id whose log-prob is scored at each position (the next token; arbitrary where
     /// the caller masks it out).
     pub targets: Vec<u32>,
@@ -55,7 +60,7 @@ impl Batch {
     }
 
     /// `rows × seq` positions of padding.
-    fn empty(rows: usize, seq: usize) -> Self {
+    pub(crate) fn empty(rows: usize, seq: usize) -> Self {
         let n = rows * seq;
         Batch {
             rows,
@@ -63,6 +68,7 @@ impl Batch {
             tokens: vec![0; n],
             positions: vec![0; n],
             segments: vec![PAD_SEGMENT; n],
+            sees: vec![PAD_SEGMENT; n],
             targets: vec![0; n],
             scored: None,
         }
@@ -71,11 +77,26 @@ impl Batch {
     /// Writes sequence `s` from position index `i0` as `segment`: positions from 0, each
     /// token's target the next token (0 at the last).
     fn put(&mut self, i0: usize, s: &[u32], segment: u32) {
-        for (t, &tok) in s.iter().enumerate() {
-            let i = i0 + t;
-            self.tokens[i] = tok;
+        self.put_span(i0, s, 0..s.len(), segment, segment);
+    }
+
+    /// Writes the tokens `span` of sequence `s` from position index `i0` as `segment`, which
+    /// also sees segment `sees` (the segment of `s[..span.start]`, or `segment` itself):
+    /// positions from `span.start`, each token's target the next token of `s` (0 at its last).
+    pub(crate) fn put_span(
+        &mut self,
+        i0: usize,
+        s: &[u32],
+        span: std::ops::Range<usize>,
+        segment: u32,
+        sees: u32,
+    ) {
+        for t in span.clone() {
+            let i = i0 + t - span.start;
+            self.tokens[i] = s[t];
             self.positions[i] = t as u32;
             self.segments[i] = segment;
+            self.sees[i] = sees;
             self.targets[i] = s.get(t + 1).copied().unwrap_or(0);
         }
     }
@@ -135,6 +156,7 @@ impl Batch {
             ("tokens", &self.tokens),
             ("positions", &self.positions),
             ("segments", &self.segments),
+            ("sees", &self.sees),
             ("targets", &self.targets),
         ] {
             if v.len() != n {
@@ -265,7 +287,7 @@ pub trait Attend {
 /// Attention within a padded or packed batch.
 struct BatchAttend<'a> {
     shape: AttnShape,
-    segments: &'a [u32],
+    segments: Segments<'a>,
     scale: f32,
     precision: Precision,
 }
@@ -574,7 +596,10 @@ impl Model {
     fn trunk(&self, b: &Batch, keep: bool, live: Option<&[usize]>) -> Trunk {
         let mut attn = BatchAttend {
             shape: self.attn_shape(b),
-            segments: &b.segments,
+            segments: Segments {
+                ids: &b.segments,
+                sees: &b.sees,
+            },
             scale: 1.0 / (self.config.head_dim as f32).sqrt(),
             precision: self.inner_precision(),
         };
@@ -1046,7 +1071,10 @@ impl Model {
                 &lt.q,
                 &lt.k,
                 &lt.v,
-                &b.segments,
+                Segments {
+                    ids: &b.segments,
+                    sees: &b.sees,
+                },
                 scale,
                 &lt.o,
                 &lt.lse,

@@ -14,6 +14,7 @@ use crate::error::{Error, Result};
 use crate::model::{Batch, Model, PAD_SEGMENT, Scores};
 use crate::optim::{Optimizer, StepReport};
 use crate::params::{Layout, Params};
+use kernels::attention::Segments;
 use kernels::hlo::ops::{self, Attn};
 use kernels::hlo::{Graph, Shape, V};
 use kernels::rope::{RopeTable, inv_freq};
@@ -293,6 +294,7 @@ impl PjrtModel {
         let mut targets = vec![0i32; n];
         let mut positions = vec![0u32; n];
         let mut segments = vec![PAD_SEGMENT; n];
+        let mut sees = vec![PAD_SEGMENT; n];
         for (k, r) in share.enumerate() {
             for t in 0..b.seq {
                 let (i, j) = (r * b.seq + t, k * seq + t);
@@ -300,6 +302,7 @@ impl PjrtModel {
                 targets[j] = b.targets[i] as i32;
                 positions[j] = b.positions[i];
                 segments[j] = b.segments[i];
+                sees[j] = b.sees[i];
             }
         }
         let table = RopeTable::new(&positions, &self.inv_freq);
@@ -309,7 +312,14 @@ impl PjrtModel {
             targets,
             cos,
             sin,
-            bias: ops::attention_bias(rows, seq, &segments),
+            bias: ops::attention_bias(
+                rows,
+                seq,
+                Segments {
+                    ids: &segments,
+                    sees: &sees,
+                },
+            ),
         }
     }
 

@@ -5,6 +5,7 @@
 //! traced ops take as inputs (RoPE's cos/sin, the rotate-half matrix, the attention mask).
 
 use super::{Cmp, Graph, Un, V};
+use crate::attention::Segments;
 
 /// `x · Wᵀ (+ b)`: `x` is `[n, in]`, `w` is `[out, in]`, `b` is `[out]`; the product in the
 /// graph's linear precision.
@@ -84,15 +85,15 @@ pub fn rotate_half(d: usize) -> Vec<f32> {
 }
 
 /// The additive attention mask (`[rows, seq, seq]`: 0 where query `i` sees key `j`, that is
-/// `j ≤ i` in the same segment, as [`crate::attention`]; a large negative number elsewhere).
-pub fn attention_bias(rows: usize, seq: usize, segments: &[u32]) -> Vec<f32> {
-    assert_eq!(segments.len(), rows * seq, "attention_bias: segments");
+/// `j ≤ i` and visible by `seg`, as [`crate::attention`]; a large negative number elsewhere).
+pub fn attention_bias(rows: usize, seq: usize, seg: Segments<'_>) -> Vec<f32> {
+    assert_eq!(seg.ids.len(), rows * seq, "attention_bias: segments");
+    assert_eq!(seg.sees.len(), rows * seq, "attention_bias: `sees`");
     let mut b = vec![-1e30f32; rows * seq * seq];
     for r in 0..rows {
-        let seg = &segments[r * seq..(r + 1) * seq];
         for i in 0..seq {
             for j in 0..=i {
-                if seg[j] == seg[i] {
+                if seg.visible(r * seq + i, r * seq + j) {
                     b[(r * seq + i) * seq + j] = 0.0;
                 }
             }

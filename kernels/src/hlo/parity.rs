@@ -113,8 +113,13 @@ fn grouped_query_attention_with_padding_matches_the_kernel() {
     };
     let n = sh.batch * sh.seq;
     let scale = 1.0 / (sh.head_dim as f32).sqrt();
-    // Row 0 packs two segments; row 1 ends in padding.
-    let seg = [0u32, 0, 1, 1, 1, 0, 0, 0, u32::MAX, u32::MAX];
+    // Row 0 packs two segments; row 1 has a prefix (3) that two segments see, then padding.
+    let ids = [0u32, 0, 1, 1, 1, 3, 3, 4, 5, u32::MAX];
+    let sees = [0u32, 0, 1, 1, 1, 3, 3, 3, 3, u32::MAX];
+    let seg = crate::attention::Segments {
+        ids: &ids,
+        sees: &sees,
+    };
     let (qd, kd) = (sh.heads * sh.head_dim, sh.kv_heads * sh.head_dim);
     let (q, k, v, dout) = (
         randn(n * qd, 6),
@@ -122,7 +127,7 @@ fn grouped_query_attention_with_padding_matches_the_kernel() {
         randn(n * kd, 8),
         randn(n * qd, 9),
     );
-    let bias = ops::attention_bias(sh.batch, sh.seq, &seg);
+    let bias = ops::attention_bias(sh.batch, sh.seq, seg);
     let mut g = Graph::new();
     let qv = g.arg(Shape::f32(&[n, qd]));
     let kv = g.arg(Shape::f32(&[n, kd]));
@@ -153,7 +158,7 @@ fn grouped_query_attention_with_padding_matches_the_kernel() {
         &q,
         &k,
         &v,
-        &seg,
+        seg,
         scale,
         &mut oe,
         &mut lse,
@@ -165,7 +170,7 @@ fn grouped_query_attention_with_padding_matches_the_kernel() {
         &q,
         &k,
         &v,
-        &seg,
+        seg,
         scale,
         &oe,
         &lse,

@@ -401,6 +401,7 @@ mod tests {
     use crate::algo::layout::Row;
     use crate::algo::policy::{PolicyBatch, update, update_ranks};
     use crate::engine::{Backend, open};
+    use crate::model::PAD_SEGMENT;
     use crate::optim::LrSchedule;
     use crate::rl::agg::LossAgg;
     use crate::rl::kl::Kl;
@@ -544,6 +545,100 @@ mod tests {
                 "entropy {entropy_coeff}: weights differ by {worst}"
             );
         }
+    }
+
+    /// A group's prompt is run once for all its responses (they attend to one copy of it):
+    /// the gradient, the metrics and the behaviour log-probs equal those of running every row
+    /// on its own, to the rounding of a different summation order, on fewer positions.
+    #[test]
+    fn a_groups_shared_prompt_changes_the_positions_not_the_gradient() {
+        let prompts = [&[1u32, 2, 3, 4, 5, 6][..], &[7, 8, 9, 10]];
+        let responses = [&[11u32, 12, 13][..], &[14, 15], &[16], &[17, 18, 19, 20]];
+        let rows = |grouped: bool| {
+            TokenRows::new((0..8).map(|i| Row {
+                prompt: prompts[i / 4],
+                response: responses[i % 4],
+                group: if grouped {
+                    (i / 4) as u64
+                } else {
+                    10 + i as u64
+                },
+                observed: &[],
+            }))
+        };
+        let (shared, alone) = (rows(true), rows(false));
+        let cols = shared.shape.cols;
+        let adv: Vec<f32> = (0..shared.shape.len())
+            .map(|i| ((i / cols) as f32 - 3.5) * 0.3)
+            .collect();
+        let (_, _, norm) = mini_batches(&shared, 8, LossAgg::TokenMean)
+            .next()
+            .unwrap()
+            .unwrap();
+        let m = model();
+        let run = |rows: &TokenRows, entropy_coeff: f64| {
+            let mut e = open(m.clone(), Backend::Native).unwrap();
+            let cfg = PolicyUpdate {
+                loss: PolicyLossConfig {
+                    entropy_coeff,
+                    ..Default::default()
+                },
+                agg: LossAgg::TokenMean,
+                temperature: 0.9,
+                epochs: 1,
+                rows_per_update: 8,
+            };
+            let work = Work::Policy {
+                shard: Box::new(PolicyShard {
+                    rows: rows.clone(),
+                    advantages: adv.clone(),
+                    old_logp: None,
+                    ref_logp: None,
+                    entropy: None,
+                    norm,
+                }),
+                cfg,
+            };
+            let out = gradient(&mut *e, &work).unwrap();
+            (out, crate::wire::flatten(e.gradients_mut().unwrap()))
+        };
+        // Each group's prompt but its last token (5 and 3 positions) is run once, not 4 times.
+        let tokens = |rows: &TokenRows| {
+            let b = rows.select(|_| true).batch;
+            b.segments.iter().filter(|&&s| s != PAD_SEGMENT).count()
+        };
+        assert_eq!(tokens(&alone) - tokens(&shared), 3 * (5 + 3));
+        for entropy_coeff in [0.0, 0.01] {
+            let ((s, gs), (a, ga)) = (run(&shared, entropy_coeff), run(&alone, entropy_coeff));
+            assert_eq!(a.positions, s.positions, "both fit one packed row");
+            let scale = ga.iter().fold(0.0f32, |m, g| m.max(g.abs()));
+            let worst = gs
+                .iter()
+                .zip(&ga)
+                .map(|(x, y)| (x - y).abs())
+                .fold(0.0f32, f32::max);
+            assert!(
+                scale > 1e-3 && worst <= 1e-5 * scale,
+                "gradients differ by {worst} (largest {scale})"
+            );
+            for (k, v) in &a.metrics {
+                assert!(
+                    (s.metrics[k] - v).abs() <= 1e-5 * v.abs().max(1.0),
+                    "{k}: {} vs {v}",
+                    s.metrics[k]
+                );
+            }
+        }
+        let e = open(m, Backend::Native).unwrap();
+        let logp = |rows: &TokenRows| {
+            rows.per_response_token(8, |b| Ok(e.score(b, 0.9)?.logp))
+                .unwrap()
+        };
+        let (ls, la) = (logp(&shared), logp(&alone));
+        assert!(
+            ls.iter().zip(&la).all(|(x, y)| (x - y).abs() <= 1e-5),
+            "{ls:?}\n{la:?}"
+        );
     }
 
     /// On policy, an untrained row's entropies come from the engine that sampled it when it

@@ -105,18 +105,31 @@ impl TokenRows {
 
     /// The mini-batches of `per` rows (the last one may be shorter), each with its first row.
     pub fn chunks(&self, per: usize) -> impl Iterator<Item = Chunk> + '_ {
-        let cols = self.shape.cols;
-        self.seqs
-            .chunks(per.max(1))
-            .enumerate()
-            .map(move |(k, seqs)| Chunk::new(seqs, k * per.max(1), cols))
+        let (cols, per) = (self.shape.cols, per.max(1));
+        (0..self.seqs.len()).step_by(per).map(move |r0| {
+            let r1 = (r0 + per).min(self.seqs.len());
+            Chunk::of((r0..r1).map(|r| self.member(r, r - r0)), r0, r1, cols)
+        })
     }
 
     /// The rows `keep` picks, packed into one batch whose [`Chunk::gather`] and
     /// [`Chunk::scatter`] use the layout of all the rows (the others' slots stay zero).
     pub fn select(&self, keep: impl Fn(usize) -> bool) -> Chunk {
-        let picked = self.seqs.iter().enumerate().filter(|(r, _)| keep(*r));
+        let picked = (0..self.seqs.len())
+            .filter(|&r| keep(r))
+            .map(|r| self.member(r, r));
         Chunk::of(picked, 0, self.shape.rows, self.shape.cols)
+    }
+
+    /// Row `r` as the member of a chunk where it is row `at`.
+    fn member(&self, r: usize, at: usize) -> Member<'_> {
+        let (plen, tokens) = &self.seqs[r];
+        Member {
+            at,
+            plen: *plen,
+            tokens,
+            group: self.group.get(r).copied(),
+        }
     }
 
     /// `f`'s value at every position of the rows, `per` rows a batch, gathered into the
@@ -136,13 +149,14 @@ impl TokenRows {
     }
 }
 
-/// Rows of at least this many positions hold a chunk's sequences packed ([`Batch::packed`]).
-/// Attention's work per token grows with the row (a row's causal triangle is computed whole)
-/// but is small beside the linear layers' at these widths, while padding costs the linear
-/// layers their full price: a batch of short RL rows shrinks to its tokens.
+/// Rows of at least this many positions hold a chunk's sequences packed. Attention's work per
+/// token grows with the row (a row's causal triangle is computed whole) but is small beside the
+/// linear layers' at these widths, while padding costs the linear layers their full price: a
+/// batch of short RL rows shrinks to its tokens.
 pub const PACKED_ROW: usize = 64;
 
-/// Consecutive rows as one packed batch.
+/// Consecutive rows as one packed batch: each group's common prompt prefix is computed once,
+/// every response of the group attending to it (see [`Chunk::of`]).
 pub struct Chunk {
     /// The first row.
     pub r0: usize,
@@ -156,25 +170,141 @@ pub struct Chunk {
     cols: usize,
 }
 
-impl Chunk {
-    fn new(seqs: &[(usize, Vec<u32>)], r0: usize, cols: usize) -> Self {
-        Chunk::of(seqs.iter().enumerate(), r0, r0 + seqs.len(), cols)
-    }
+/// A row on its way into a [`Chunk`].
+#[derive(Clone, Copy)]
+struct Member<'a> {
+    /// Its row in the chunk's layout.
+    at: usize,
+    /// Its prompt's length.
+    plen: usize,
+    /// The prompt followed by the response.
+    tokens: &'a [u32],
+    /// Its group, where known.
+    group: Option<u64>,
+}
 
-    /// Rows `r0..r1` of which `seqs` (each with its index from `r0`) are in the batch.
+impl Member<'_> {
+    /// One past its last input: the last token predicts nothing and no later token reads it,
+    /// so it is left out — but the last prompt token, which predicts the first response
+    /// token, never is.
+    fn end(&self) -> usize {
+        self.tokens.len().saturating_sub(1).max(self.plen)
+    }
+}
+
+/// What a chunk packs as one unit: a prefix of `shared` tokens that its members have in common
+/// (none when 0), then each member's tokens from there. Never wider than the chunk's rows.
+struct Piece {
+    shared: usize,
+    members: Vec<usize>,
+    len: usize,
+}
+
+/// The longest prefix all `members` share that ends before every one's last prompt token (each
+/// member's first response token is predicted at its own position, so that token is never
+/// shared).
+fn shared_prefix(members: &[Member<'_>]) -> usize {
+    let Some(first) = members.first() else {
+        return 0;
+    };
+    members.iter().fold(first.plen.saturating_sub(1), |l, m| {
+        let same = first
+            .tokens
+            .iter()
+            .zip(m.tokens)
+            .take_while(|(a, b)| a == b);
+        l.min(m.plen.saturating_sub(1)).min(same.count())
+    })
+}
+
+/// `members` cut into pieces of at most `width` positions: the members of a group (a GRPO
+/// group's responses, in order of first appearance) share their common prefix, repeated in each
+/// piece the group fills; a member with nothing to share is a piece of its own.
+fn pieces(members: &[Member<'_>], width: usize) -> Vec<Piece> {
+    let mut groups: Vec<Vec<usize>> = Vec::new();
+    let mut of_group: std::collections::HashMap<u64, usize> = std::collections::HashMap::new();
+    for (k, m) in members.iter().enumerate() {
+        match m.group.and_then(|g| of_group.get(&g).copied()) {
+            Some(i) => groups[i].push(k),
+            None => {
+                if let Some(g) = m.group {
+                    of_group.insert(g, groups.len());
+                }
+                groups.push(vec![k]);
+            }
+        }
+    }
+    let mut pieces = Vec::with_capacity(members.len());
+    for group in groups {
+        let of: Vec<Member<'_>> = group.iter().map(|&k| members[k]).collect();
+        let shared = if of.len() > 1 { shared_prefix(&of) } else { 0 };
+        let fresh = || Piece {
+            shared,
+            members: Vec::new(),
+            len: shared,
+        };
+        let mut piece = fresh();
+        for (k, m) in group.into_iter().zip(&of) {
+            let own = m.end() - shared;
+            if !piece.members.is_empty() && (shared == 0 || piece.len + own > width) {
+                pieces.push(std::mem::replace(&mut piece, fresh()));
+            }
+            piece.members.push(k);
+            piece.len += own;
+        }
+        pieces.push(piece);
+    }
+    pieces
+}
+
+impl Chunk {
+    /// Rows `r0..r1` of which `members` are in the batch. Rows of at least the longest member
+    /// and [`PACKED_ROW`] hold its [`pieces`] next-fit (a piece goes on the current row if it
+    /// fits, else starts the next); each member is its own segment with its own positions,
+    /// and also sees its piece's shared prefix (a segment of its own).
     fn of<'s>(
-        seqs: impl Iterator<Item = (usize, &'s (usize, Vec<u32>))>,
+        members: impl Iterator<Item = Member<'s>>,
         r0: usize,
         r1: usize,
         cols: usize,
     ) -> Self {
-        let seqs: Vec<(usize, &(usize, Vec<u32>))> = seqs.collect();
-        let refs: Vec<&[u32]> = seqs.iter().map(|(_, s)| s.1.as_slice()).collect();
-        let (batch, starts) = Batch::packed(&refs, PACKED_ROW);
+        let members: Vec<Member<'s>> = members.collect();
+        let width = members
+            .iter()
+            .map(|m| m.tokens.len())
+            .max()
+            .unwrap_or(0)
+            .max(PACKED_ROW);
+        let pieces = pieces(&members, width);
+        let mut at = Vec::with_capacity(pieces.len());
+        let (mut row, mut used) = (0usize, 0usize);
+        for p in &pieces {
+            if used > 0 && used + p.len > width {
+                (row, used) = (row + 1, 0);
+            }
+            at.push(row * width + used);
+            used += p.len;
+        }
+        let rows = if pieces.is_empty() { 0 } else { row + 1 };
+        let mut batch = Batch::empty(rows, width);
         let mut slots = Vec::new();
-        for ((r, (plen, tokens)), start) in seqs.iter().zip(starts) {
-            for j in 0..tokens.len() - plen {
-                slots.push((r * cols + j, start + plen - 1 + j));
+        let mut segment = 0u32;
+        for (p, mut i) in pieces.iter().zip(at) {
+            let prefix = segment;
+            if p.shared > 0 {
+                let first = members[p.members[0]].tokens;
+                batch.put_span(i, first, 0..p.shared, prefix, prefix);
+                (i, segment) = (i + p.shared, segment + 1);
+            }
+            for m in p.members.iter().map(|&k| members[k]) {
+                let sees = if p.shared > 0 { prefix } else { segment };
+                batch.put_span(i, m.tokens, p.shared..m.end(), segment, sees);
+                // Response token j is predicted at position plen − 1 + j, which sits at
+                // batch index i + (plen − 1 + j − shared).
+                for j in 0..m.tokens.len() - m.plen {
+                    slots.push((m.at * cols + j, i + m.plen - 1 + j - p.shared));
+                }
+                (i, segment) = (i + m.end() - p.shared, segment + 1);
             }
         }
         // Only the response tokens' scores are read: the model skips what only the prompts'
@@ -226,6 +356,7 @@ impl Chunk {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::PAD_SEGMENT;
 
     #[test]
     fn response_tokens_map_to_the_positions_that_predict_them() {
@@ -247,9 +378,12 @@ mod tests {
         assert_eq!(rows.mask, [1., 1., 0., 1., 1., 1.]);
         assert_eq!(rows.response_tokens(), 5.0);
         let c = rows.chunks(2).next().unwrap();
-        // Both sequences packed in one row: the first's tokens 4, 5 are predicted at positions
-        // 2, 3; the second's (prompt of one token, starting at 5) at 5 + 0, 1, 2.
-        assert_eq!(c.slots, [(0, 2), (1, 3), (3, 5), (4, 6), (5, 7)]);
+        // Both sequences packed in one row, each without its last token (which predicts
+        // nothing): the first's tokens 4, 5 are predicted at positions 2, 3; the second's
+        // (prompt of one token, starting at 4) at 4 + 0, 1, 2.
+        assert_eq!(c.slots, [(0, 2), (1, 3), (3, 4), (4, 5), (5, 6)]);
+        assert_eq!(c.batch.tokens[..7], [1, 2, 3, 4, 6, 7, 8]);
+        assert_eq!(c.batch.segments[..8], [0, 0, 0, 0, 1, 1, 1, PAD_SEGMENT]);
         // Each position's value is its target token here: gathering gives back the responses.
         let at: Vec<f32> = c.batch.targets.iter().map(|&t| t as f32).collect();
         assert_eq!(c.gather(&at), [4., 5., 0., 7., 8., 9.]);
@@ -262,6 +396,62 @@ mod tests {
             rows.scatter([&[1.0f32][..], &[2.0, 3.0][..]]),
             [1., 0., 0., 2., 3., 0.]
         );
+    }
+
+    /// A group's responses share its prompt but its last token (each response's first token
+    /// is predicted there): computed once, seen by every response of the group; a row of
+    /// another group, or one alone, shares nothing.
+    #[test]
+    fn a_groups_responses_see_one_copy_of_its_prompt() {
+        let row = |prompt: &'static [u32], response: &'static [u32], group| Row {
+            prompt,
+            response,
+            group,
+            observed: &[],
+        };
+        let rows = TokenRows::new([
+            row(&[1, 2, 3], &[4, 5], 7),
+            row(&[9, 9], &[8], 3),
+            row(&[1, 2, 3], &[6], 7),
+            row(&[1, 2, 5], &[6, 6], 7),
+        ]);
+        let c = rows.chunks(4).next().unwrap();
+        let b = &c.batch;
+        // Group 7 first (its prefix [1, 2], shared by all three: the third prompt differs at
+        // its last token), then group 3's row alone.
+        assert_eq!(b.tokens[..9], [1, 2, 3, 4, 3, 5, 6, 9, 9]);
+        assert_eq!(b.positions[..9], [0, 1, 2, 3, 2, 2, 3, 0, 1]);
+        assert_eq!(b.segments[..10], [0, 0, 1, 1, 2, 3, 3, 4, 4, PAD_SEGMENT]);
+        assert_eq!(b.sees[..9], [0, 0, 0, 0, 0, 0, 0, 4, 4]);
+        assert_eq!(b.targets[..9], [2, 3, 4, 5, 6, 6, 6, 9, 8]);
+        assert_eq!(
+            c.slots,
+            [(0, 2), (1, 3), (4, 4), (6, 5), (7, 6), (2, 8)],
+            "each response token at the position that predicts it"
+        );
+        let at: Vec<f32> = b.targets.iter().map(|&t| t as f32).collect();
+        assert_eq!(c.gather(&at), [4., 5., 8., 0., 6., 0., 6., 6.]);
+        assert_eq!(b.scored, Some(vec![2, 3, 4, 5, 6, 8]));
+        // A prefix too long for one row is repeated in every row its group fills.
+        let long: Vec<u32> = (1..=60).collect();
+        let rows = TokenRows::new((0..3).map(|i| Row {
+            prompt: &long,
+            response: [&[61u32, 62][..], &[63, 64], &[65, 66]][i],
+            group: 0,
+            observed: &[],
+        }));
+        let c = rows.chunks(3).next().unwrap();
+        assert_eq!(c.batch.seq, PACKED_ROW);
+        assert_eq!(c.batch.rows, 2);
+        // Row 0: the prefix (59) and two responses (2 each); row 1: the prefix and the third.
+        let row1 = &c.batch.segments[PACKED_ROW..];
+        assert_eq!(
+            row1[..62],
+            [[3u32; 59].as_slice(), &[4, 4, PAD_SEGMENT]].concat()[..]
+        );
+        assert_eq!(c.batch.sees[PACKED_ROW + 59], 3);
+        let at: Vec<f32> = c.batch.targets.iter().map(|&t| t as f32).collect();
+        assert_eq!(c.gather(&at), [61., 62., 63., 64., 65., 66.]);
     }
 
     #[test]
