@@ -258,6 +258,8 @@ pub struct Tape {
     /// The positions the last layer's output, the final norm and the head were computed at,
     /// when not all ([`Batch::scored`]).
     live: Option<Vec<usize>>,
+    /// The positions the trunk ran.
+    run: Run,
     temperature: f32,
     rope: RopeTable,
     layers: Vec<LayerTape>,
@@ -288,8 +290,68 @@ pub trait Attend {
 struct BatchAttend<'a> {
     shape: AttnShape,
     segments: Segments<'a>,
+    /// The batch positions of the rows given (`None`: all of them): the rest is padding.
+    real: Option<&'a [usize]>,
     scale: f32,
     precision: Precision,
+}
+
+/// The positions of a batch the trunk runs: all of them, or — when the batch names the
+/// positions it reads ([`Batch::scored`]) — its tokens that are not padding (and every scored
+/// one), so that the linear layers, norms and MLP never pay for padding; attention alone sees
+/// the batch's rows, with the padding put back.
+struct Run {
+    /// The batch index of each position run, ascending (`None`: every position, in order).
+    real: Option<Vec<usize>>,
+    tokens: Vec<u32>,
+    positions: Vec<u32>,
+    /// [`Batch::scored`] as indices among the positions run.
+    live: Option<Vec<usize>>,
+}
+
+impl Run {
+    fn of(b: &Batch) -> Self {
+        let all = || Run {
+            real: None,
+            tokens: b.tokens.clone(),
+            positions: b.positions.clone(),
+            live: b.scored.clone(),
+        };
+        let Some(scored) = &b.scored else {
+            return all();
+        };
+        let mut keep: Vec<bool> = b.segments.iter().map(|&s| s != PAD_SEGMENT).collect();
+        scored.iter().for_each(|&i| keep[i] = true);
+        let real: Vec<usize> = (0..b.len()).filter(|&i| keep[i]).collect();
+        if real.len() == b.len() || real.is_empty() {
+            return all();
+        }
+        let mut index = vec![0usize; b.len()];
+        real.iter().enumerate().for_each(|(k, &i)| index[i] = k);
+        Run {
+            tokens: real.iter().map(|&i| b.tokens[i]).collect(),
+            positions: real.iter().map(|&i| b.positions[i]).collect(),
+            live: Some(scored.iter().map(|&i| index[i]).collect()),
+            real: Some(real),
+        }
+    }
+
+    /// Per-position values of the positions run (`width` each) at their batch positions of
+    /// `len`, zero on the padding; borrowed when every position was run.
+    fn padded<'v>(&self, v: &'v [f32], width: usize, len: usize) -> Cow<'v, [f32]> {
+        match &self.real {
+            None => Cow::Borrowed(v),
+            Some(real) => Cow::Owned(spread_rows(v, width, real, len)),
+        }
+    }
+
+    /// The positions run of batch-layout values (`width` each).
+    fn gathered(&self, v: Vec<f32>, width: usize) -> Vec<f32> {
+        match &self.real {
+            None => v,
+            Some(real) => rows_at(&v, width, real),
+        }
+    }
 }
 
 impl Attend for BatchAttend<'_> {
@@ -303,17 +365,19 @@ impl Attend for BatchAttend<'_> {
     ) -> Vec<f32> {
         let sh = self.shape;
         let mut lse = vec![0.0; sh.batch * sh.heads * sh.seq];
-        attention(
-            sh,
-            q,
-            k,
-            v,
-            self.segments,
-            self.scale,
-            out,
-            &mut lse,
-            self.precision,
-        );
+        let (seg, scale, p) = (self.segments, self.scale, self.precision);
+        match self.real {
+            None => attention(sh, q, k, v, seg, scale, out, &mut lse, p),
+            Some(real) => {
+                let len = sh.batch * sh.seq;
+                let (qw, kw) = (sh.heads * sh.head_dim, sh.kv_heads * sh.head_dim);
+                let spread = |x: &[f32], w: usize| spread_rows(x, w, real, len);
+                let (q, k, v) = (spread(q, qw), spread(k, kw), spread(v, kw));
+                let mut all = vec![0.0; len * qw];
+                attention(sh, &q, &k, &v, seg, scale, &mut all, &mut lse, p);
+                out.copy_from_slice(&rows_at(&all, qw, real));
+            }
+        }
         lse
     }
 }
@@ -442,6 +506,13 @@ fn rows_at(v: &[f32], width: usize, at: &[usize]) -> Vec<f32> {
     for &r in at {
         out.extend_from_slice(&v[r * width..(r + 1) * width]);
     }
+    out
+}
+
+/// `[at.len(), width]` values as rows `at` of `[len, width]` zeros.
+fn spread_rows(v: &[f32], width: usize, at: &[usize], len: usize) -> Vec<f32> {
+    let mut out = vec![0.0; len * width];
+    add_rows(&mut out, v, width, Some(at));
     out
 }
 
@@ -591,19 +662,26 @@ impl Model {
         }
     }
 
-    /// Runs the decoder stack; returns the final normed hidden states (at `live`'s positions
-    /// only, when given) and, when `keep`, the tape.
-    fn trunk(&self, b: &Batch, keep: bool, live: Option<&[usize]>) -> Trunk {
+    /// Runs the decoder stack on `run`'s positions of `b`; returns the final normed hidden
+    /// states (at `run.live`'s positions only, when given) and, when `keep`, the tape.
+    fn trunk(&self, b: &Batch, run: &Run, keep: bool) -> Trunk {
         let mut attn = BatchAttend {
             shape: self.attn_shape(b),
             segments: Segments {
                 ids: &b.segments,
                 sees: &b.sees,
             },
+            real: run.real.as_deref(),
             scale: 1.0 / (self.config.head_dim as f32).sqrt(),
             precision: self.inner_precision(),
         };
-        self.layers(&b.tokens, &b.positions, &mut attn, keep, live)
+        self.layers(
+            &run.tokens,
+            &run.positions,
+            &mut attn,
+            keep,
+            run.live.as_deref(),
+        )
     }
 
     /// The final normed hidden states (`[tokens, hidden]`) of `tokens` at `positions`, with
@@ -791,7 +869,11 @@ impl Model {
     /// materialises the whole matrix.
     pub fn logits(&self, b: &Batch) -> Result<Vec<f32>> {
         b.validate(&self.config)?;
-        let hidden = self.trunk(b, false, None).hidden;
+        let run = Run::of(&Batch {
+            scored: None,
+            ..b.clone()
+        });
+        let hidden = self.trunk(b, &run, false).hidden;
         Ok(linear(
             &hidden,
             b.len(),
@@ -826,13 +908,14 @@ impl Model {
             )));
         }
         let n = b.len();
+        let run = Run::of(b);
         let Trunk {
             hidden: hf,
             rope,
             layers,
             x_last,
             inv_final,
-        } = self.trunk(b, keep, b.scored.as_deref());
+        } = self.trunk(b, &run, keep);
         let targets = targets_at(b, b.scored.as_deref());
         let rows = targets.len();
         let (mut logp, mut entropy, mut lse) = (vec![0.0; rows], vec![0.0; rows], vec![0.0; rows]);
@@ -867,6 +950,7 @@ impl Model {
         let tape = keep.then(|| Tape {
             batch: b.clone(),
             live: b.scored.clone(),
+            run,
             temperature,
             rope,
             layers,
@@ -927,16 +1011,18 @@ impl Model {
     /// needs: the trunk of a model whose head is not the LM head (a critic's value head).
     pub fn forward_hidden_tape(&self, b: &Batch) -> Result<(Vec<f32>, Tape)> {
         b.validate(&self.config)?;
+        let run = Run::of(b);
         let Trunk {
             hidden,
             rope,
             layers,
             x_last,
             inv_final,
-        } = self.trunk(b, true, b.scored.as_deref());
+        } = self.trunk(b, &run, true);
         let tape = Tape {
             batch: b.clone(),
             live: b.scored.clone(),
+            run,
             temperature: 1.0,
             rope,
             layers,
@@ -955,9 +1041,10 @@ impl Model {
     pub fn backward_hidden(&self, tape: Tape, dh: &[f32], grads: &mut Params) {
         let c = &self.config;
         let b = &tape.batch;
-        let (n, h, d) = (b.len(), c.hidden_size, c.head_dim);
+        let run = &tape.run;
+        let (n, h, d) = (run.tokens.len(), c.hidden_size, c.head_dim);
         let (nh, nkv) = (c.num_heads, c.num_kv_heads);
-        let live = tape.live.as_deref();
+        let live = run.live.as_deref();
         let rows = live.map_or(n, <[usize]>::len);
         assert_eq!(dh.len(), rows * h, "backward_hidden: gradient length");
         let sh = self.attn_shape(b);
@@ -1061,28 +1148,35 @@ impl Model {
                     None => d_o,
                 }
             };
+            // Attention runs on the batch's rows: the padding put back, then taken out.
+            let (qw, kw, len) = (nh * d, nkv * d, b.len());
             let (mut dq, mut dk, mut dv) = (
-                vec![0.0; lt.q.len()],
-                vec![0.0; lt.k.len()],
-                vec![0.0; lt.v.len()],
+                vec![0.0; len * qw],
+                vec![0.0; len * kw],
+                vec![0.0; len * kw],
             );
             attention_backward(
                 sh,
-                &lt.q,
-                &lt.k,
-                &lt.v,
+                &run.padded(&lt.q, qw, len),
+                &run.padded(&lt.k, kw, len),
+                &run.padded(&lt.v, kw, len),
                 Segments {
                     ids: &b.segments,
                     sees: &b.sees,
                 },
                 scale,
-                &lt.o,
+                &run.padded(&lt.o, qw, len),
                 &lt.lse,
-                &d_o,
+                &run.padded(&d_o, qw, len),
                 &mut dq,
                 &mut dk,
                 &mut dv,
                 self.inner_precision(),
+            );
+            let (mut dq, mut dk, dv) = (
+                run.gathered(dq, qw),
+                run.gathered(dk, kw),
+                run.gathered(dv, kw),
             );
             drop(d_o);
             rope(&mut dq, nh, &tape.rope, true);
@@ -1177,7 +1271,7 @@ impl Model {
         embedding::scatter_add(
             &mut grads.tensors[self.layout.embed].data,
             h,
-            &b.tokens,
+            &run.tokens,
             &dx,
         );
     }
