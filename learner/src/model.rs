@@ -141,6 +141,11 @@ impl Batch {
         self.rows * self.seq
     }
 
+    /// Its tokens: the positions that are not padding.
+    pub fn tokens(&self) -> usize {
+        self.segments.iter().filter(|&&s| s != PAD_SEGMENT).count()
+    }
+
     /// Whether the batch holds no position.
     pub fn is_empty(&self) -> bool {
         self.len() == 0

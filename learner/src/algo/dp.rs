@@ -13,10 +13,10 @@
 
 use super::PolicyUpdate;
 use super::TokenRows;
+use super::layout::Row;
 use crate::critic::Critic;
 use crate::engine::TrainEngine;
 use crate::error::Result;
-use crate::model::Batch;
 use crate::optim::{Optimizer, StepReport};
 use crate::params::Params;
 use crate::rl::Metrics;
@@ -96,7 +96,7 @@ pub struct Outcome {
     pub metrics: Metrics,
     /// Its response (or answer) tokens.
     pub tokens: f64,
-    /// Positions of its padded batch.
+    /// The tokens its model ran ([`Batch::tokens`]).
     pub positions: usize,
 }
 
@@ -158,7 +158,7 @@ pub fn value_gradient(critic: &Critic, grads: &mut Params, work: &Work) -> Resul
     Ok(Outcome {
         metrics: out.metrics,
         tokens: rows.response_tokens(),
-        positions: c.batch.len(),
+        positions: c.batch.tokens(),
     })
 }
 
@@ -191,7 +191,7 @@ fn policy_gradient(
     let sc = engine.forward(&trained.batch, cfg.temperature)?;
     let mut logp = trained.gather(&sc.logp);
     let mut ent = trained.gather(&sc.entropy);
-    let mut positions = trained.batch.len();
+    let mut positions = trained.batch.tokens();
     // On policy (no behaviour log-probs) an untrained row's ratio is 1 whatever its log-probs
     // (they are their own `old_logp`), so of its forward the metrics read only the entropy:
     // where the engine that sampled the row reported it, the row is not scored at all (its
@@ -214,7 +214,7 @@ fn policy_gradient(
         let s = engine.score(&scored.batch, cfg.temperature)?;
         scored.gather_into(&s.logp, &mut logp);
         scored.gather_into(&s.entropy, &mut ent);
-        positions += scored.batch.len();
+        positions += scored.batch.tokens();
     }
     let old = shard.old_logp.as_ref().unwrap_or(&logp);
     let out = actor_loss(
@@ -259,22 +259,25 @@ fn sft_gradient(
     examples: &[(Vec<u32>, Vec<u32>)],
     tokens: usize,
 ) -> Result<Outcome> {
-    if examples.is_empty() {
+    // Each example a row, its answer the response, packed as an RL batch is: examples with the
+    // same prompt share it, and only the answers' scores are computed in the last layer.
+    let mut prompts = std::collections::HashMap::new();
+    let rows = TokenRows::new(examples.iter().map(|(p, a)| {
+        let next = prompts.len() as u64;
+        Row {
+            prompt: p,
+            response: a,
+            group: *prompts.entry(p.as_slice()).or_insert(next),
+            observed: &[],
+        }
+    }));
+    let Some(c) = rows.chunks(rows.shape.rows).next() else {
         return Ok(Outcome::default());
-    }
-    let seqs: Vec<Vec<u32>> = examples
-        .iter()
-        .map(|(p, a)| p.iter().chain(a).copied().collect())
-        .collect();
-    let refs: Vec<&[u32]> = seqs.iter().map(|s| s.as_slice()).collect();
-    let batch = Batch::padded(&refs);
-    let mut d_logp = vec![0.0; batch.len()];
-    for (r, (p, a)) in examples.iter().enumerate() {
-        let at = r * batch.seq + p.len() - 1;
-        d_logp[at..at + a.len()].fill(-1.0 / tokens as f32);
-    }
-    let zeros = vec![0.0; batch.len()];
-    let scores = engine.forward_backward(&batch, 1.0, &d_logp, &zeros)?;
+    };
+    let per_token: Vec<f32> = rows.mask.iter().map(|m| -m / tokens as f32).collect();
+    let d_logp = c.scatter(&per_token);
+    let zeros = vec![0.0; c.batch.len()];
+    let scores = engine.forward_backward(&c.batch, 1.0, &d_logp, &zeros)?;
     let loss: f64 = d_logp
         .iter()
         .zip(&scores.logp)
@@ -282,8 +285,8 @@ fn sft_gradient(
         .sum();
     Ok(Outcome {
         metrics: [(SFT_LOSS.to_string(), loss)].into(),
-        tokens: examples.iter().map(|(_, a)| a.len() as f64).sum(),
-        positions: batch.len(),
+        tokens: rows.response_tokens(),
+        positions: c.batch.tokens(),
     })
 }
 
@@ -398,10 +401,8 @@ impl Ranks for OneEngine<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::algo::layout::Row;
     use crate::algo::policy::{PolicyBatch, update, update_ranks};
     use crate::engine::{Backend, open};
-    use crate::model::PAD_SEGMENT;
     use crate::optim::LrSchedule;
     use crate::rl::agg::LossAgg;
     use crate::rl::kl::Kl;
@@ -602,15 +603,11 @@ mod tests {
             let out = gradient(&mut *e, &work).unwrap();
             (out, crate::wire::flatten(e.gradients_mut().unwrap()))
         };
-        // Each group's prompt but its last token (5 and 3 positions) is run once, not 4 times.
-        let tokens = |rows: &TokenRows| {
-            let b = rows.select(|_| true).batch;
-            b.segments.iter().filter(|&&s| s != PAD_SEGMENT).count()
-        };
-        assert_eq!(tokens(&alone) - tokens(&shared), 3 * (5 + 3));
         for entropy_coeff in [0.0, 0.01] {
             let ((s, gs), (a, ga)) = (run(&shared, entropy_coeff), run(&alone, entropy_coeff));
-            assert_eq!(a.positions, s.positions, "both fit one packed row");
+            // Each group's prompt but its last token (5 and 3 positions) is run once, not 4
+            // times.
+            assert_eq!(a.positions - s.positions, 3 * (5 + 3));
             let scale = ga.iter().fold(0.0f32, |m, g| m.max(g.abs()));
             let worst = gs
                 .iter()
@@ -687,7 +684,7 @@ mod tests {
         };
         let (scored, g_scored) = run(None, None);
         let (spared, g_spared) = run(Some(reported.clone()), None);
-        let trained = rows.select(|r| r >= 2).batch.len();
+        let trained = rows.select(|r| r >= 2).batch.tokens();
         assert_eq!(spared.positions, trained, "the untrained rows were run");
         assert!(scored.positions > trained);
         assert_eq!(g_spared, g_scored, "the same gradient");

@@ -13,7 +13,7 @@ pub struct SftStep {
     pub loss: f64,
     /// The optimiser's report.
     pub report: StepReport,
-    /// Positions in the padded batch (what the step's throughput counts).
+    /// The tokens it ran (what the step's throughput counts).
     pub positions: usize,
 }
 
@@ -86,7 +86,8 @@ mod tests {
         );
         let first = step(&mut *engine, &mut opt, &examples).unwrap();
         assert!((first.loss - nll).abs() < 1e-5, "{} vs {nll}", first.loss);
-        assert_eq!(first.positions, 2 * 5);
+        // Every token but each example's last (which predicts nothing) was run.
+        assert_eq!(first.positions, 4 + 3);
         let second = step(&mut *engine, &mut opt, &examples).unwrap();
         assert!(second.loss < first.loss);
     }

@@ -238,6 +238,7 @@ impl<'a> Executor<'a> {
             .iter()
             .map(|p| self.prompts.encode(p, data.chat_template))
             .collect::<Result<Vec<_>, _>>()?;
+        let tokens: usize = examples.iter().map(|(p, a)| p.len() + a.len()).sum();
         let out = self.roles.policy.sft_step(&examples)?;
         let (sync, mut metrics) = push_weights(
             &mut *self.roles.policy,
@@ -251,7 +252,8 @@ impl<'a> Executor<'a> {
             ("actor/lr".into(), out.report.lr as f64),
             ("timing_s/step".into(), secs),
             ("timing_s/update_weights".into(), sync),
-            ("perf/throughput".into(), out.positions as f64 / secs),
+            // VeRL's throughput, as the RL step's: every token of the batch.
+            ("perf/throughput".into(), tokens as f64 / secs),
         ]);
         Ok(metrics)
     }
