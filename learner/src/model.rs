@@ -42,7 +42,8 @@ pub struct Batch {
     /// The positions whose scores the caller reads (ascending), when not all of them: the model
     /// may then skip what only the others' scores need (the last layer's attention output, MLP
     /// and head at a prompt's positions, whose keys and values are all the later positions
-    /// read). Scores elsewhere are then 0, and their gradients must be 0.
+    /// read), and everything of the padding but attention's view of the rows. Scores elsewhere
+    /// are then 0, and their gradients must be 0.
     pub scored: Option<Vec<usize>>,
 }
 

@@ -149,10 +149,10 @@ impl TokenRows {
     }
 }
 
-/// Rows of at least this many positions hold a chunk's sequences packed. Attention's work per
-/// token grows with the row (a row's causal triangle is computed whole) but is small beside the
-/// linear layers' at these widths, while padding costs the linear layers their full price: a
-/// batch of short RL rows shrinks to its tokens.
+/// Rows of at least this many positions hold a chunk's sequences packed. The model runs its
+/// linear layers on a chunk's tokens only (the batch names the positions it reads), so padding
+/// costs attention alone, whose work per token grows with the row (a row's causal triangle is
+/// computed whole): short rows packed together make few, short rows.
 pub const PACKED_ROW: usize = 64;
 
 /// Consecutive rows as one packed batch: each group's common prompt prefix is computed once,
