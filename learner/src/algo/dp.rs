@@ -451,6 +451,20 @@ mod tests {
         )
     }
 
+    /// One token-mean PPO epoch at temperature 0.9 with an entropy bonus of `entropy_coeff`.
+    fn token_mean(entropy_coeff: f64, rows_per_update: usize) -> PolicyUpdate {
+        PolicyUpdate {
+            loss: PolicyLossConfig {
+                entropy_coeff,
+                ..Default::default()
+            },
+            agg: LossAgg::TokenMean,
+            temperature: 0.9,
+            epochs: 1,
+            rows_per_update,
+        }
+    }
+
     /// The largest difference between two sets of weights.
     fn max_diff(a: &Params, b: &Params) -> f32 {
         (crate::wire::flatten(a).iter().zip(crate::wire::flatten(b)))
@@ -483,16 +497,7 @@ mod tests {
     fn rows_with_zero_advantages_are_scored_not_trained() {
         let (rows, adv) = one_group_untrained();
         for entropy_coeff in [0.0, 0.01] {
-            let cfg = PolicyUpdate {
-                loss: PolicyLossConfig {
-                    entropy_coeff,
-                    ..Default::default()
-                },
-                agg: LossAgg::TokenMean,
-                temperature: 0.9,
-                epochs: 1,
-                rows_per_update: 6,
-            };
+            let cfg = token_mean(entropy_coeff, 6);
             let batch = PolicyBatch {
                 rows: &rows,
                 advantages: &adv,
@@ -579,16 +584,7 @@ mod tests {
         let m = model();
         let run = |rows: &TokenRows, entropy_coeff: f64| {
             let mut e = open(m.clone(), Backend::Native).unwrap();
-            let cfg = PolicyUpdate {
-                loss: PolicyLossConfig {
-                    entropy_coeff,
-                    ..Default::default()
-                },
-                agg: LossAgg::TokenMean,
-                temperature: 0.9,
-                epochs: 1,
-                rows_per_update: 8,
-            };
+            let cfg = token_mean(entropy_coeff, 8);
             let work = Work::Policy {
                 shard: Box::new(PolicyShard {
                     rows: rows.clone(),
@@ -646,13 +642,7 @@ mod tests {
     fn an_engines_entropies_spare_untrained_rows_their_forward() {
         let (rows, adv) = one_group_untrained();
         let cols = rows.shape.cols;
-        let cfg = PolicyUpdate {
-            loss: PolicyLossConfig::default(),
-            agg: LossAgg::TokenMean,
-            temperature: 0.9,
-            epochs: 1,
-            rows_per_update: 6,
-        };
+        let cfg = token_mean(0.0, 6);
         let (_, _, norm) = mini_batches(&rows, 6, cfg.agg).next().unwrap().unwrap();
         let m = model();
         let c = rows.chunks(6).next().unwrap();
