@@ -465,6 +465,17 @@ mod tests {
         }
     }
 
+    /// The mean absolute difference between two sets of weights.
+    fn mean_diff(a: &Params, b: &Params) -> f32 {
+        let (a, b) = (crate::wire::flatten(a), crate::wire::flatten(b));
+        let sum: f64 = a
+            .iter()
+            .zip(&b)
+            .map(|(x, y)| f64::from((x - y).abs()))
+            .sum();
+        (sum / a.len().max(1) as f64) as f32
+    }
+
     /// The largest difference between two sets of weights.
     fn max_diff(a: &Params, b: &Params) -> f32 {
         (crate::wire::flatten(a).iter().zip(crate::wire::flatten(b)))
@@ -812,12 +823,21 @@ mod tests {
                     want_sft.loss
                 );
                 // Adam divides by √v: on weights whose gradient is near zero a rounding
-                // difference moves them by a part of a step (lr 1e-2, 5 steps).
+                // difference moves them by a part of a step (lr 1e-2): 1.9e-4 at
+                // worst on an AVX-512 Xeon, whose GEMM tiles sum in another order than AVX2's.
+                // A tenth of a step bounds each weight, and the mean difference stays at
+                // rounding level (a rank's rows lost or counted twice moves most weights).
                 for e in &mut ranks.engines {
-                    let worst = max_diff(&e.model().unwrap().params, &one.model().unwrap().params);
+                    let (got, want) = (&e.model().unwrap().params, &one.model().unwrap().params);
+                    let worst = max_diff(got, want);
                     assert!(
-                        worst <= 1e-4,
+                        worst <= 1e-3,
                         "{agg:?} on {n} ranks: weights differ by {worst}"
+                    );
+                    let mean = mean_diff(got, want);
+                    assert!(
+                        mean <= 1e-5,
+                        "{agg:?} on {n} ranks: weights differ by {mean} on average"
                     );
                 }
             }
