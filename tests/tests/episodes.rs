@@ -243,11 +243,20 @@ fn grpo_lifts_the_success_of_a_multi_turn_guessing_game() {
             .arg("--quiet"),
     );
     let rows = metric_rows(&dir);
-    let (before, after) = (eval_accuracy(&rows, "before"), eval_accuracy(&rows, "rl"));
-    // Sampled on 500 held-out games: about 0.02 of noise; halving would reach 0.7.
+    let before = eval_accuracy(&rows, "before");
+    // The last three evals (steps 60, 80, 100), 1500 sampled games: about 0.013 of noise
+    // (one eval's 500 games have 0.022), and a GRPO run's own ups and downs average out. Six
+    // seeds on an AVX-512 Xeon lifted this mean by 0.07-0.20; halving would reach 0.7.
+    let rl: Vec<f64> = rows
+        .iter()
+        .filter(|r| r["stage"] == "rl")
+        .filter_map(|r| r.get("eval/accuracy").and_then(Value::as_f64))
+        .collect();
+    assert_eq!(rl.len(), 5, "evals every 20 of 100 steps: {rl:?}");
+    let after = rl[2..].iter().sum::<f64>() / 3.0;
     assert!(
-        after - before >= 0.08,
-        "held-out success {before} -> {after}: GRPO must lift it"
+        after - before >= 0.05,
+        "held-out success {before} -> {rl:?} (last three {after}): GRPO must lift it"
     );
     for r in rows
         .iter()

@@ -571,6 +571,8 @@ mod tests {
     fn a_groups_shared_prompt_changes_the_positions_not_the_gradient() {
         let prompts = [&[1u32, 2, 3, 4, 5, 6][..], &[7, 8, 9, 10]];
         let responses = [&[11u32, 12, 13][..], &[14, 15], &[16], &[17, 18, 19, 20]];
+        // Each group's last response is an episode: its tokens 1..3 are an environment's.
+        let observed = [std::ops::Range { start: 1, end: 3 }];
         let rows = |grouped: bool| {
             TokenRows::new((0..8).map(|i| Row {
                 prompt: prompts[i / 4],
@@ -580,7 +582,7 @@ mod tests {
                 } else {
                     10 + i as u64
                 },
-                observed: &[],
+                observed: if i % 4 == 3 { &observed[..] } else { &[] },
             }))
         };
         let (shared, alone) = (rows(true), rows(false));
