@@ -260,10 +260,9 @@ struct Trunk {
 
 /// Everything a forward pass keeps for its backward.
 pub struct Tape {
+    /// The batch; its [`Batch::scored`] names the positions the last layer's output, the final
+    /// norm and the head were computed at, when not all.
     batch: Batch,
-    /// The positions the last layer's output, the final norm and the head were computed at,
-    /// when not all ([`Batch::scored`]).
-    live: Option<Vec<usize>>,
     /// The positions the trunk ran.
     run: Run,
     temperature: f32,
@@ -316,12 +315,20 @@ struct Run {
 }
 
 impl Run {
-    fn of(b: &Batch) -> Self {
-        let all = || Run {
+    /// Every position of `b`, none singled out.
+    fn every(b: &Batch) -> Self {
+        Run {
             real: None,
             tokens: b.tokens.clone(),
             positions: b.positions.clone(),
+            live: None,
+        }
+    }
+
+    fn of(b: &Batch) -> Self {
+        let all = || Run {
             live: b.scored.clone(),
+            ..Run::every(b)
         };
         let Some(scored) = &b.scored else {
             return all();
@@ -875,10 +882,7 @@ impl Model {
     /// materialises the whole matrix.
     pub fn logits(&self, b: &Batch) -> Result<Vec<f32>> {
         b.validate(&self.config)?;
-        let run = Run::of(&Batch {
-            scored: None,
-            ..b.clone()
-        });
+        let run = Run::every(b);
         let hidden = self.trunk(b, &run, false).hidden;
         Ok(linear(
             &hidden,
@@ -955,7 +959,6 @@ impl Model {
         };
         let tape = keep.then(|| Tape {
             batch: b.clone(),
-            live: b.scored.clone(),
             run,
             temperature,
             rope,
@@ -979,7 +982,7 @@ impl Model {
             d_logp.len() == n && d_entropy.len() == n,
             "backward: gradient length"
         );
-        let (d_logp, d_entropy) = match &tape.live {
+        let (d_logp, d_entropy) = match &b.scored {
             None => (Cow::Borrowed(d_logp), Cow::Borrowed(d_entropy)),
             Some(at) => {
                 let mut live = vec![false; n];
@@ -992,7 +995,7 @@ impl Model {
                 (Cow::Owned(pick(d_logp)), Cow::Owned(pick(d_entropy)))
             }
         };
-        let targets = targets_at(b, tape.live.as_deref());
+        let targets = targets_at(b, b.scored.as_deref());
         let head_id = self.layout.lm_head.unwrap_or(self.layout.embed);
         let mut dh = vec![0.0; targets.len() * h];
         head::logprob_entropy_backward(
@@ -1027,7 +1030,6 @@ impl Model {
         } = self.trunk(b, &run, true);
         let tape = Tape {
             batch: b.clone(),
-            live: b.scored.clone(),
             run,
             temperature: 1.0,
             rope,
