@@ -242,7 +242,9 @@ pub fn attention(
     match precision {
         Precision::F32 => forward(sh, q, k, v, seg, scale, out, lse, false),
         #[cfg(target_arch = "x86_64")]
-        Precision::Bf16 if crate::bf16::available() => {
+        Precision::Bf16
+            if crate::matmul::Bf16Kernel::fastest() == crate::matmul::Bf16Kernel::Dot =>
+        {
             dpbf16::forward(sh, q, k, v, seg, scale, out, lse);
         }
         Precision::Bf16 => {
@@ -333,7 +335,9 @@ pub fn attention_backward(
     match precision {
         Precision::F32 => backward(sh, q, k, v, seg, scale, out, lse, d_out, g, false),
         #[cfg(target_arch = "x86_64")]
-        Precision::Bf16 if crate::bf16::available() => {
+        Precision::Bf16
+            if crate::matmul::Bf16Kernel::fastest() == crate::matmul::Bf16Kernel::Dot =>
+        {
             dpbf16::backward(sh, q, k, v, seg, scale, lse, d_out, g);
         }
         Precision::Bf16 => {

@@ -1,7 +1,8 @@
 //! Numerical kernels for the native CPU engines: forward and backward of every op the model
 //! uses, on row-major f32 slices, threaded with rayon.
 //!
-//! Owns: GEMM (through `gemm`, AVX-512 when the CPU has it; bf16 on `vdpbf16ps` in [`bf16`]), RMSNorm, RoPE, causal grouped-query
+//! Owns: GEMM (f32 on AVX-512 register tiles in [`sgemm`], elsewhere through the `gemm` crate;
+//! bf16 on `vdpbf16ps` in [`bf16`] or rounded into [`sgemm`]), RMSNorm, RoPE, causal grouped-query
 //! attention, SwiGLU, embedding gather/scatter-add, the fused log-softmax/log-prob/entropy head,
 //! AdamW and gradient-norm utilities, and the thread-count setting; and [`hlo`], the same ops
 //! traced into StableHLO (with their gradients) for the `pjrt` engines.
@@ -23,6 +24,7 @@ pub mod norm;
 pub mod optim;
 pub mod peak;
 pub mod rope;
+pub mod sgemm;
 pub mod skinny;
 pub mod tensor;
 pub mod threads;

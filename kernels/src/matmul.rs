@@ -1,6 +1,9 @@
-//! Dense matrix multiply on row-major f32, all transpose combinations: in f32 through the
-//! `gemm` crate (runtime dispatch picks AVX-512 where present), or with bf16 operands and f32
-//! accumulation through [`crate::bf16`].
+//! Dense matrix multiply on row-major f32, all transpose combinations: in f32 on AVX-512
+//! through [`crate::sgemm`] (elsewhere through the `gemm` crate's runtime dispatch), or with
+//! bf16 operands and f32 accumulation on the fastest [`Bf16Kernel`] this CPU has.
+//!
+//! Owns the choice of kernel for a product. Never: packs or multiplies itself (beyond the
+//! fallbacks' copies of rounded operands).
 
 use gemm_common::Parallelism;
 
@@ -32,8 +35,8 @@ pub enum Precision {
     #[default]
     #[serde(alias = "float32", alias = "fp32")]
     F32,
-    /// Operands rounded to bf16, products summed in f32 (`torch.autocast(dtype=bfloat16)`);
-    /// on AVX512-BF16 hardware at twice the f32 rate ([`crate::bf16`]). Always over the pool.
+    /// Operands rounded to bf16, products summed in f32 (`torch.autocast(dtype=bfloat16)`),
+    /// on the fastest [`Bf16Kernel`] this CPU has. Always over the pool.
     #[serde(alias = "bfloat16")]
     Bf16,
 }
@@ -90,6 +93,18 @@ pub fn matmul(
         crate::skinny::matmul_nt(m, k, n, a, b, c);
         return;
     }
+    if crate::sgemm::available() {
+        crate::sgemm::matmul(
+            (m, k, n),
+            (a, a_strides(m, k, op_a).0, a_strides(m, k, op_a).1),
+            (b, b_strides(k, n, op_b).0, b_strides(k, n, op_b).1),
+            c,
+            accumulate,
+            par == Par::Pool,
+            crate::sgemm::Round::None,
+        );
+        return;
+    }
     let (a_rs, a_cs) = match op_a {
         Op::N => (k as isize, 1),
         Op::T => (1, m as isize),
@@ -116,6 +131,22 @@ pub fn matmul(
             accumulate,
             par,
         );
+    }
+}
+
+/// `op(A)` (`[m,k]`, `m·k` values) as strides: `A[i][p] = a[i·rs + p·cs]`.
+fn a_strides(m: usize, k: usize, op: Op) -> (usize, usize) {
+    match op {
+        Op::N => (k, 1),
+        Op::T => (1, m),
+    }
+}
+
+/// `op(B)` (`[k,n]`, `k·n` values) as the strides of its transpose: `B[p][j] = b[j·rs + p·cs]`.
+fn b_strides(k: usize, n: usize, op: Op) -> (usize, usize) {
+    match op {
+        Op::N => (1, n),
+        Op::T => (k, 1),
     }
 }
 
@@ -152,6 +183,39 @@ pub fn matmul_nt_many(
     }
 }
 
+/// How this machine multiplies bf16 operands ([`Precision::Bf16`]); every way rounds both
+/// operands to bf16 and sums their (exact) products in f32, so they differ only in the order of
+/// the sums.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Bf16Kernel {
+    /// `vdpbf16ps` on k-pairs ([`crate::bf16`]): where it is at least about as fast as f32 FMA.
+    Dot,
+    /// The operands rounded while they are packed for the f32 AVX-512 kernel
+    /// ([`crate::sgemm`]): where `vdpbf16ps` runs at half rate (Intel cores without AMX), or
+    /// is missing.
+    Fma,
+    /// The operands rounded into copies for the portable f32 GEMM.
+    Emulated,
+}
+
+impl Bf16Kernel {
+    /// The fastest this CPU has, chosen once per process: where it has both `vdpbf16ps` and
+    /// AVX-512 F, [`Bf16Kernel::Dot`] unless a short measurement ([`crate::peak::dot_to_fma`])
+    /// finds `vdpbf16ps` under 3/4 of the f32 FMA rate.
+    pub fn fastest() -> Self {
+        use std::sync::OnceLock;
+        static CHOICE: OnceLock<Bf16Kernel> = OnceLock::new();
+        *CHOICE.get_or_init(
+            || match (crate::bf16::available(), crate::sgemm::available()) {
+                (true, true) if crate::peak::dot_to_fma() < 0.75 => Bf16Kernel::Fma,
+                (true, _) => Bf16Kernel::Dot,
+                (false, true) => Bf16Kernel::Fma,
+                (false, false) => Bf16Kernel::Emulated,
+            },
+        )
+    }
+}
+
 /// The right operand `op(B)` (`[k,n]`) of bf16 products ([`Precision::Bf16`]), rounded and laid
 /// out once, for a weight that several products share (every row chunk of the output head,
 /// every decode step of an engine serving bf16).
@@ -174,51 +238,56 @@ enum Form {
     /// Packed k-pairs for `vdpbf16ps`.
     #[cfg(target_arch = "x86_64")]
     Pairs(crate::bf16::PackedB),
+    /// Rounded column panels for the f32 AVX-512 kernel.
+    Panels(crate::sgemm::PackedB),
     /// bf16-valued f32 as given, for the f32 GEMM.
     Rounded(Vec<f32>, Op),
 }
 
 impl Rhs {
-    /// `op(B)` of `k·n` values in `b` (`[k,n]` for `Op::N`, `[n,k]` for `Op::T`).
+    /// `op(B)` of `k·n` values in `b` (`[k,n]` for `Op::N`, `[n,k]` for `Op::T`), for this
+    /// machine's [`Bf16Kernel::fastest`].
     pub fn new(k: usize, n: usize, b: &[f32], op_b: Op) -> Self {
-        Self::on(true, k, n, b, op_b)
+        Self::on(Bf16Kernel::fastest(), k, n, b, op_b)
     }
 
-    /// As [`Rhs::new`], on the hardware path where `hardware` and the CPU has it, else on the
-    /// emulation.
-    fn on(hardware: bool, k: usize, n: usize, b: &[f32], op_b: Op) -> Self {
+    /// As [`Rhs::new`] in the form that keeps the fewest bytes: bf16 k-pairs for
+    /// [`Bf16Kernel::Dot`] where the CPU has `vdpbf16ps` (half of what a decode step streams,
+    /// which is what a few rows' product costs), else as [`Rhs::new`].
+    pub fn compact(k: usize, n: usize, b: &[f32], op_b: Op) -> Self {
+        let kernel = if crate::bf16::available() {
+            Bf16Kernel::Dot
+        } else {
+            Bf16Kernel::fastest()
+        };
+        Self::on(kernel, k, n, b, op_b)
+    }
+
+    /// As [`Rhs::new`], for `kernel` where the CPU has it, else for the emulation.
+    fn on(kernel: Bf16Kernel, k: usize, n: usize, b: &[f32], op_b: Op) -> Self {
         assert!(
             b.len() >= k * n,
             "bf16 rhs: B has {} values, needs {}",
             b.len(),
             k * n
         );
-        #[cfg(target_arch = "x86_64")]
-        if hardware {
-            // B is packed as its transpose: rows j, inner p, B[p][j] = b[j·rs + p·cs].
-            let (rs, cs) = match op_b {
-                Op::N => (1, n),
-                Op::T => (k, 1),
-            };
-            if let Some(p) = crate::bf16::PackedB::new(b, k, n, rs, cs) {
-                return Self {
-                    k,
-                    n,
-                    form: Form::Pairs(p),
-                };
+        // B is packed as its transpose: rows j, inner p, B[p][j] = b[j·rs + p·cs].
+        let (rs, cs) = b_strides(k, n, op_b);
+        let form = match kernel {
+            #[cfg(target_arch = "x86_64")]
+            Bf16Kernel::Dot => crate::bf16::PackedB::new(b, k, n, rs, cs).map(Form::Pairs),
+            Bf16Kernel::Fma => {
+                crate::sgemm::PackedB::new(b, k, n, (rs, cs), crate::sgemm::Round::Bf16)
+                    .map(Form::Panels)
             }
-        }
-        let _ = hardware;
-        let rounded = crate::bf16::rounded(&b[..k * n]);
-        Self {
-            k,
-            n,
-            form: Form::Rounded(rounded, op_b),
-        }
+            _ => None,
+        };
+        let form = form.unwrap_or_else(|| Form::Rounded(crate::bf16::rounded(&b[..k * n]), op_b));
+        Self { k, n, form }
     }
 
     /// `Cᵢ = round(A) · rhsᵢ` for several right operands of one `k` read by the same rows
-    /// (`A` `[m,k]`; a layer's q, k and v): on `vdpbf16ps` `A` is rounded once and one
+    /// (`A` `[m,k]`; a layer's q, k and v): on the packed kernels `A` is rounded once and one
     /// parallel pass makes them all; each row's values are those [`Rhs::matmul`] gives.
     pub fn matmul_many(rhs: &[&Rhs], m: usize, a: &[f32], cs: &mut [&mut [f32]]) {
         assert_eq!(
@@ -226,24 +295,37 @@ impl Rhs {
             cs.len(),
             "bf16 matmul_many: one output per operand"
         );
-        #[cfg(target_arch = "x86_64")]
-        {
-            let k = rhs.first().map_or(0, |r| r.k);
-            let packed: Option<Vec<&crate::bf16::PackedB>> = rhs
+        let k = rhs.first().map_or(0, |r| r.k);
+        if k > 0 && rhs.iter().all(|r| r.k == k) {
+            assert!(
+                a.len() >= m * k,
+                "bf16 matmul_many: A has {} values",
+                a.len()
+            );
+            let panels: Option<Vec<&crate::sgemm::PackedB>> = rhs
                 .iter()
                 .map(|r| match &r.form {
-                    Form::Pairs(p) if r.k == k => Some(p),
+                    Form::Panels(p) => Some(p),
                     _ => None,
                 })
                 .collect();
-            if let Some(bs) = packed.filter(|_| k > 0) {
-                assert!(
-                    a.len() >= m * k,
-                    "bf16 matmul_many: A has {} values",
-                    a.len()
-                );
-                crate::bf16::PackedB::multiply_many(&bs, m, a, k, 1, cs, false);
+            if let Some(bs) = panels {
+                crate::sgemm::PackedB::multiply_many(&bs, m, a, (k, 1), cs, false);
                 return;
+            }
+            #[cfg(target_arch = "x86_64")]
+            {
+                let pairs: Option<Vec<&crate::bf16::PackedB>> = rhs
+                    .iter()
+                    .map(|r| match &r.form {
+                        Form::Pairs(p) => Some(p),
+                        _ => None,
+                    })
+                    .collect();
+                if let Some(bs) = pairs {
+                    crate::bf16::PackedB::multiply_many(&bs, m, a, k, 1, cs, false);
+                    return;
+                }
             }
         }
         for (r, c) in rhs.iter().zip(cs.iter_mut()) {
@@ -278,6 +360,7 @@ impl Rhs {
                 };
                 bp.multiply(m, a, rs, cs, c, accumulate);
             }
+            Form::Panels(bp) => bp.multiply(m, a, a_strides(m, k, op_a), c, accumulate),
             Form::Rounded(br, op_b) => {
                 let ar = crate::bf16::rounded(&a[..m * k]);
                 matmul(
@@ -319,6 +402,23 @@ pub unsafe fn strided(
     par: Par,
 ) {
     if m == 0 || n == 0 {
+        return;
+    }
+    // Where each operand has a unit stride, as every caller's views do, on the packed kernel.
+    let unit = |rs: isize, cs: isize| rs >= 0 && cs >= 0 && (rs == 1 || cs == 1);
+    if crate::sgemm::available() && unit(a_rs, a_cs) && unit(b_rs, b_cs) && c_rs >= 0 {
+        // SAFETY: forwarded from the caller's contract (`B[p][j]` is `b[j·b_cs + p·b_rs]`).
+        unsafe {
+            crate::sgemm::strided(
+                (m, k, n),
+                (a, a_rs as usize, a_cs as usize),
+                (b, b_cs as usize, b_rs as usize),
+                (c, c_rs as usize),
+                accumulate,
+                par == Par::Pool,
+                crate::sgemm::Round::None,
+            );
+        }
         return;
     }
     let parallelism = match par {
@@ -461,13 +561,20 @@ mod tests {
     fn bf16_paths() -> Vec<(&'static str, Bf16Path)> {
         let mut v: Vec<(&'static str, Bf16Path)> =
             vec![("emulated", |m, k, n, a, ta, b, tb, c, acc| {
-                Rhs::on(false, k, n, b, tb).matmul(m, a, ta, c, acc);
+                Rhs::on(Bf16Kernel::Emulated, k, n, b, tb).matmul(m, a, ta, c, acc);
             })];
         if crate::bf16::available() {
             v.push(("vdpbf16ps", |m, k, n, a, ta, b, tb, c, acc| {
-                let rhs = Rhs::on(true, k, n, b, tb);
+                let rhs = Rhs::on(Bf16Kernel::Dot, k, n, b, tb);
                 #[cfg(target_arch = "x86_64")]
                 assert!(matches!(rhs.form, Form::Pairs(_)));
+                rhs.matmul(m, a, ta, c, acc);
+            }));
+        }
+        if crate::sgemm::available() {
+            v.push(("rounded panels", |m, k, n, a, ta, b, tb, c, acc| {
+                let rhs = Rhs::on(Bf16Kernel::Fma, k, n, b, tb);
+                assert!(k == 0 || matches!(rhs.form, Form::Panels(_)));
                 rhs.matmul(m, a, ta, c, acc);
             }));
         }
@@ -510,34 +617,47 @@ mod tests {
 
     /// A row's products do not depend on the rows multiplied with it (how many, or where it
     /// sits among them), alone or with other operands in one pass: bit for bit on
-    /// `vdpbf16ps` — so an engine serving bf16 gives a sequence the same values in a batch of
-    /// any size, and the learner's — and to f32 summation noise on the emulation (whose f32
-    /// GEMM makes no bitwise promise).
+    /// `vdpbf16ps` and on the rounded panels — so an engine serving bf16 gives a sequence the
+    /// same values in a batch of any size, and the learner's — and to f32 summation noise on
+    /// the emulation (whose f32 paths make no bitwise promise).
     #[test]
     fn bf16_rows_are_the_same_in_a_batch_of_any_size() {
         let (k, n, rows) = (300, 70, 40);
         let (a, b) = (randn(rows * k, 3), randn(n * k, 4));
-        let hardware = crate::bf16::available();
-        let rhs = Rhs::on(hardware, k, n, &b, Op::T);
-        let other = Rhs::on(hardware, k, 9, &b[..9 * k], Op::T);
-        let mut all = vec![0.0f32; rows * n];
-        rhs.matmul(rows, &a, Op::N, &mut all, false);
-        for m in (1..=14).chain([25]) {
-            for first in [0, 5, rows - m] {
-                let mut c = vec![0.0f32; m * n];
-                rhs.matmul(m, &a[first * k..], Op::N, &mut c, false);
-                let (mut c2, mut o) = (vec![0.0f32; m * n], vec![0.0f32; m * 9]);
-                Rhs::matmul_many(&[&other, &rhs], m, &a[first * k..], &mut [&mut o, &mut c2]);
-                let same = |c: &[f32]| {
-                    c.iter().zip(&all[first * n..]).all(|(&x, &y)| {
-                        if hardware {
-                            x.to_bits() == y.to_bits()
-                        } else {
-                            (x - y).abs() <= 1e-5 * (1.0 + y.abs())
-                        }
-                    })
-                };
-                assert!(same(&c) && same(&c2), "rows {first}..{} alone", first + m);
+        let mut kernels = vec![Bf16Kernel::Emulated];
+        if crate::bf16::available() {
+            kernels.push(Bf16Kernel::Dot);
+        }
+        if crate::sgemm::available() {
+            kernels.push(Bf16Kernel::Fma);
+        }
+        for kernel in kernels {
+            let bitwise = kernel != Bf16Kernel::Emulated;
+            let rhs = Rhs::on(kernel, k, n, &b, Op::T);
+            let other = Rhs::on(kernel, k, 9, &b[..9 * k], Op::T);
+            let mut all = vec![0.0f32; rows * n];
+            rhs.matmul(rows, &a, Op::N, &mut all, false);
+            for m in (1..=14).chain([25]) {
+                for first in [0, 5, rows - m] {
+                    let mut c = vec![0.0f32; m * n];
+                    rhs.matmul(m, &a[first * k..], Op::N, &mut c, false);
+                    let (mut c2, mut o) = (vec![0.0f32; m * n], vec![0.0f32; m * 9]);
+                    Rhs::matmul_many(&[&other, &rhs], m, &a[first * k..], &mut [&mut o, &mut c2]);
+                    let same = |c: &[f32]| {
+                        c.iter().zip(&all[first * n..]).all(|(&x, &y)| {
+                            if bitwise {
+                                x.to_bits() == y.to_bits()
+                            } else {
+                                (x - y).abs() <= 1e-5 * (1.0 + y.abs())
+                            }
+                        })
+                    };
+                    assert!(
+                        same(&c) && same(&c2),
+                        "{kernel:?}: rows {first}..{} alone",
+                        first + m
+                    );
+                }
             }
         }
     }

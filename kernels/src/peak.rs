@@ -101,6 +101,31 @@ pub fn bf16_peak_gflops(threads: usize) -> Option<f64> {
     None
 }
 
+/// `vdpbf16ps`'s FLOP rate over f32 FMA's on one core, from a few milliseconds of each loop
+/// (the best of five short trials of each, interleaved); 0 where the CPU lacks either.
+/// [`crate::matmul::Bf16Kernel::fastest`] decides by it: about 2 where bf16 dot products run
+/// at the FMA instruction rate, about 1 on Intel cores that run them at half that.
+pub fn dot_to_fma() -> f64 {
+    #[cfg(target_arch = "x86_64")]
+    if crate::bf16::available() {
+        let iters = 50_000u64;
+        let rate = |flops_per_iter: f64, f: &dyn Fn(u64) -> f32| {
+            let start = Instant::now();
+            std::hint::black_box(f(std::hint::black_box(iters)));
+            flops_per_iter * iters as f64 / start.elapsed().as_secs_f64().max(1e-9)
+        };
+        let (mut dot, mut fma) = (0.0f64, 0.0f64);
+        for _ in 0..5 {
+            // SAFETY: AVX512-BF16 (with AVX-512 F) was just detected.
+            dot = dot.max(rate(12.0 * 32.0 * 2.0, &|n| unsafe { dpbf16_avx512(n) }));
+            // SAFETY: as above.
+            fma = fma.max(rate(12.0 * 16.0 * 2.0, &|n| unsafe { fma_avx512(n) }));
+        }
+        return dot / fma;
+    }
+    0.0
+}
+
 fn best_of(threads: usize, (flops_per_iter, f): (f64, fn(u64) -> f32)) -> f64 {
     let iters = 60_000_000u64;
     let mut best = 0.0f64;

@@ -617,9 +617,9 @@ impl Model {
 
     /// Serves the model's products in bf16, as the learner computes them under `precision:
     /// bf16`: the matrices the linear layers and the head read are kept in bf16, laid out once
-    /// for bf16 products (`vdpbf16ps`: twice the f32 FMA rate, and half the bytes a decode
-    /// step streams); each product rounds its input to bf16 too and sums in f32
-    /// (`torch.autocast`'s rule) on the learner's kernel. The embedding rows, norms and biases
+    /// for bf16 products ([`Rhs::compact`]: `vdpbf16ps` k-pairs where the CPU has them, half
+    /// the bytes a decode step streams); each product rounds its input to bf16 too and sums in
+    /// f32 (`torch.autocast`'s rule). The embedding rows, norms and biases
     /// stay f32 as the learner's, and so do softmax and log-probs; attention rounds its operands
     /// as the learner's does: an engine serving this model gives a bf16 learner's log-probs.
     pub fn serve_bf16(&mut self) {
@@ -631,7 +631,7 @@ impl Model {
         for i in matrices {
             let t = &self.params.tensors[i];
             let (out, inp) = (t.shape[0], t.shape[1]);
-            self.served[i] = Some(Arc::new(Rhs::new(inp, out, &t.data, Op::T)));
+            self.served[i] = Some(Arc::new(Rhs::compact(inp, out, &t.data, Op::T)));
         }
     }
 

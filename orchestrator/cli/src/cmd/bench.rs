@@ -277,15 +277,21 @@ fn bench_train(a: TrainBench) -> Result<()> {
     if let Some(p) = r.peak_bf16_gflops {
         println!("  bf16 dot peak (measured)   {p:.1} GFLOP/s");
     }
-    println!(
-        "  MFU                        {:.1}% (of the {} peak)",
-        100.0 * r.mfu,
-        if r.precision == "bf16" && r.peak_bf16_gflops.is_some() {
-            "bf16"
-        } else {
-            "f32"
-        }
-    );
+    match r.bf16_kernel {
+        Some(kernel) => println!(
+            "  MFU                        {:.1}% (bf16 products on {kernel}; of the {} peak)",
+            100.0 * r.mfu,
+            if r.peak_bf16_gflops.is_some() {
+                "higher bf16 dot or f32 FMA"
+            } else {
+                "f32 FMA"
+            }
+        ),
+        None => println!(
+            "  MFU                        {:.1}% (of the f32 FMA peak)",
+            100.0 * r.mfu
+        ),
+    }
     println!(
         "  GEMM 1024³                 {:.1} GFLOP/s ({:.1}% of peak)",
         r.gemm_1024_gflops,
