@@ -251,15 +251,22 @@ impl Rhs {
         Self::on(Bf16Kernel::fastest(), k, n, b, op_b)
     }
 
-    /// As [`Rhs::new`] in the form that keeps the fewest bytes: bf16 k-pairs for
-    /// [`Bf16Kernel::Dot`] where the CPU has `vdpbf16ps` (half of what a decode step streams,
-    /// which is what a few rows' product costs), else as [`Rhs::new`].
+    /// As [`Rhs::new`] — the same kernel, so the same values, bit for bit — in the form that
+    /// keeps the fewest bytes: bf16 k-pairs for [`Bf16Kernel::Dot`], bf16 bits for
+    /// [`Bf16Kernel::Fma`] (half of what a decode step streams, which is what a few rows'
+    /// product costs).
     pub fn compact(k: usize, n: usize, b: &[f32], op_b: Op) -> Self {
-        let kernel = if crate::bf16::available() {
-            Bf16Kernel::Dot
-        } else {
-            Bf16Kernel::fastest()
-        };
+        let kernel = Bf16Kernel::fastest();
+        if kernel == Bf16Kernel::Fma {
+            let (rs, cs) = b_strides(k, n, op_b);
+            if let Some(p) = crate::sgemm::PackedB::compact(b, k, n, (rs, cs)) {
+                return Self {
+                    k,
+                    n,
+                    form: Form::Panels(p),
+                };
+            }
+        }
         Self::on(kernel, k, n, b, op_b)
     }
 

@@ -35,13 +35,15 @@ pub enum Round {
     Bf16,
 }
 
-/// Whether this CPU runs the kernel (AVX-512 F).
+/// Whether this CPU runs the kernel (AVX-512 F and BW, as every AVX-512 core since Skylake-SP).
 pub fn available() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         use std::sync::OnceLock;
         static YES: OnceLock<bool> = OnceLock::new();
-        *YES.get_or_init(|| is_x86_feature_detected!("avx512f"))
+        *YES.get_or_init(|| {
+            is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw")
+        })
     }
     #[cfg(not(target_arch = "x86_64"))]
     false
@@ -53,7 +55,16 @@ pub struct PackedB {
     k: usize,
     n: usize,
     round: Round,
-    panels: Vec<f32>,
+    panels: Panels,
+}
+
+/// How a [`PackedB`] keeps its panels.
+enum Panels {
+    /// As f32.
+    F32(Vec<f32>),
+    /// bf16-rounded values as their bf16 bits (half the bytes), each `k`'s 32 in the order
+    /// that two `vpunpck*wd` with zero widen into f32 columns 0–15 and 16–31 ([`compact`]).
+    Bf16(Vec<u16>),
 }
 
 impl PackedB {
@@ -89,9 +100,20 @@ impl PackedB {
                 k,
                 n,
                 round,
-                panels,
+                panels: Panels::F32(panels),
             }
         })
+    }
+
+    /// [`PackedB::new`] rounded to bf16 and kept in half the bytes (what a decode step of a
+    /// few rows streams), for the same products: each value of `C` is the one the f32 panels
+    /// give, bit for bit.
+    pub fn compact(b: &[f32], k: usize, n: usize, (rs, cs): (usize, usize)) -> Option<Self> {
+        let mut packed = Self::new(b, k, n, (rs, cs), Round::Bf16)?;
+        if let Panels::F32(f) = &packed.panels {
+            packed.panels = Panels::Bf16(compact(f));
+        }
+        Some(packed)
     }
 
     /// `C[m,n] (+)= A · B` with `A[i][p] = a[i·rs + p·cs]` (one of `rs`, `cs` 1, rounded as
@@ -141,7 +163,7 @@ impl PackedB {
             .iter()
             .zip(c.iter_mut())
             .map(|(b, c)| Out {
-                panels: &b.panels,
+                panels: b.panels.view(),
                 n: b.n,
                 c: crate::embedding::SendPtr(c.as_mut_ptr()),
                 ldc: b.n,
@@ -230,7 +252,7 @@ pub unsafe fn strided(
         pack_into(&mut bp, Src(b.0), n, k, (b.1, b.2), NR, round, par);
         let rows = pack_a(&mut ap, Src(a.0), m, k, (a.1, a.2), round, par);
         let out = Out {
-            panels: &bp,
+            panels: PanelsRef::F32(&bp),
             n,
             c: crate::embedding::SendPtr(c),
             ldc,
@@ -275,10 +297,42 @@ fn keep(slot: &'static std::thread::LocalKey<std::cell::Cell<Vec<f32>>>, buf: Ve
     }
 }
 
+/// bf16-valued f32 panels (`NR` values per `k`) as bf16 bits in the order [`tile`] widens:
+/// in each 128-bit lane `l` of a `k`'s 64 bytes, words `8l..8l+4` are columns `4l..4l+4` and
+/// words `8l+4..8l+8` columns `16+4l..16+4l+4`.
+fn compact(panels: &[f32]) -> Vec<u16> {
+    let mut out = vec![0u16; panels.len()];
+    for (src, dst) in panels.chunks_exact(NR).zip(out.chunks_exact_mut(NR)) {
+        for l in 0..4 {
+            for j in 0..4 {
+                dst[8 * l + j] = (src[4 * l + j].to_bits() >> 16) as u16;
+                dst[8 * l + 4 + j] = (src[16 + 4 * l + j].to_bits() >> 16) as u16;
+            }
+        }
+    }
+    out
+}
+
+/// A B panel's values as [`multiply`] reads them.
+#[derive(Clone, Copy)]
+enum PanelsRef<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [u16]),
+}
+
+impl Panels {
+    fn view(&self) -> PanelsRef<'_> {
+        match self {
+            Panels::F32(p) => PanelsRef::F32(p),
+            Panels::Bf16(p) => PanelsRef::Bf16(p),
+        }
+    }
+}
+
 /// One product of [`multiply`]: B's panels, its columns, and where C's `m × n` values go (row
 /// stride `ldc`).
 struct Out<'a> {
-    panels: &'a [f32],
+    panels: PanelsRef<'a>,
     n: usize,
     c: crate::embedding::SendPtr,
     ldc: usize,
@@ -523,10 +577,12 @@ unsafe fn multiply(
                 // r0..r0+MR of columns c0..c0+NR (clipped to m, n).
                 unsafe {
                     // Block p0 / KC of a row-major panel starts at p0 · MR.
-                    let (a, b) = (
-                        ap.as_ptr().add(i * a_panel + p0 * MR),
-                        bp.as_ptr().add(j * k * NR + p0 * NR),
-                    );
+                    let a = ap.as_ptr().add(i * a_panel + p0 * MR);
+                    let at = j * k * NR + p0 * NR;
+                    let b = match bp {
+                        PanelsRef::F32(bp) => (bp.as_ptr().add(at).cast(), false),
+                        PanelsRef::Bf16(bp) => (bp.as_ptr().add(at).cast(), true),
+                    };
                     let c = cp.0.add(r0 * ldc + c0);
                     let live = (MR.min(m - r0), NR.min(n - c0));
                     tile_rows(kc, (a, rows), b, (c, *ldc), live, acc || p0 > 0);
@@ -542,8 +598,8 @@ unsafe fn multiply(
     }
 }
 
-/// [`tile`] with as many register rows as `rows` needs: each row's sums are the same whichever
-/// tile makes them.
+/// [`tile`] with as many register rows as `rows` needs (each row's sums are the same whichever
+/// tile makes them), for A's layout (`a.1`: row-major) and B's values (`b.1`: bf16 bits).
 ///
 /// # Safety
 /// As [`tile`].
@@ -551,34 +607,54 @@ unsafe fn multiply(
 unsafe fn tile_rows(
     kc: usize,
     (a, a_rows): (*const f32, bool),
-    b: *const f32,
+    (b, b16): (*const u8, bool),
     c: (*mut f32, usize),
-    (rows, cols): (usize, usize),
+    live: (usize, usize),
     acc: bool,
 ) {
     #[cfg(target_arch = "x86_64")]
     // SAFETY: the caller's contract.
     unsafe {
-        let live = (rows, cols);
-        match (rows, a_rows) {
-            (1, false) => tile::<1, false>(kc, a, b, c, live, acc),
-            (2, false) => tile::<2, false>(kc, a, b, c, live, acc),
-            (3 | 4, false) => tile::<4, false>(kc, a, b, c, live, acc),
-            (5..=8, false) => tile::<8, false>(kc, a, b, c, live, acc),
-            (_, false) => tile::<MR, false>(kc, a, b, c, live, acc),
-            (1, true) => tile::<1, true>(kc, a, b, c, live, acc),
-            (2, true) => tile::<2, true>(kc, a, b, c, live, acc),
-            (3 | 4, true) => tile::<4, true>(kc, a, b, c, live, acc),
-            (5..=8, true) => tile::<8, true>(kc, a, b, c, live, acc),
-            (_, true) => tile::<MR, true>(kc, a, b, c, live, acc),
+        match (a_rows, b16) {
+            (false, false) => tile_r::<false, false>(kc, a, b, c, live, acc),
+            (false, true) => tile_r::<false, true>(kc, a, b, c, live, acc),
+            (true, false) => tile_r::<true, false>(kc, a, b, c, live, acc),
+            (true, true) => tile_r::<true, true>(kc, a, b, c, live, acc),
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
-    let _ = (kc, a, a_rows, b, c, rows, cols, acc);
+    let _ = (kc, a, a_rows, b, b16, c, live, acc);
+}
+
+/// [`tile_rows`] for one layout of each operand.
+///
+/// # Safety
+/// As [`tile`].
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn tile_r<const ROWS: bool, const B16: bool>(
+    kc: usize,
+    a: *const f32,
+    b: *const u8,
+    c: (*mut f32, usize),
+    live: (usize, usize),
+    acc: bool,
+) {
+    // SAFETY: the caller's contract.
+    unsafe {
+        match live.0 {
+            1 => tile::<1, ROWS, B16>(kc, a, b, c, live, acc),
+            2 => tile::<2, ROWS, B16>(kc, a, b, c, live, acc),
+            3 | 4 => tile::<4, ROWS, B16>(kc, a, b, c, live, acc),
+            5..=8 => tile::<8, ROWS, B16>(kc, a, b, c, live, acc),
+            _ => tile::<MR, ROWS, B16>(kc, a, b, c, live, acc),
+        }
+    }
 }
 
 /// One `R × NR` register tile (the first `R` ≤ `MR` rows of an A panel: row-major at stride
-/// [`KC`] where `ROWS`, else k-major at stride [`MR`]) over `kc` values of k:
+/// [`KC`] where `ROWS`, else k-major at stride [`MR`]) over `kc` values of k, B's `NR` values
+/// per k as f32, or where `B16` as bf16 bits widened in registers ([`compact`]'s order):
 /// `C[r][j] (+)= Σ_p A[r][p]·B[p][j]`, `C` at row stride `ldc`, only its live `rows × cols`
 /// corner touched. Each sum starts from C's value when `acc` and adds the products in order of
 /// `p`, for any `R`.
@@ -587,11 +663,11 @@ unsafe fn tile_rows(
 /// AVX-512 F must be available; both panels must hold the `kc` values, `rows ≤ R`,
 /// `cols ≤ NR`, and `c` must address `rows` rows of `cols` values at stride `ldc`.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn tile<const R: usize, const ROWS: bool>(
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn tile<const R: usize, const ROWS: bool, const B16: bool>(
     kc: usize,
     a: *const f32,
-    b: *const f32,
+    b: *const u8,
     (c, ldc): (*mut f32, usize),
     (rows, cols): (usize, usize),
     acc: bool,
@@ -623,15 +699,24 @@ unsafe fn tile<const R: usize, const ROWS: bool>(
     for _ in 0..kc {
         // SAFETY: value p of both panels is inside them (caller's contract).
         unsafe {
-            let b0 = _mm512_loadu_ps(b);
-            let b1 = _mm512_loadu_ps(b.add(16));
+            let (b0, b1) = if B16 {
+                let raw = _mm512_loadu_si512(b.cast());
+                let zero = _mm512_setzero_si512();
+                (
+                    _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, raw)),
+                    _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, raw)),
+                )
+            } else {
+                let b = b.cast::<f32>();
+                (_mm512_loadu_ps(b), _mm512_loadu_ps(b.add(16)))
+            };
             for (r, s) in sums.iter_mut().enumerate() {
                 let av = _mm512_set1_ps(*a.add(if ROWS { r * KC } else { r }));
                 s[0] = _mm512_fmadd_ps(av, b0, s[0]);
                 s[1] = _mm512_fmadd_ps(av, b1, s[1]);
             }
             a = a.add(if ROWS { 1 } else { MR });
-            b = b.add(NR);
+            b = b.add(NR * if B16 { 2 } else { 4 });
         }
     }
     for (r, s) in sums.iter().enumerate().take(rows) {
@@ -723,6 +808,9 @@ mod tests {
 
     /// A row's values do not depend on the rows multiplied beside it or the threads, alone or
     /// in one pass with other operands, bit for bit.
+    ///
+    /// Also: bf16 panels kept as bits ([`PackedB::compact`]) give the values of bf16-rounded
+    /// f32 panels, bit for bit, for every row count.
     #[test]
     fn rows_are_the_same_in_a_batch_of_any_size() {
         if !available() {
@@ -763,6 +851,21 @@ mod tests {
                 };
                 assert!(same(&c) && same(&c2), "rows {first}..{} alone", first + m);
             }
+        }
+        // The compact form against the f32 panels of the same rounded values, with a ragged
+        // last panel (n 70) and k over one block.
+        let rounded = PackedB::new(&b, k, n, (k, 1), Round::Bf16).expect("available");
+        let compact = PackedB::compact(&b, k, n, (k, 1)).expect("available");
+        assert!(matches!(compact.panels, Panels::Bf16(_)));
+        for m in [1, 3, 12, 40] {
+            let (mut want, mut got) = (vec![0.0f32; m * n], vec![0.0f32; m * n]);
+            rounded.multiply(m, &a, (k, 1), &mut want, false);
+            compact.multiply(m, &a, (k, 1), &mut got, false);
+            let same = want
+                .iter()
+                .zip(&got)
+                .all(|(x, y)| x.to_bits() == y.to_bits());
+            assert!(same, "compact panels, {m} rows");
         }
     }
 }
