@@ -79,7 +79,12 @@ pub fn matmul(
         m * n
     );
     if precision == Precision::Bf16 {
-        Rhs::new(k, n, b, op_b).matmul(m, a, op_a, c, accumulate);
+        if Bf16Kernel::fastest() == Bf16Kernel::Fma {
+            // Rounded while packed into this thread's panel buffers: nothing to allocate.
+            bf16_on_sgemm((m, k, n), (a, op_a), (b, op_b), c, accumulate);
+        } else {
+            Rhs::new(k, n, b, op_b).matmul(m, a, op_a, c, accumulate);
+        }
         return;
     }
     // A few rows times a weight matrix (decode): stream the weights once instead of packing them.
@@ -134,6 +139,28 @@ pub fn matmul(
     }
 }
 
+/// A bf16 product on [`Bf16Kernel::Fma`]: the operands rounded while packed, as a
+/// [`Rhs`] of that kernel packs them (the same values, bit for bit).
+fn bf16_on_sgemm(
+    (m, k, n): (usize, usize, usize),
+    (a, op_a): (&[f32], Op),
+    (b, op_b): (&[f32], Op),
+    c: &mut [f32],
+    accumulate: bool,
+) {
+    let (a_rs, a_cs) = a_strides(m, k, op_a);
+    let (b_rs, b_cs) = b_strides(k, n, op_b);
+    crate::sgemm::matmul(
+        (m, k, n),
+        (a, a_rs, a_cs),
+        (b, b_rs, b_cs),
+        c,
+        accumulate,
+        true,
+        crate::sgemm::Round::Bf16,
+    );
+}
+
 /// `op(A)` (`[m,k]`, `m·k` values) as strides: `A[i][p] = a[i·rs + p·cs]`.
 fn a_strides(m: usize, k: usize, op: Op) -> (usize, usize) {
     match op {
@@ -166,6 +193,12 @@ pub fn matmul_nt_many(
     assert_eq!(bs.len(), cs.len(), "matmul_nt_many: one output per weight");
     if precision == Precision::F32 && m <= SKINNY_ROWS && k > 0 && crate::skinny::available() {
         crate::skinny::matmul_nt_many(m, k, a, bs, cs);
+        return;
+    }
+    if precision == Precision::Bf16 && k > 0 && Bf16Kernel::fastest() == Bf16Kernel::Fma {
+        for (b, c) in bs.iter().zip(cs.iter_mut()) {
+            bf16_on_sgemm((m, k, b.len() / k), (a, Op::N), (b, Op::T), c, false);
+        }
         return;
     }
     if precision == Precision::Bf16 && k > 0 {

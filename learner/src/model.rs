@@ -467,7 +467,10 @@ struct Input<'a> {
 
 impl<'a> Input<'a> {
     fn new(x: &'a [f32], n: usize, inp: usize, p: Precision) -> Self {
-        let packed = (p == Precision::Bf16 && n > 0).then(|| Rhs::new(n, inp, x, Op::N));
+        // On `vdpbf16ps` packing once saves re-rounding into k-pairs; the FMA kernel rounds
+        // while it copies into buffers each thread keeps, cheaper than a new allocation.
+        let once = kernels::matmul::Bf16Kernel::fastest() == kernels::matmul::Bf16Kernel::Dot;
+        let packed = (p == Precision::Bf16 && n > 0 && once).then(|| Rhs::new(n, inp, x, Op::N));
         Self { x, packed }
     }
 }
