@@ -361,11 +361,6 @@ unsafe fn pack_a(
         return false;
     }
     let per = k.div_ceil(KC) * MR * KC;
-    let len = m.div_ceil(MR) * per;
-    if out.len() < len {
-        out.resize(len, 0.0);
-    }
-    out.truncate(len);
     let one = |(i, panel): (usize, &mut [f32])| {
         let r0 = i * MR;
         for (bl, block) in panel.chunks_mut(MR * KC).enumerate() {
@@ -390,12 +385,32 @@ unsafe fn pack_a(
             }
         }
     };
-    if par && m > MR {
+    each_panel(out, m.div_ceil(MR), per, par, one);
+    true
+}
+
+/// Sizes `out` to `panels` panels of `per` values and runs `one` on each (index, panel), over
+/// the pool where `par` and there are several.
+fn each_panel(
+    out: &mut Vec<f32>,
+    panels: usize,
+    per: usize,
+    par: bool,
+    one: impl Fn((usize, &mut [f32])) + Send + Sync,
+) {
+    let len = panels * per;
+    if out.len() < len {
+        out.resize(len, 0.0);
+    }
+    out.truncate(len);
+    if per == 0 {
+        return;
+    }
+    if par && panels > 1 {
         out.par_chunks_mut(per).enumerate().for_each(one);
     } else {
         out.chunks_mut(per).enumerate().for_each(one);
     }
-    true
 }
 
 /// Packs a `rows × k` matrix (`M[r][p] = src[r·rs + p·cs]`, one of `rs`, `cs` 1) into panels
@@ -415,11 +430,6 @@ unsafe fn pack_into(
     round: Round,
     par: bool,
 ) {
-    let len = rows.div_ceil(w) * k * w;
-    if out.len() < len {
-        out.resize(len, 0.0);
-    }
-    out.truncate(len);
     let one = |(i, panel): (usize, &mut [f32])| {
         let r0 = i * w;
         let live = w.min(rows - r0);
@@ -439,11 +449,7 @@ unsafe fn pack_into(
         #[cfg(not(target_arch = "x86_64"))]
         let _ = (src, r0, live, panel);
     };
-    if par && rows.div_ceil(w) > 1 {
-        out.par_chunks_mut(k * w).enumerate().for_each(one);
-    } else {
-        out.chunks_mut(k * w).enumerate().for_each(one);
-    }
+    each_panel(out, rows.div_ceil(w), k * w, par, one);
 }
 
 /// One panel of `w` rows from row `r0` (`live` of them in the matrix): for each `p`, the panel's `w` values (in one or two vectors)
