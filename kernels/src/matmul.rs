@@ -5,6 +5,7 @@
 //! Owns the choice of kernel for a product. Never: packs or multiplies itself (beyond the
 //! fallbacks' copies of rounded operands).
 
+use crate::sgemm::Round;
 use gemm_common::Parallelism;
 
 /// How a matrix operand is laid out in memory.
@@ -81,7 +82,15 @@ pub fn matmul(
     if precision == Precision::Bf16 {
         if Bf16Kernel::fastest() == Bf16Kernel::Fma {
             // Rounded while packed into this thread's panel buffers: nothing to allocate.
-            bf16_on_sgemm((m, k, n), (a, op_a), (b, op_b), c, accumulate);
+            on_sgemm(
+                (m, k, n),
+                (a, op_a),
+                (b, op_b),
+                c,
+                accumulate,
+                Par::Pool,
+                Round::Bf16,
+            );
         } else {
             Rhs::new(k, n, b, op_b).matmul(m, a, op_a, c, accumulate);
         }
@@ -99,14 +108,14 @@ pub fn matmul(
         return;
     }
     if crate::sgemm::available() {
-        crate::sgemm::matmul(
+        on_sgemm(
             (m, k, n),
-            (a, a_strides(m, k, op_a).0, a_strides(m, k, op_a).1),
-            (b, b_strides(k, n, op_b).0, b_strides(k, n, op_b).1),
+            (a, op_a),
+            (b, op_b),
             c,
             accumulate,
-            par == Par::Pool,
-            crate::sgemm::Round::None,
+            par,
+            Round::None,
         );
         return;
     }
@@ -139,14 +148,17 @@ pub fn matmul(
     }
 }
 
-/// A bf16 product on [`Bf16Kernel::Fma`]: the operands rounded while packed, as a
-/// [`Rhs`] of that kernel packs them (the same values, bit for bit).
-fn bf16_on_sgemm(
+/// A product on [`crate::sgemm`], its operands rounded as `round` says while packed into the
+/// thread's panel buffers: for bf16 ([`Bf16Kernel::Fma`]) the values a [`Rhs`] of that kernel
+/// gives, bit for bit.
+fn on_sgemm(
     (m, k, n): (usize, usize, usize),
     (a, op_a): (&[f32], Op),
     (b, op_b): (&[f32], Op),
     c: &mut [f32],
     accumulate: bool,
+    par: Par,
+    round: Round,
 ) {
     let (a_rs, a_cs) = a_strides(m, k, op_a);
     let (b_rs, b_cs) = b_strides(k, n, op_b);
@@ -156,8 +168,8 @@ fn bf16_on_sgemm(
         (b, b_rs, b_cs),
         c,
         accumulate,
-        true,
-        crate::sgemm::Round::Bf16,
+        par == Par::Pool,
+        round,
     );
 }
 
@@ -197,7 +209,16 @@ pub fn matmul_nt_many(
     }
     if precision == Precision::Bf16 && k > 0 && Bf16Kernel::fastest() == Bf16Kernel::Fma {
         for (b, c) in bs.iter().zip(cs.iter_mut()) {
-            bf16_on_sgemm((m, k, b.len() / k), (a, Op::N), (b, Op::T), c, false);
+            let n = b.len() / k;
+            on_sgemm(
+                (m, k, n),
+                (a, Op::N),
+                (b, Op::T),
+                c,
+                false,
+                Par::Pool,
+                Round::Bf16,
+            );
         }
         return;
     }
@@ -317,8 +338,7 @@ impl Rhs {
             #[cfg(target_arch = "x86_64")]
             Bf16Kernel::Dot => crate::bf16::PackedB::new(b, k, n, rs, cs).map(Form::Pairs),
             Bf16Kernel::Fma => {
-                crate::sgemm::PackedB::new(b, k, n, (rs, cs), crate::sgemm::Round::Bf16)
-                    .map(Form::Panels)
+                crate::sgemm::PackedB::new(b, k, n, (rs, cs), Round::Bf16).map(Form::Panels)
             }
             _ => None,
         };
@@ -456,7 +476,7 @@ pub unsafe fn strided(
                 (c, c_rs as usize),
                 accumulate,
                 par == Par::Pool,
-                crate::sgemm::Round::None,
+                Round::None,
             );
         }
         return;
