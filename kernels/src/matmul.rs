@@ -268,6 +268,15 @@ impl Bf16Kernel {
             },
         )
     }
+
+    /// What a report calls it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Bf16Kernel::Dot => "vdpbf16ps",
+            Bf16Kernel::Fma => "rounded f32 FMA",
+            Bf16Kernel::Emulated => "emulated",
+        }
+    }
 }
 
 /// The right operand `op(B)` (`[k,n]`) of bf16 products ([`Precision::Bf16`]), rounded and laid
@@ -302,7 +311,7 @@ impl Rhs {
     /// `op(B)` of `k·n` values in `b` (`[k,n]` for `Op::N`, `[n,k]` for `Op::T`), for this
     /// machine's [`Bf16Kernel::fastest`].
     pub fn new(k: usize, n: usize, b: &[f32], op_b: Op) -> Self {
-        Self::on(Bf16Kernel::fastest(), k, n, b, op_b)
+        Self::on(Bf16Kernel::fastest(), k, n, b, op_b, false)
     }
 
     /// As [`Rhs::new`] — the same kernel, so the same values, bit for bit — in the form that
@@ -310,22 +319,12 @@ impl Rhs {
     /// [`Bf16Kernel::Fma`] (half of what a decode step streams, which is what a few rows'
     /// product costs).
     pub fn compact(k: usize, n: usize, b: &[f32], op_b: Op) -> Self {
-        let kernel = Bf16Kernel::fastest();
-        if kernel == Bf16Kernel::Fma {
-            let (rs, cs) = b_strides(k, n, op_b);
-            if let Some(p) = crate::sgemm::PackedB::compact(b, k, n, (rs, cs)) {
-                return Self {
-                    k,
-                    n,
-                    form: Form::Panels(p),
-                };
-            }
-        }
-        Self::on(kernel, k, n, b, op_b)
+        Self::on(Bf16Kernel::fastest(), k, n, b, op_b, true)
     }
 
-    /// As [`Rhs::new`], for `kernel` where the CPU has it, else for the emulation.
-    fn on(kernel: Bf16Kernel, k: usize, n: usize, b: &[f32], op_b: Op) -> Self {
+    /// As [`Rhs::new`], for `kernel` where the CPU has it, else for the emulation; `compact`:
+    /// the FMA kernel's panels kept as bf16 bits ([`Rhs::compact`]).
+    fn on(kernel: Bf16Kernel, k: usize, n: usize, b: &[f32], op_b: Op, compact: bool) -> Self {
         assert!(
             b.len() >= k * n,
             "bf16 rhs: B has {} values, needs {}",
@@ -337,6 +336,9 @@ impl Rhs {
         let form = match kernel {
             #[cfg(target_arch = "x86_64")]
             Bf16Kernel::Dot => crate::bf16::PackedB::new(b, k, n, rs, cs).map(Form::Pairs),
+            Bf16Kernel::Fma if compact => {
+                crate::sgemm::PackedB::compact(b, k, n, (rs, cs)).map(Form::Panels)
+            }
             Bf16Kernel::Fma => {
                 crate::sgemm::PackedB::new(b, k, n, (rs, cs), Round::Bf16).map(Form::Panels)
             }
@@ -617,15 +619,16 @@ mod tests {
 
     type Bf16Path = fn(usize, usize, usize, &[f32], Op, &[f32], Op, &mut [f32], bool);
 
-    /// The bf16 paths this machine can run: the emulation always, `vdpbf16ps` where present.
+    /// The bf16 paths this machine can run: the emulation always, `vdpbf16ps` and the FMA
+    /// kernel's panels (rounded f32 and compact bf16 bits) where present.
     fn bf16_paths() -> Vec<(&'static str, Bf16Path)> {
         let mut v: Vec<(&'static str, Bf16Path)> =
             vec![("emulated", |m, k, n, a, ta, b, tb, c, acc| {
-                Rhs::on(Bf16Kernel::Emulated, k, n, b, tb).matmul(m, a, ta, c, acc);
+                Rhs::on(Bf16Kernel::Emulated, k, n, b, tb, false).matmul(m, a, ta, c, acc);
             })];
         if crate::bf16::available() {
             v.push(("vdpbf16ps", |m, k, n, a, ta, b, tb, c, acc| {
-                let rhs = Rhs::on(Bf16Kernel::Dot, k, n, b, tb);
+                let rhs = Rhs::on(Bf16Kernel::Dot, k, n, b, tb, false);
                 #[cfg(target_arch = "x86_64")]
                 assert!(matches!(rhs.form, Form::Pairs(_)));
                 rhs.matmul(m, a, ta, c, acc);
@@ -633,7 +636,12 @@ mod tests {
         }
         if crate::sgemm::available() {
             v.push(("rounded panels", |m, k, n, a, ta, b, tb, c, acc| {
-                let rhs = Rhs::on(Bf16Kernel::Fma, k, n, b, tb);
+                let rhs = Rhs::on(Bf16Kernel::Fma, k, n, b, tb, false);
+                assert!(k == 0 || matches!(rhs.form, Form::Panels(_)));
+                rhs.matmul(m, a, ta, c, acc);
+            }));
+            v.push(("compact panels", |m, k, n, a, ta, b, tb, c, acc| {
+                let rhs = Rhs::on(Bf16Kernel::Fma, k, n, b, tb, true);
                 assert!(k == 0 || matches!(rhs.form, Form::Panels(_)));
                 rhs.matmul(m, a, ta, c, acc);
             }));
@@ -684,17 +692,17 @@ mod tests {
     fn bf16_rows_are_the_same_in_a_batch_of_any_size() {
         let (k, n, rows) = (300, 70, 40);
         let (a, b) = (randn(rows * k, 3), randn(n * k, 4));
-        let mut kernels = vec![Bf16Kernel::Emulated];
+        let mut kernels = vec![(Bf16Kernel::Emulated, false)];
         if crate::bf16::available() {
-            kernels.push(Bf16Kernel::Dot);
+            kernels.push((Bf16Kernel::Dot, false));
         }
         if crate::sgemm::available() {
-            kernels.push(Bf16Kernel::Fma);
+            kernels.extend([(Bf16Kernel::Fma, false), (Bf16Kernel::Fma, true)]);
         }
-        for kernel in kernels {
+        for (kernel, compact) in kernels {
             let bitwise = kernel != Bf16Kernel::Emulated;
-            let rhs = Rhs::on(kernel, k, n, &b, Op::T);
-            let other = Rhs::on(kernel, k, 9, &b[..9 * k], Op::T);
+            let rhs = Rhs::on(kernel, k, n, &b, Op::T, compact);
+            let other = Rhs::on(kernel, k, 9, &b[..9 * k], Op::T, compact);
             let mut all = vec![0.0f32; rows * n];
             rhs.matmul(rows, &a, Op::N, &mut all, false);
             for m in (1..=14).chain([25]) {
@@ -714,7 +722,7 @@ mod tests {
                     };
                     assert!(
                         same(&c) && same(&c2),
-                        "{kernel:?}: rows {first}..{} alone",
+                        "{kernel:?} (compact: {compact}): rows {first}..{} alone",
                         first + m
                     );
                 }

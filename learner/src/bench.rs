@@ -363,13 +363,8 @@ pub fn train_bench(
         peak_fma_gflops: peak,
         peak_bf16_gflops: peak_bf16,
         mfu: achieved / ceiling,
-        bf16_kernel: (opts.precision == Precision::Bf16).then(|| {
-            match kernels::matmul::Bf16Kernel::fastest() {
-                kernels::matmul::Bf16Kernel::Dot => "vdpbf16ps",
-                kernels::matmul::Bf16Kernel::Fma => "rounded f32 FMA",
-                kernels::matmul::Bf16Kernel::Emulated => "emulated",
-            }
-        }),
+        bf16_kernel: (opts.precision == Precision::Bf16)
+            .then(|| kernels::matmul::Bf16Kernel::fastest().name()),
         gemm_1024_gflops: gemm,
         gemm_fraction_of_peak: gemm / ceiling,
         peak_rss_mib: peak_rss_mib(),
