@@ -827,7 +827,7 @@ impl Model {
                 self.served_of([ids.gate, ids.up]),
             );
             let mut m = vec![0.0; g.len()];
-            activation::swiglu(&g, &u, &mut m, self.inner_precision());
+            activation::swiglu(&g, &u, &mut m);
             let f = linear(
                 &m,
                 rows,
@@ -1088,14 +1088,7 @@ impl Model {
                 self.precision,
             );
             let (mut dg, mut du) = (vec![0.0; dm.len()], vec![0.0; dm.len()]);
-            activation::swiglu_backward(
-                &lt.g,
-                &lt.u,
-                &dm,
-                &mut dg,
-                &mut du,
-                self.inner_precision(),
-            );
+            activation::swiglu_backward(&lt.g, &lt.u, &dm, &mut dg, &mut du);
             drop(dm);
             let mut dh2 = vec![0.0; rows * h];
             let h2 = Input::new(&lt.h2, rows, h, self.precision);

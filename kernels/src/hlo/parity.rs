@@ -232,16 +232,9 @@ fn swiglu_linear_and_embedding_match_the_kernels() {
         }
     }
     let mut ye = vec![0.0; n * out_dim];
-    crate::activation::swiglu(&ge, &up, &mut ye, crate::matmul::Precision::F32);
+    crate::activation::swiglu(&ge, &up, &mut ye);
     let (mut dg, mut du) = (vec![0.0; n * out_dim], vec![0.0; n * out_dim]);
-    crate::activation::swiglu_backward(
-        &ge,
-        &up,
-        &dy,
-        &mut dg,
-        &mut du,
-        crate::matmul::Precision::F32,
-    );
+    crate::activation::swiglu_backward(&ge, &up, &dy, &mut dg, &mut du);
     let (mut dw, mut db, mut dx) = (
         vec![0.0; out_dim * inp],
         vec![0.0; out_dim],
