@@ -420,6 +420,62 @@ fn runs_are_reproducible() {
     assert_eq!(samples[0], samples[2]);
 }
 
+/// `algorithm.old_logp: engine`: several updates a step (the tiny recipe's two mini-batches
+/// and two epochs) take the engine's log-probs as the behaviour policy's instead of a learner
+/// pass. The run has no `old_logp` pass (no timing, no learner-vs-engine gap to report), and
+/// it trains as the recomputing run does: the same samples at the first step, whose loss
+/// differs only by the f32 gap between the engine's and the learner's log-probs.
+#[test]
+fn old_logp_engine_trains_on_the_engines_log_probs_without_a_pass() {
+    let rl_rows = |tag: &str, source: &str| -> Vec<Value> {
+        let dir = run_dir(tag);
+        run_ok(
+            trellis()
+                .arg("train")
+                .arg(recipe())
+                .args(["--quiet", "-o", "stages.rl.trainer.steps=4", "--run-dir"])
+                .arg(&dir)
+                .args(["-o", &format!("stages.rl.algorithm.old_logp={source}")]),
+        );
+        let rows: Vec<Value> = metrics(&dir)
+            .into_iter()
+            .filter(|v| v["stage"] == "rl" && v.get("actor/pg_loss").is_some())
+            .collect();
+        std::fs::remove_dir_all(&dir).unwrap();
+        rows
+    };
+    let (recomputed, engine) = (
+        rl_rows("old-logp-recompute", "recompute"),
+        rl_rows("old-logp-engine", "engine"),
+    );
+    assert_eq!((recomputed.len(), engine.len()), (4, 4));
+    for r in &recomputed {
+        assert!(r.get("timing_s/old_log_prob").is_some(), "{r}");
+        assert!(r.get("rollout/logprob_diff_mean").is_some(), "{r}");
+    }
+    for r in &engine {
+        assert!(r.get("timing_s/old_log_prob").is_none(), "{r}");
+        assert!(r.get("rollout/logprob_diff_mean").is_none(), "{r}");
+        assert!(
+            r["actor/grad_norm"].as_f64().is_some_and(f64::is_finite),
+            "{r}"
+        );
+    }
+    let first = |rows: &[Value], k: &str| rows[0][k].as_f64().unwrap();
+    assert_eq!(
+        first(&recomputed, "critic/score/mean"),
+        first(&engine, "critic/score/mean")
+    );
+    let (a, b) = (
+        first(&recomputed, "actor/pg_loss"),
+        first(&engine, "actor/pg_loss"),
+    );
+    assert!(
+        (a - b).abs() <= 1e-4 * (1.0 + a.abs()),
+        "pg_loss {a} vs {b}"
+    );
+}
+
 #[test]
 fn dapo_dynamic_sampling_and_overlong_shaping_run() {
     let dir = run_dir("dapo");

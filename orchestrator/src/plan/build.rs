@@ -1385,11 +1385,14 @@ fn rl(s: &schema::Stage, i: usize, e: &Errs<'_>) -> Result<RlPlan, PlanError> {
     };
     let nodes = user_nodes(s, i, e)?;
     let asynchronous = matches!(mode, Mode::Async { .. });
+    // Several updates a step need the behaviour policy's log-probs; one update is on policy.
+    let engine_logp =
+        asynchronous || (calls_per_step > 1 && a.old_logp == schema::OldLogpSource::Engine);
     let graph = expand(GraphSpec {
         critic: critic.is_some(),
         reference: kl.is_some(),
-        old_logp: !asynchronous && calls_per_step > 1,
-        asynchronous,
+        old_logp: !engine_logp && calls_per_step > 1,
+        engine_logp,
         nodes: &nodes,
     })
     .map_err(|m| {
@@ -1412,6 +1415,7 @@ fn rl(s: &schema::Stage, i: usize, e: &Errs<'_>) -> Result<RlPlan, PlanError> {
         schedule,
         grad_clip: a.grad_clip,
         mode,
+        engine_logp,
         dynamic_sampling: a.filter_groups.then_some(a.max_num_gen_batches),
         overlong: (a.overlong_buffer_len > 0).then_some(Overlong {
             buffer: a.overlong_buffer_len,

@@ -146,8 +146,9 @@ pub struct GraphSpec<'a> {
     pub reference: bool,
     /// Old log-probs need their own pass (several updates per batch, sync mode).
     pub old_logp: bool,
-    /// `async` mode: the engine's behaviour log-probs come with the rollouts.
-    pub asynchronous: bool,
+    /// The engines' behaviour log-probs come with the rollouts (`async` mode, or
+    /// `algorithm.old_logp: engine`).
+    pub engine_logp: bool,
     /// The workflow's nodes, in file order.
     pub nodes: &'a [UserNode],
 }
@@ -190,7 +191,7 @@ pub fn expand(spec: GraphSpec<'_>) -> Result<StepGraph, String> {
         "generate",
         Op::Generate,
         &[],
-        if spec.asynchronous {
+        if spec.engine_logp {
             &[Rollouts, OldLogp]
         } else {
             &[Rollouts]
@@ -231,7 +232,7 @@ pub fn expand(spec: GraphSpec<'_>) -> Result<StepGraph, String> {
         ));
     }
     let mut actor_reads = vec![Rollouts, Advantages, Actor];
-    if spec.old_logp || spec.asynchronous {
+    if spec.old_logp || spec.engine_logp {
         actor_reads.push(OldLogp);
     }
     if spec.reference {

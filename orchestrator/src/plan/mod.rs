@@ -360,6 +360,9 @@ pub struct RlPlan {
     pub grad_clip: f64,
     /// How generation and training take turns.
     pub mode: Mode,
+    /// The update's behaviour log-probs are the rollout engines' own, sent with the samples
+    /// (`async` mode, or several updates a step with `algorithm.old_logp: engine`).
+    pub engine_logp: bool,
     /// DAPO's dynamic sampling: most generation rounds per step.
     pub dynamic_sampling: Option<usize>,
     /// DAPO's overlong shaping.
@@ -506,10 +509,11 @@ impl Plan {
         }
     }
 
-    /// Whether some stage trains on the engines' own log-probs (`async` mode).
+    /// Whether some stage trains on the engines' own log-probs (`async` mode, or
+    /// `algorithm.old_logp: engine`).
     pub fn trains_on_engine_logprobs(&self) -> bool {
         self.stages.iter().any(|s| match &s.work {
-            Work::Rl(rl) => matches!(rl.mode, Mode::Async { .. }),
+            Work::Rl(rl) => rl.engine_logp,
             _ => false,
         })
     }

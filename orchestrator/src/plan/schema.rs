@@ -483,6 +483,13 @@ pub struct Algorithm {
     pub ppo_mini_batch_size: usize,
     /// Passes over each batch.
     pub ppo_epochs: usize,
+    /// Where several updates a step (mini-batches, epochs) in `sync` mode take the behaviour
+    /// policy's log-probs from: `recompute` (VeRL's: a learner forward over the batch before
+    /// the first update, which also reports `rollout/logprob_diff_mean|max`) or `engine` (the
+    /// log-probs the rollout engines sampled with: no forward; where the engines compute as the
+    /// learner does, as the native ones do, they differ by f32 noise). `async` mode always
+    /// takes the engines'.
+    pub old_logp: OldLogpSource,
     /// `vanilla`, `gspo`, `cispo`, `gpg`.
     pub policy_loss: String,
     /// PPO clip ε.
@@ -546,6 +553,7 @@ impl Default for Algorithm {
             train_batch_size: 64,
             ppo_mini_batch_size: 64,
             ppo_epochs: 1,
+            old_logp: OldLogpSource::Recompute,
             policy_loss: "vanilla".into(),
             clip_ratio: 0.2,
             clip_ratio_low: None,
@@ -573,6 +581,16 @@ impl Default for Algorithm {
             cliprange_value: 0.5,
         }
     }
+}
+
+/// Where the behaviour policy's log-probs come from ([`Algorithm::old_logp`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OldLogpSource {
+    /// A learner forward over the batch before its first update.
+    Recompute,
+    /// The rollout engines' own, sent with the samples.
+    Engine,
 }
 
 /// The shape of a learning-rate schedule after its warmup.

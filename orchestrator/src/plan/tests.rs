@@ -156,12 +156,12 @@ fn bad_workflows_get_messages_that_say_where_and_why() {
         (
             "rollout_n: 2,",
             "rollout_nn: 2,",
-            "t.yaml:16:17: stages[1].algorithm: unknown field `rollout_nn` (did you mean `rollout_n`?); expected one of adv_estimator, norm_adv_by_std_in_grpo, rollout_n, train_batch_size, ppo_mini_batch_size, ppo_epochs, policy_loss, clip_ratio, clip_ratio_low, clip_ratio_high, loss_agg_mode, entropy_coeff, lr, lr_warmup_steps, lr_schedule, min_lr_ratio, grad_clip, temperature, top_p, max_response_length, filter_groups, max_num_gen_batches, overlong_buffer_len, overlong_penalty_factor, use_kl_loss, kl_loss_coef, kl_loss_type, gamma, lam, critic_lr, cliprange_value",
+            "t.yaml:16:17: stages[1].algorithm: unknown field `rollout_nn` (did you mean `rollout_n`?); expected one of adv_estimator, norm_adv_by_std_in_grpo, rollout_n, train_batch_size, ppo_mini_batch_size, ppo_epochs, old_logp, policy_loss, clip_ratio, clip_ratio_low, clip_ratio_high, loss_agg_mode, entropy_coeff, lr, lr_warmup_steps, lr_schedule, min_lr_ratio, grad_clip, temperature, top_p, max_response_length, filter_groups, max_num_gen_batches, overlong_buffer_len, overlong_penalty_factor, use_kl_loss, kl_loss_coef, kl_loss_type, gamma, lam, critic_lr, cliprange_value",
         ),
         (
             "rollout_n: 2,",
             "n: 2,",
-            "t.yaml:16:17: stages[1].algorithm: unknown field `n`: VeRL's `actor_rollout_ref.rollout.n` is `rollout_n` in a stage's `algorithm`; expected one of adv_estimator, norm_adv_by_std_in_grpo, rollout_n, train_batch_size, ppo_mini_batch_size, ppo_epochs, policy_loss, clip_ratio, clip_ratio_low, clip_ratio_high, loss_agg_mode, entropy_coeff, lr, lr_warmup_steps, lr_schedule, min_lr_ratio, grad_clip, temperature, top_p, max_response_length, filter_groups, max_num_gen_batches, overlong_buffer_len, overlong_penalty_factor, use_kl_loss, kl_loss_coef, kl_loss_type, gamma, lam, critic_lr, cliprange_value",
+            "t.yaml:16:17: stages[1].algorithm: unknown field `n`: VeRL's `actor_rollout_ref.rollout.n` is `rollout_n` in a stage's `algorithm`; expected one of adv_estimator, norm_adv_by_std_in_grpo, rollout_n, train_batch_size, ppo_mini_batch_size, ppo_epochs, old_logp, policy_loss, clip_ratio, clip_ratio_low, clip_ratio_high, loss_agg_mode, entropy_coeff, lr, lr_warmup_steps, lr_schedule, min_lr_ratio, grad_clip, temperature, top_p, max_response_length, filter_groups, max_num_gen_batches, overlong_buffer_len, overlong_penalty_factor, use_kl_loss, kl_loss_coef, kl_loss_type, gamma, lam, critic_lr, cliprange_value",
         ),
         (
             "trainer: {steps: 2}\n  - id: final",
@@ -663,6 +663,59 @@ fn grpo_is_a_chain_and_independent_nodes_share_a_level() {
     );
     let l = levels("ppo_mini_batch_size: 2, use_kl_loss: true", "");
     assert_eq!(l[1], vec!["reward", "old_logp", "ref_logp"]);
+}
+
+/// Several updates a step recompute the behaviour log-probs unless `old_logp: engine` takes the
+/// engines' (then no `old_logp` node, and the run checks the engines report processed
+/// log-probs); one update a step is on policy and needs neither.
+#[test]
+fn old_logp_engine_takes_the_engines_log_probs_instead_of_a_pass() {
+    let plan_of = |algorithm: &str| {
+        let yaml = edit(
+            "algorithm: {rollout_n: 2, train_batch_size: 4, ppo_mini_batch_size: 2, lr: 1.0e-4,\n                max_response_length: 4}",
+            &format!("algorithm: {{rollout_n: 2, train_batch_size: 4, {algorithm}}}"),
+        );
+        parse(&yaml, "t.yaml", &[]).unwrap_or_else(|e| panic!("{e}"))
+    };
+    let table = [
+        ("ppo_mini_batch_size: 2", true, false),
+        ("ppo_mini_batch_size: 2, old_logp: recompute", true, false),
+        ("ppo_mini_batch_size: 2, old_logp: engine", false, true),
+        (
+            "ppo_mini_batch_size: 4, ppo_epochs: 2, old_logp: engine",
+            false,
+            true,
+        ),
+        ("ppo_mini_batch_size: 4, old_logp: engine", false, false),
+    ];
+    for (algorithm, pass, engine) in table {
+        let plan = plan_of(algorithm);
+        let Work::Rl(rl) = &plan.stages[1].work else {
+            panic!("stage 1 is rl")
+        };
+        let nodes: Vec<String> = rl.graph.describe().concat();
+        assert_eq!(
+            nodes.iter().any(|n| n == "old_logp"),
+            pass,
+            "{algorithm}: {nodes:?}"
+        );
+        assert_eq!(rl.engine_logp, engine, "{algorithm}");
+        assert_eq!(plan.trains_on_engine_logprobs(), engine, "{algorithm}");
+    }
+    let e = parse(
+        &edit(
+            "ppo_mini_batch_size: 2,",
+            "ppo_mini_batch_size: 2, old_logp: engines,",
+        ),
+        "t.yaml",
+        &[],
+    )
+    .err()
+    .expect("an unknown source");
+    assert_eq!(
+        e.to_string().lines().next().unwrap_or_default(),
+        "t.yaml:16:86: stages[1].algorithm.old_logp: unknown variant `engines` (did you mean `engine`?); expected one of recompute, engine"
+    );
 }
 
 #[test]

@@ -168,7 +168,7 @@ impl ExternalPool {
         if dr <= tol {
             if self.needs_processed {
                 return Err(EngineError::Protocol(format!(
-                    "{url} reports raw log-probs (before temperature), and this run trains on the engine's log-probs (trainer.mode: async): start vLLM with --logprobs-mode processed_logprobs"
+                    "{url} reports raw log-probs (before temperature), and this run trains on the engine's log-probs (trainer.mode: async, or algorithm.old_logp: engine): start vLLM with --logprobs-mode processed_logprobs"
                 )));
             }
             if !self

@@ -19,16 +19,14 @@ pub(crate) struct Generate;
 impl Act for Generate {
     fn act(&self, cx: &mut StepCx<'_, '_>, _board: &Board) -> Result<Update, ExecError> {
         let mut metrics = Metrics::new();
-        let (groups, old) = match cx.rl.mode {
+        let groups = match cx.rl.mode {
             Mode::Async {
                 max_staleness,
                 stale,
-            } => (
-                ahead(cx, max_staleness, stale, &mut metrics)?,
-                Some(OldLogp::FromRollouts),
-            ),
-            Mode::Sync => (now(cx, &mut metrics)?, None),
+            } => ahead(cx, max_staleness, stale, &mut metrics)?,
+            Mode::Sync => now(cx, &mut metrics)?,
         };
+        let old = cx.rl.engine_logp.then_some(OldLogp::FromRollouts);
         Ok(Update {
             writes: vec![Write::Rollouts(groups, old)],
             metrics,
