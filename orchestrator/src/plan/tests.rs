@@ -630,9 +630,9 @@ fn overrides_apply_and_name_their_key() {
     );
 }
 
-/// The step graph's levels of the base RL stage with `algorithm` (its settings besides the
-/// batch sizes) and `nodes` (YAML lines).
-fn levels(algorithm: &str, nodes: &str) -> Vec<Vec<String>> {
+/// The base workflow's plan with its RL stage's `algorithm` (its settings besides the batch
+/// sizes) and `nodes` (YAML lines).
+fn rl_plan(algorithm: &str, nodes: &str) -> Plan {
     let yaml = edit(
         "algorithm: {rollout_n: 2, train_batch_size: 4, ppo_mini_batch_size: 2, lr: 1.0e-4,\n                max_response_length: 4}",
         &format!("algorithm: {{rollout_n: 2, train_batch_size: 4, {algorithm}}}"),
@@ -642,7 +642,12 @@ fn levels(algorithm: &str, nodes: &str) -> Vec<Vec<String>> {
         &format!("{nodes}    trainer: {{steps: 2}}\n  - id: final"),
         1,
     );
-    let plan = parse(&yaml, "t.yaml", &[]).unwrap_or_else(|e| panic!("{e}"));
+    parse(&yaml, "t.yaml", &[]).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// The step graph's levels of the base RL stage with `algorithm` and `nodes` ([`rl_plan`]).
+fn levels(algorithm: &str, nodes: &str) -> Vec<Vec<String>> {
+    let plan = rl_plan(algorithm, nodes);
     let Work::Rl(rl) = &plan.stages[1].work else {
         panic!("stage 1 is rl")
     };
@@ -670,13 +675,6 @@ fn grpo_is_a_chain_and_independent_nodes_share_a_level() {
 /// log-probs); one update a step is on policy and needs neither.
 #[test]
 fn old_logp_engine_takes_the_engines_log_probs_instead_of_a_pass() {
-    let plan_of = |algorithm: &str| {
-        let yaml = edit(
-            "algorithm: {rollout_n: 2, train_batch_size: 4, ppo_mini_batch_size: 2, lr: 1.0e-4,\n                max_response_length: 4}",
-            &format!("algorithm: {{rollout_n: 2, train_batch_size: 4, {algorithm}}}"),
-        );
-        parse(&yaml, "t.yaml", &[]).unwrap_or_else(|e| panic!("{e}"))
-    };
     let table = [
         ("ppo_mini_batch_size: 2", true, false),
         ("ppo_mini_batch_size: 2, old_logp: recompute", true, false),
@@ -689,7 +687,7 @@ fn old_logp_engine_takes_the_engines_log_probs_instead_of_a_pass() {
         ("ppo_mini_batch_size: 4, old_logp: engine", false, false),
     ];
     for (algorithm, pass, engine) in table {
-        let plan = plan_of(algorithm);
+        let plan = rl_plan(algorithm, "");
         let Work::Rl(rl) = &plan.stages[1].work else {
             panic!("stage 1 is rl")
         };
