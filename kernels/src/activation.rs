@@ -1,10 +1,9 @@
 //! SwiGLU: `silu(gate) · up`, elementwise.
 //!
-//! The gate's sigmoid is [`crate::vmath::sigmoid`] in both precisions: sixteen lanes at a time
-//! on AVX-512, within 4 ulp of libm's (libm one value at a time was a tenth of a small model's
+//! f32 whatever the model's precision, as under `torch.autocast`: only the products around it
+//! round to bf16. The gate's sigmoid is [`crate::vmath::sigmoid`]: sixteen lanes at a time on
+//! AVX-512, within 4 ulp of libm's (libm one value at a time was a tenth of a small model's
 //! bf16 step and 4 % of an f32 RL step); elsewhere libm's.
-//! It is f32 in both precisions, as under `torch.autocast`: only the products around it
-//! round to bf16.
 
 use rayon::prelude::*;
 

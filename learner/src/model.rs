@@ -602,8 +602,8 @@ impl Model {
         self.precision
     }
 
-    /// What attention's products and SwiGLU's gate use: bf16 under `precision: bf16` and when
-    /// served in bf16, so that an engine serving the model computes them as a bf16 learner does.
+    /// What attention's products use: bf16 under `precision: bf16` and when served in bf16, so
+    /// that an engine serving the model computes them as a bf16 learner does.
     fn inner_precision(&self) -> Precision {
         if self.is_bf16() {
             Precision::Bf16
