@@ -79,72 +79,120 @@ pub fn matmul(
         c.len(),
         m * n
     );
-    if precision == Precision::Bf16 {
-        if Bf16Kernel::fastest() == Bf16Kernel::Fma {
-            // Rounded while packed into this thread's panel buffers: nothing to allocate.
-            on_sgemm(
-                (m, k, n),
-                (a, op_a),
-                (b, op_b),
-                c,
-                accumulate,
-                Par::Pool,
-                Round::Bf16,
-            );
-        } else {
-            Rhs::new(k, n, b, op_b).matmul(m, a, op_a, c, accumulate);
+    match route((m, k), (op_a, op_b), accumulate, par, precision) {
+        // Rounded (where bf16) while packed into this thread's panel buffers: nothing to
+        // allocate.
+        Route::Sgemm(round, par) => {
+            on_sgemm((m, k, n), (a, op_a), (b, op_b), c, accumulate, par, round);
         }
-        return;
+        Route::Rhs => Rhs::new(k, n, b, op_b).matmul(m, a, op_a, c, accumulate),
+        Route::Skinny => crate::skinny::matmul_nt(m, k, n, a, b, c),
+        Route::Portable => {
+            let (a_rs, a_cs) = match op_a {
+                Op::N => (k as isize, 1),
+                Op::T => (1, m as isize),
+            };
+            let (b_rs, b_cs) = match op_b {
+                Op::N => (n as isize, 1),
+                Op::T => (1, k as isize),
+            };
+            // SAFETY: the strides above describe matrices that fit in the asserted slice
+            // lengths, and `c` is exclusively borrowed.
+            unsafe {
+                strided(
+                    m,
+                    k,
+                    n,
+                    a.as_ptr(),
+                    a_rs,
+                    a_cs,
+                    b.as_ptr(),
+                    b_rs,
+                    b_cs,
+                    c.as_mut_ptr(),
+                    n as isize,
+                    accumulate,
+                    par,
+                );
+            }
+        }
+    }
+}
+
+/// [`matmul`]'s `C = op(A) · op(B)` as a new `[m, n]` vector. On [`crate::sgemm`] each value
+/// is written once, never zeroed first (zeroing a fresh activation is a pass over memory as
+/// large as the product's output).
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_new(
+    m: usize,
+    k: usize,
+    n: usize,
+    a: &[f32],
+    op_a: Op,
+    b: &[f32],
+    op_b: Op,
+    par: Par,
+    precision: Precision,
+) -> Vec<f32> {
+    match route((m, k), (op_a, op_b), false, par, precision) {
+        Route::Sgemm(round, par) => {
+            let ((a_rs, a_cs), (b_rs, b_cs)) = (a_strides(m, k, op_a), b_strides(k, n, op_b));
+            crate::sgemm::product(
+                (m, k, n),
+                (a, a_rs, a_cs),
+                (b, b_rs, b_cs),
+                par == Par::Pool,
+                round,
+            )
+        }
+        _ => {
+            let mut c = vec![0.0; m * n];
+            matmul(m, k, n, a, op_a, b, op_b, &mut c, false, par, precision);
+            c
+        }
+    }
+}
+
+/// The kernel that makes a product: [`matmul`]'s one dispatch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Route {
+    /// [`crate::sgemm`], its operands rounded as said while packed, over the pool or not.
+    Sgemm(Round, Par),
+    /// A [`Rhs`] packed for the product: bf16 on `vdpbf16ps`, or the portable rounded form.
+    Rhs,
+    /// [`crate::skinny`]: a few rows times a weight, streamed once.
+    Skinny,
+    /// The `gemm` crate's f32 kernels.
+    Portable,
+}
+
+fn route(
+    (m, k): (usize, usize),
+    (op_a, op_b): (Op, Op),
+    accumulate: bool,
+    par: Par,
+    precision: Precision,
+) -> Route {
+    if precision == Precision::Bf16 {
+        return match Bf16Kernel::fastest() {
+            Bf16Kernel::Fma => Route::Sgemm(Round::Bf16, Par::Pool),
+            _ => Route::Rhs,
+        };
     }
     // A few rows times a weight matrix (decode): stream the weights once instead of packing them.
     if m <= SKINNY_ROWS
+        && k > 0
         && op_a == Op::N
         && op_b == Op::T
         && !accumulate
         && par == Par::Pool
         && crate::skinny::available()
     {
-        crate::skinny::matmul_nt(m, k, n, a, b, c);
-        return;
-    }
-    if crate::sgemm::available() {
-        on_sgemm(
-            (m, k, n),
-            (a, op_a),
-            (b, op_b),
-            c,
-            accumulate,
-            par,
-            Round::None,
-        );
-        return;
-    }
-    let (a_rs, a_cs) = match op_a {
-        Op::N => (k as isize, 1),
-        Op::T => (1, m as isize),
-    };
-    let (b_rs, b_cs) = match op_b {
-        Op::N => (n as isize, 1),
-        Op::T => (1, k as isize),
-    };
-    // SAFETY: the strides above describe matrices that fit in the asserted slice lengths, and
-    // `c` is exclusively borrowed.
-    unsafe {
-        strided(
-            m,
-            k,
-            n,
-            a.as_ptr(),
-            a_rs,
-            a_cs,
-            b.as_ptr(),
-            b_rs,
-            b_cs,
-            c.as_mut_ptr(),
-            n as isize,
-            accumulate,
-            par,
-        );
+        Route::Skinny
+    } else if crate::sgemm::available() {
+        Route::Sgemm(Round::None, par)
+    } else {
+        Route::Portable
     }
 }
 
@@ -203,37 +251,69 @@ pub fn matmul_nt_many(
     precision: Precision,
 ) {
     assert_eq!(bs.len(), cs.len(), "matmul_nt_many: one output per weight");
-    if precision == Precision::F32 && m <= SKINNY_ROWS && k > 0 && crate::skinny::available() {
-        crate::skinny::matmul_nt_many(m, k, a, bs, cs);
-        return;
-    }
-    if precision == Precision::Bf16 && k > 0 && Bf16Kernel::fastest() == Bf16Kernel::Fma {
-        for (b, c) in bs.iter().zip(cs.iter_mut()) {
-            let n = b.len() / k;
-            on_sgemm(
-                (m, k, n),
-                (a, Op::N),
-                (b, Op::T),
-                c,
-                false,
-                Par::Pool,
-                Round::Bf16,
-            );
+    match Many::of(m, k, precision) {
+        Many::Skinny => crate::skinny::matmul_nt_many(m, k, a, bs, cs),
+        Many::PackedOnce => {
+            let rhs: Vec<Rhs> = bs
+                .iter()
+                .map(|b| Rhs::new(k, b.len() / k, b, Op::T))
+                .collect();
+            let rhs: Vec<&Rhs> = rhs.iter().collect();
+            Rhs::matmul_many(&rhs, m, a, cs);
         }
-        return;
+        Many::Each => {
+            for (b, c) in bs.iter().zip(cs.iter_mut()) {
+                let n = b.len().checked_div(k).unwrap_or(0);
+                matmul(m, k, n, a, Op::N, b, Op::T, c, false, Par::Pool, precision);
+            }
+        }
     }
-    if precision == Precision::Bf16 && k > 0 {
-        let rhs: Vec<Rhs> = bs
+}
+
+/// [`matmul_nt_many`] into new vectors, written once where each product is its own
+/// ([`matmul_new`]).
+pub fn matmul_nt_many_new(
+    m: usize,
+    k: usize,
+    a: &[f32],
+    bs: &[&[f32]],
+    precision: Precision,
+) -> Vec<Vec<f32>> {
+    let n = |b: &[f32]| b.len().checked_div(k).unwrap_or(0);
+    match Many::of(m, k, precision) {
+        Many::Each => bs
             .iter()
-            .map(|b| Rhs::new(k, b.len() / k, b, Op::T))
-            .collect();
-        let rhs: Vec<&Rhs> = rhs.iter().collect();
-        Rhs::matmul_many(&rhs, m, a, cs);
-        return;
+            .map(|b| matmul_new(m, k, n(b), a, Op::N, b, Op::T, Par::Pool, precision))
+            .collect(),
+        _ => {
+            let mut out: Vec<Vec<f32>> = bs.iter().map(|b| vec![0.0; m * n(b)]).collect();
+            let mut cs: Vec<&mut [f32]> = out.iter_mut().map(|c| &mut c[..]).collect();
+            matmul_nt_many(m, k, a, bs, &mut cs, precision);
+            out
+        }
     }
-    for (b, c) in bs.iter().zip(cs.iter_mut()) {
-        let n = b.len().checked_div(k).unwrap_or(0);
-        matmul(m, k, n, a, Op::N, b, Op::T, c, false, Par::Pool, precision);
+}
+
+/// How [`matmul_nt_many`] makes its products.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Many {
+    /// A few f32 rows: one parallel pass over all the weights ([`crate::skinny`]).
+    Skinny,
+    /// bf16 on `vdpbf16ps` (or the portable rounded form): `A` rounded and packed once for
+    /// all of them ([`Rhs::matmul_many`]), the same values as one [`matmul`] each.
+    PackedOnce,
+    /// One [`matmul`] each (on the FMA kernel bf16 operands are rounded while packed).
+    Each,
+}
+
+impl Many {
+    fn of(m: usize, k: usize, precision: Precision) -> Self {
+        match precision {
+            _ if k == 0 => Many::Each,
+            Precision::F32 if m <= SKINNY_ROWS && crate::skinny::available() => Many::Skinny,
+            Precision::Bf16 if Bf16Kernel::fastest() != Bf16Kernel::Fma => Many::PackedOnce,
+            _ => Many::Each,
+        }
     }
 }
 
@@ -604,6 +684,60 @@ mod tests {
             }
         }
     }
+    /// A new product's values are the ones [`matmul`] writes over any `C`, bit for bit, on
+    /// every route: empty shapes, k = 0, the skinny rows, the packed kernel, each layout and
+    /// precision; the C it is compared with starts as NaN, so a value `matmul` leaves
+    /// unwritten would show.
+    #[test]
+    fn new_products_are_the_products_matmul_writes() {
+        for (m, k, n) in [
+            (0, 5, 7),
+            (6, 0, 9),
+            (3, 17, 0),
+            (5, 33, 40),
+            (64, 20, 30),
+            (65, 20, 30),
+            (97, 300, 45),
+        ] {
+            let (a, b) = (randn(m * k, 3), randn(k * n, 4));
+            for precision in [Precision::F32, Precision::Bf16] {
+                for (ta, tb) in [
+                    (Op::N, Op::N),
+                    (Op::N, Op::T),
+                    (Op::T, Op::N),
+                    (Op::T, Op::T),
+                ] {
+                    for par in [Par::Pool, Par::Single] {
+                        let mut c = vec![f32::NAN; m * n];
+                        matmul(m, k, n, &a, ta, &b, tb, &mut c, false, par, precision);
+                        let new = matmul_new(m, k, n, &a, ta, &b, tb, par, precision);
+                        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                        assert_eq!(
+                            bits(&new),
+                            bits(&c),
+                            "{m}×{k}×{n} {ta:?}{tb:?} {par:?} {precision:?}"
+                        );
+                    }
+                }
+                let ws = [randn(n * k, 5), randn(2 * n * k, 6)];
+                let bs: Vec<&[f32]> = ws.iter().map(|w| &w[..]).collect();
+                let mut cs: Vec<Vec<f32>> = ws
+                    .iter()
+                    .map(|w| vec![f32::NAN; m * w.len().checked_div(k).unwrap_or(0)])
+                    .collect();
+                let mut outs: Vec<&mut [f32]> = cs.iter_mut().map(|c| &mut c[..]).collect();
+                matmul_nt_many(m, k, &a, &bs, &mut outs, precision);
+                let new = matmul_nt_many_new(m, k, &a, &bs, precision);
+                if k > 0 {
+                    assert_eq!(new, cs, "many {m}×{k}×{n} {precision:?}");
+                } else {
+                    // No weight has a width when k is 0: nothing to write.
+                    assert!(new.iter().all(Vec::is_empty), "many with k = 0");
+                }
+            }
+        }
+    }
+
     /// f64 sums of the bf16-rounded operands: what an exact accumulator would give.
     fn rounded_reference(
         m: usize,

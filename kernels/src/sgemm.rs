@@ -192,15 +192,8 @@ pub fn matmul(
     par: bool,
     round: Round,
 ) {
-    assert!(available(), "sgemm: no AVX-512");
     assert!(c.len() >= m * n, "sgemm: C too small");
-    for (name, (v, rs, cs), rows) in [("A", a, m), ("B", b, n)] {
-        assert!(
-            rows == 0 || k == 0 || v.len() > (rows - 1) * rs + (k - 1) * cs,
-            "sgemm: {name} has {} values, too few for its view",
-            v.len()
-        );
-    }
+    check_views((m, k, n), a, b);
     // SAFETY: the views were just checked to lie inside their slices, and `c` is exclusively
     // borrowed.
     unsafe {
@@ -212,6 +205,52 @@ pub fn matmul(
             acc,
             par,
             round,
+        );
+    }
+}
+
+/// [`matmul`]'s `C = A · B` as a new row-major `m × n` vector, each value written once by the
+/// product (never zeroed first: a fresh activation is as large as the product's operands, and
+/// zeroing it is a pass over memory of its own).
+pub fn product(
+    (m, k, n): (usize, usize, usize),
+    a: (&[f32], usize, usize),
+    b: (&[f32], usize, usize),
+    par: bool,
+    round: Round,
+) -> Vec<f32> {
+    check_views((m, k, n), a, b);
+    let mut c = Vec::with_capacity(m * n);
+    // SAFETY: the views were just checked; `c` has room for `m·n` values, and `strided` with
+    // `acc` false writes every one of them (each tile's live corner in the first block of k,
+    // or zeros where k is 0) before `set_len` makes them readable.
+    unsafe {
+        strided(
+            (m, k, n),
+            (a.0.as_ptr(), a.1, a.2),
+            (b.0.as_ptr(), b.1, b.2),
+            (c.as_mut_ptr(), n),
+            false,
+            par,
+            round,
+        );
+        c.set_len(m * n);
+    }
+    c
+}
+
+/// Asserts that AVX-512 is here and that both operands' views lie inside their slices.
+fn check_views(
+    (m, k, n): (usize, usize, usize),
+    a: (&[f32], usize, usize),
+    b: (&[f32], usize, usize),
+) {
+    assert!(available(), "sgemm: no AVX-512");
+    for (name, (v, rs, cs), rows) in [("A", a, m), ("B", b, n)] {
+        assert!(
+            rows == 0 || k == 0 || v.len() > (rows - 1) * rs + (k - 1) * cs,
+            "sgemm: {name} has {} values, too few for its view",
+            v.len()
         );
     }
 }
@@ -238,8 +277,9 @@ pub unsafe fn strided(
     if k == 0 {
         if !acc {
             for i in 0..m {
-                // SAFETY: the caller's contract.
-                unsafe { std::slice::from_raw_parts_mut(c.add(i * ldc), n).fill(0.0) };
+                // SAFETY: the caller's contract (the row may not be initialised yet: written
+                // through the pointer, never read).
+                unsafe { c.add(i * ldc).write_bytes(0, n) };
             }
         }
         return;
@@ -389,8 +429,10 @@ unsafe fn pack_a(
     true
 }
 
-/// Sizes `out` to `panels` panels of `per` values and runs `one` on each (index, panel), over
-/// the pool where `par` and there are several.
+/// Grows `out` to at least `panels` panels of `per` values and runs `one` on each (index,
+/// panel), over the pool where `par` and there are several. A kept buffer is never shortened:
+/// products of other sizes take turns with it, and each growth is zeroed once, not again at
+/// every turn.
 fn each_panel(
     out: &mut Vec<f32>,
     panels: usize,
@@ -402,10 +444,10 @@ fn each_panel(
     if out.len() < len {
         out.resize(len, 0.0);
     }
-    out.truncate(len);
     if per == 0 {
         return;
     }
+    let out = &mut out[..len];
     if par && panels > 1 {
         out.par_chunks_mut(per).enumerate().for_each(one);
     } else {
@@ -687,15 +729,20 @@ unsafe fn tile<const R: usize, const ROWS: bool, const B16: bool>(
     } else {
         0
     };
+    // Rows past `rows` get empty masks: every loop over the tile's rows runs to the constant
+    // `R`, so the sums live in registers from the first load to the last store.
+    let masks = |r: usize| if r < rows { (m0, m1) } else { (0, 0) };
     let mut sums = [[_mm512_setzero_ps(); 2]; R];
     if acc {
-        for (r, s) in sums.iter_mut().enumerate().take(rows) {
-            // SAFETY: the masks keep row r's loads inside its `cols` live columns.
+        for (r, s) in sums.iter_mut().enumerate() {
+            let (k0, k1) = masks(r);
+            let p = c.wrapping_add(r * ldc);
+            // SAFETY: the masks keep row r's loads inside its `cols` live columns, and a row
+            // past `rows` loads nothing.
             unsafe {
-                let p = c.add(r * ldc);
                 *s = [
-                    _mm512_maskz_loadu_ps(m0, p),
-                    _mm512_maskz_loadu_ps(m1, p.add(16)),
+                    _mm512_maskz_loadu_ps(k0, p),
+                    _mm512_maskz_loadu_ps(k1, p.wrapping_add(16)),
                 ];
             }
         }
@@ -725,12 +772,13 @@ unsafe fn tile<const R: usize, const ROWS: bool, const B16: bool>(
             b = b.add(NR * if B16 { 2 } else { 4 });
         }
     }
-    for (r, s) in sums.iter().enumerate().take(rows) {
+    for (r, s) in sums.iter().enumerate() {
+        let (k0, k1) = masks(r);
+        let p = c.wrapping_add(r * ldc);
         // SAFETY: as the loads.
         unsafe {
-            let p = c.add(r * ldc);
-            _mm512_mask_storeu_ps(p, m0, s[0]);
-            _mm512_mask_storeu_ps(p.add(16), m1, s[1]);
+            _mm512_mask_storeu_ps(p, k0, s[0]);
+            _mm512_mask_storeu_ps(p.wrapping_add(16), k1, s[1]);
         }
     }
 }

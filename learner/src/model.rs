@@ -7,7 +7,7 @@ use crate::error::{Error, Result};
 use crate::params::ParamsIo;
 use crate::params::{Layout, Params, Tensor};
 use kernels::attention::{AttnShape, Segments, attention, attention_backward};
-use kernels::matmul::{Op, Par, Precision, Rhs, matmul, matmul_nt_many};
+use kernels::matmul::{Op, Par, Precision, Rhs, matmul, matmul_new, matmul_nt_many_new};
 use kernels::rope::{RopeTable, apply as rope, inv_freq};
 use kernels::{activation, embedding, head, norm};
 use std::borrow::Cow;
@@ -435,18 +435,22 @@ fn linears<const N: usize>(
     served: Option<[&Rhs; N]>,
 ) -> [Vec<f32>; N] {
     let inp = ws[0].0.shape[1];
-    let mut ys = ws.map(|(w, _)| vec![0.0f32; n * w.shape[0]]);
-    {
-        let bs: Vec<&[f32]> = ws.iter().map(|(w, _)| &w.data[..]).collect();
-        let mut cs: Vec<&mut [f32]> = ys.iter_mut().map(|y| &mut y[..]).collect();
-        match served {
-            // Served in bf16: the inputs are rounded to bf16 too (autocast's rule), on the
-            // learner's bf16 kernel whatever the row count, so a row's products are the
-            // learner's and do not depend on the batch it was decoded in.
-            Some(ws) => Rhs::matmul_many(&ws, n, x, &mut cs),
-            None => matmul_nt_many(n, inp, x, &bs, &mut cs, p),
+    let mut ys = match served {
+        // Served in bf16: the inputs are rounded to bf16 too (autocast's rule), on the
+        // learner's bf16 kernel whatever the row count, so a row's products are the
+        // learner's and do not depend on the batch it was decoded in.
+        Some(rhs) => {
+            let mut ys = ws.map(|(w, _)| vec![0.0f32; n * w.shape[0]]);
+            let mut cs: Vec<&mut [f32]> = ys.iter_mut().map(|y| &mut y[..]).collect();
+            Rhs::matmul_many(&rhs, n, x, &mut cs);
+            ys
         }
-    }
+        None => {
+            let bs: Vec<&[f32]> = ws.iter().map(|(w, _)| &w.data[..]).collect();
+            let mut ys = matmul_nt_many_new(n, inp, x, &bs, p).into_iter();
+            ws.map(|_| ys.next().expect("one output per weight"))
+        }
+    };
     for (y, (w, b)) in ys.iter_mut().zip(ws) {
         if let Some(b) = b {
             for r in y.chunks_mut(w.shape[0]) {
@@ -475,16 +479,55 @@ impl<'a> Input<'a> {
     }
 }
 
-/// Backward of [`linear`]: `dW += dyᵀ·x`, `db += Σ dy`, `dx (+)= dy·W`, the products in `p`.
+/// Backward of [`linear`]: `dW += dyᵀ·x`, `db += Σ dy`, and `dx = dy·W` returned, the
+/// products in `p`.
 fn linear_backward(
     dy: &[f32],
     n: usize,
     x: &Input<'_>,
     w: &Tensor,
-    dw: &mut [f32],
-    db: Option<&mut [f32]>,
+    (dw, db): (&mut [f32], Option<&mut [f32]>),
+    p: Precision,
+) -> Vec<f32> {
+    weight_grads(dy, n, x, w, (dw, db), p);
+    let (out, inp) = (w.shape[0], w.shape[1]);
+    matmul_new(n, out, inp, dy, Op::N, &w.data, Op::N, Par::Pool, p)
+}
+
+/// [`linear_backward`] with `dx += dy·W` (a second linear reading the same input).
+fn linear_backward_add(
+    dy: &[f32],
+    n: usize,
+    x: &Input<'_>,
+    w: &Tensor,
+    (dw, db): (&mut [f32], Option<&mut [f32]>),
     dx: &mut [f32],
-    accumulate: bool,
+    p: Precision,
+) {
+    weight_grads(dy, n, x, w, (dw, db), p);
+    let (out, inp) = (w.shape[0], w.shape[1]);
+    matmul(
+        n,
+        out,
+        inp,
+        dy,
+        Op::N,
+        &w.data,
+        Op::N,
+        dx,
+        true,
+        Par::Pool,
+        p,
+    );
+}
+
+/// `dW += dyᵀ·x` and `db += Σ dy` of a [`linear`].
+fn weight_grads(
+    dy: &[f32],
+    n: usize,
+    x: &Input<'_>,
+    w: &Tensor,
+    (dw, db): (&mut [f32], Option<&mut [f32]>),
     p: Precision,
 ) {
     let (out, inp) = (w.shape[0], w.shape[1]);
@@ -497,19 +540,6 @@ fn linear_backward(
             db.iter_mut().zip(r).for_each(|(a, b)| *a += b);
         }
     }
-    matmul(
-        n,
-        out,
-        inp,
-        dy,
-        Op::N,
-        &w.data,
-        Op::N,
-        dx,
-        accumulate,
-        Par::Pool,
-        p,
-    );
 }
 
 fn add_into(a: &mut [f32], b: &[f32]) {
@@ -1075,43 +1105,33 @@ impl Model {
             let part = live.filter(|_| layer == last);
             let rows = part.map_or(n, <[usize]>::len);
             // MLP: x3 = x2 + down(swiglu(gate(h2), up(h2)))
-            let mut dm = vec![0.0; lt.m.len()];
-            linear_backward(
+            let dm = linear_backward(
                 &dx,
                 rows,
                 &Input::new(&lt.m, rows, self.t(ids.down).shape[1], self.precision),
                 self.t(ids.down),
-                &mut grads.tensors[ids.down].data,
-                None,
-                &mut dm,
-                false,
+                (&mut grads.tensors[ids.down].data, None),
                 self.precision,
             );
             let (mut dg, mut du) = (vec![0.0; dm.len()], vec![0.0; dm.len()]);
             activation::swiglu_backward(&lt.g, &lt.u, &dm, &mut dg, &mut du);
             drop(dm);
-            let mut dh2 = vec![0.0; rows * h];
             let h2 = Input::new(&lt.h2, rows, h, self.precision);
-            linear_backward(
+            let mut dh2 = linear_backward(
                 &dg,
                 rows,
                 &h2,
                 self.t(ids.gate),
-                &mut grads.tensors[ids.gate].data,
-                None,
-                &mut dh2,
-                false,
+                (&mut grads.tensors[ids.gate].data, None),
                 self.precision,
             );
-            linear_backward(
+            linear_backward_add(
                 &du,
                 rows,
                 &h2,
                 self.t(ids.up),
-                &mut grads.tensors[ids.up].data,
-                None,
+                (&mut grads.tensors[ids.up].data, None),
                 &mut dh2,
-                true,
                 self.precision,
             );
             let mut dx2 = vec![0.0; rows * h];
@@ -1130,17 +1150,12 @@ impl Model {
                     Some(at) => Cow::Owned(rows_at(&lt.o, nh * d, at)),
                     None => Cow::Borrowed(&lt.o[..]),
                 };
-                let mut d_o = vec![0.0; rows * nh * d];
-                let (dw_o, db_o) = two_mut(&mut grads.tensors, ids.o, ids.o_bias);
-                linear_backward(
+                let d_o = linear_backward(
                     &dx2,
                     rows,
                     &Input::new(&o_in, rows, self.t(ids.o).shape[1], self.precision),
                     self.t(ids.o),
-                    dw_o,
-                    db_o,
-                    &mut d_o,
-                    false,
+                    two_mut(&mut grads.tensors, ids.o, ids.o_bias),
                     self.precision,
                 );
                 match part {
@@ -1217,42 +1232,31 @@ impl Model {
                 );
                 dk = dk_pre;
             }
-            let mut dh1 = vec![0.0; n * h];
             let h1 = Input::new(&lt.h1, n, h, self.precision);
-            let (dw, db) = two_mut(&mut grads.tensors, ids.q, ids.q_bias);
-            linear_backward(
+            let mut dh1 = linear_backward(
                 &dq,
                 n,
                 &h1,
                 self.t(ids.q),
-                dw,
-                db,
-                &mut dh1,
-                false,
+                two_mut(&mut grads.tensors, ids.q, ids.q_bias),
                 self.precision,
             );
-            let (dw, db) = two_mut(&mut grads.tensors, ids.k, ids.k_bias);
-            linear_backward(
+            linear_backward_add(
                 &dk,
                 n,
                 &h1,
                 self.t(ids.k),
-                dw,
-                db,
+                two_mut(&mut grads.tensors, ids.k, ids.k_bias),
                 &mut dh1,
-                true,
                 self.precision,
             );
-            let (dw, db) = two_mut(&mut grads.tensors, ids.v, ids.v_bias);
-            linear_backward(
+            linear_backward_add(
                 &dv,
                 n,
                 &h1,
                 self.t(ids.v),
-                dw,
-                db,
+                two_mut(&mut grads.tensors, ids.v, ids.v_bias),
                 &mut dh1,
-                true,
                 self.precision,
             );
             let mut dx1 = vec![0.0; n * h];
