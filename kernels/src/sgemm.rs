@@ -173,8 +173,8 @@ impl PackedB {
         // `a`; the panels hold `m` and `n` padded rows of `k` values, and each `c` holds `m·n`
         // values (checked).
         unsafe {
-            let rows = pack_a(&mut ap, Src(a.as_ptr()), m, k, (rs, cs), round, par);
-            multiply(m, k, (&ap, rows), &outs, acc, par);
+            let left = pack_a(&mut ap, Src(a.as_ptr()), m, k, (rs, cs), round, par);
+            multiply(m, k, left, &outs, acc, par);
         }
         keep(&LEFT, ap);
     }
@@ -290,14 +290,14 @@ pub unsafe fn strided(
     // SAFETY: the caller's contract; the panels are packed for `m`, `n` and `k`.
     unsafe {
         pack_into(&mut bp, Src(b.0), n, k, (b.1, b.2), NR, round, par);
-        let rows = pack_a(&mut ap, Src(a.0), m, k, (a.1, a.2), round, par);
+        let left = pack_a(&mut ap, Src(a.0), m, k, (a.1, a.2), round, par);
         let out = Out {
             panels: PanelsRef::F32(&bp),
             n,
             c: crate::embedding::SendPtr(c),
             ldc,
         };
-        multiply(m, k, (&ap, rows), &[out], acc, par);
+        multiply(m, k, left, &[out], acc, par);
     }
     keep(&LEFT, ap);
     keep(&RIGHT, bp);
@@ -378,11 +378,34 @@ struct Out<'a> {
     ldc: usize,
 }
 
-/// Packs the left operand `A` (`m × k`, `A[i][p] = src[i·rs + p·cs]`, one of `rs`, `cs` 1) into
-/// panels of [`MR`] rows, laid out as its strides make cheapest: where rows are contiguous
-/// (`cs` 1) each panel holds, per block of [`KC`], its rows one after another at stride `KC`
-/// (copies of runs of the source); otherwise k-major as [`pack_into`]. Returns whether the
-/// panels are row-major.
+/// The left operand as [`multiply`] reads it: panels of [`MR`] rows, each walked in blocks of
+/// [`KC`] values of k.
+#[derive(Clone, Copy)]
+struct Left {
+    /// Its first value.
+    at: Src,
+    /// Values from one row panel to the next.
+    panel: usize,
+    /// Values from a panel's first block to block `p0 / KC`, per `p0`.
+    block: usize,
+    /// Row-major with rows this many values apart, or (`None`) k-major: each k's [`MR`]
+    /// values side by side.
+    rows: Option<usize>,
+    /// Whether the rows past `m` of the last panel may be read (packed zeros) or not (the
+    /// caller's matrix itself).
+    padded: bool,
+}
+
+// SAFETY: `Left` only reads, through `Src`, what its product's caller keeps unchanged.
+unsafe impl Send for Left {}
+// SAFETY: as above.
+unsafe impl Sync for Left {}
+
+/// The left operand `A` (`m × k`, `A[i][p] = src[i·rs + p·cs]`, one of `rs`, `cs` 1) as the
+/// tile reads it, laid out as its strides make cheapest: where rows are contiguous (`cs` 1)
+/// and nothing is rounded, read where it is; rounded, copied into panels that hold, per block
+/// of [`KC`], their rows one after another at stride `KC`; otherwise k-major as
+/// [`pack_into`]. The panels go into `out`.
 ///
 /// # Safety
 /// AVX-512 F; every element of the view must be readable and unchanged during the call.
@@ -394,11 +417,26 @@ unsafe fn pack_a(
     (rs, cs): (usize, usize),
     round: Round,
     par: bool,
-) -> bool {
+) -> Left {
     if cs != 1 || (rs == 1 && m > 1) {
         // SAFETY: the caller's contract.
         unsafe { pack_into(out, src, m, k, (rs, cs), MR, round, par) };
-        return false;
+        return Left {
+            at: Src(out.as_ptr()),
+            panel: k * MR,
+            block: MR,
+            rows: None,
+            padded: true,
+        };
+    }
+    if round == Round::None {
+        return Left {
+            at: src,
+            panel: MR * rs,
+            block: 1,
+            rows: Some(rs),
+            padded: false,
+        };
     }
     let per = k.div_ceil(KC) * MR * KC;
     let one = |(i, panel): (usize, &mut [f32])| {
@@ -426,7 +464,14 @@ unsafe fn pack_a(
         }
     };
     each_panel(out, m.div_ceil(MR), per, par, one);
-    true
+    Left {
+        at: Src(out.as_ptr()),
+        panel: per,
+        // Block p0 / KC of a panel starts at p0 · MR.
+        block: MR,
+        rows: Some(KC),
+        padded: true,
+    }
 }
 
 /// Grows `out` to at least `panels` panels of `per` values and runs `one` on each (index,
@@ -584,21 +629,9 @@ unsafe fn copy_run<const ROUND: bool>(dst: *mut f32, src: *const f32, len: usize
 /// pass the other column panels), each walking k in blocks of `KC`.
 ///
 /// # Safety
-/// AVX-512 F must be available; `ap` is packed by [`pack_a`] for `m` rows (row-major where
-/// `rows`) and each `panels` for its `n` rows, of `k` values; each `c` holds `m·n` values.
-unsafe fn multiply(
-    m: usize,
-    k: usize,
-    (ap, rows): (&[f32], bool),
-    outs: &[Out<'_>],
-    acc: bool,
-    par: bool,
-) {
-    let a_panel = if rows {
-        k.div_ceil(KC) * MR * KC
-    } else {
-        k * MR
-    };
+/// AVX-512 F must be available; `left` is [`pack_a`]'s for `m` rows of `k` values (its panels
+/// alive and unchanged), each `panels` packed for its `n` rows; each `c` holds `m·n` values.
+unsafe fn multiply(m: usize, k: usize, left: Left, outs: &[Out<'_>], acc: bool, par: bool) {
     let ip = m.div_ceil(MR);
     let ib = ip.div_ceil(MB);
     // The first task of each product, then the number of tasks.
@@ -624,8 +657,7 @@ unsafe fn multiply(
                 // SAFETY: the panels hold these values; this task alone writes rows
                 // r0..r0+MR of columns c0..c0+NR (clipped to m, n).
                 unsafe {
-                    // Block p0 / KC of a row-major panel starts at p0 · MR.
-                    let a = ap.as_ptr().add(i * a_panel + p0 * MR);
+                    let a = left.at.at(i * left.panel + p0 * left.block);
                     let at = j * k * NR + p0 * NR;
                     let b = match bp {
                         PanelsRef::F32(bp) => (bp.as_ptr().add(at).cast(), false),
@@ -633,7 +665,7 @@ unsafe fn multiply(
                     };
                     let c = cp.0.add(r0 * ldc + c0);
                     let live = (MR.min(m - r0), NR.min(n - c0));
-                    tile_rows(kc, (a, rows), b, (c, *ldc), live, acc || p0 > 0);
+                    tile_rows(kc, (a, left), b, (c, *ldc), live, acc || p0 > 0);
                 }
             }
         }
@@ -646,32 +678,49 @@ unsafe fn multiply(
     }
 }
 
-/// [`tile`] with as many register rows as `rows` needs (each row's sums are the same whichever
-/// tile makes them), for A's layout (`a.1`: row-major) and B's values (`b.1`: bf16 bits).
+/// [`tile`] with as many register rows as `live.0` needs (each row's sums are the same whichever
+/// tile makes them), for A's layout and B's values (`b.1`: bf16 bits). Where A's rows past
+/// the live ones may not be read, the rows go in tiles of exactly 8, 4, 2 and 1.
 ///
 /// # Safety
-/// As [`tile`].
+/// As [`tile`], with `a` block `p0 / KC` of one of `left`'s panels.
 #[inline(always)]
 unsafe fn tile_rows(
     kc: usize,
-    (a, a_rows): (*const f32, bool),
+    (a, left): (*const f32, Left),
     (b, b16): (*const u8, bool),
-    c: (*mut f32, usize),
-    live: (usize, usize),
+    (c, ldc): (*mut f32, usize),
+    (rows, cols): (usize, usize),
     acc: bool,
 ) {
     #[cfg(target_arch = "x86_64")]
     // SAFETY: the caller's contract.
     unsafe {
-        match (a_rows, b16) {
-            (false, false) => tile_r::<false, false>(kc, a, b, c, live, acc),
-            (false, true) => tile_r::<false, true>(kc, a, b, c, live, acc),
-            (true, false) => tile_r::<true, false>(kc, a, b, c, live, acc),
-            (true, true) => tile_r::<true, true>(kc, a, b, c, live, acc),
+        let lda = left.rows.unwrap_or(0);
+        let go = |r: usize, part: usize| {
+            let (a, c) = (a.add(r * lda), (c.add(r * ldc), ldc));
+            let live = (part, cols);
+            match (left.rows.is_some(), b16) {
+                (false, false) => tile_r::<false, false>(kc, (a, lda), b, c, live, acc),
+                (false, true) => tile_r::<false, true>(kc, (a, lda), b, c, live, acc),
+                (true, false) => tile_r::<true, false>(kc, (a, lda), b, c, live, acc),
+                (true, true) => tile_r::<true, true>(kc, (a, lda), b, c, live, acc),
+            }
+        };
+        if left.padded || rows == MR {
+            go(0, rows);
+        } else {
+            let mut r = 0;
+            for part in [8, 4, 2, 1] {
+                if rows - r >= part {
+                    go(r, part);
+                    r += part;
+                }
+            }
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
-    let _ = (kc, a, a_rows, b, b16, c, live, acc);
+    let _ = (kc, a, left, b, b16, c, ldc, rows, cols, acc);
 }
 
 /// [`tile_rows`] for one layout of each operand.
@@ -682,7 +731,7 @@ unsafe fn tile_rows(
 #[inline(always)]
 unsafe fn tile_r<const ROWS: bool, const B16: bool>(
     kc: usize,
-    a: *const f32,
+    a: (*const f32, usize),
     b: *const u8,
     c: (*mut f32, usize),
     live: (usize, usize),
@@ -701,7 +750,7 @@ unsafe fn tile_r<const ROWS: bool, const B16: bool>(
 }
 
 /// One `R × NR` register tile (the first `R` ≤ `MR` rows of an A panel: row-major at stride
-/// [`KC`] where `ROWS`, else k-major at stride [`MR`]) over `kc` values of k, B's `NR` values
+/// `a.1` where `ROWS`, else k-major at stride [`MR`]) over `kc` values of k, B's `NR` values
 /// per k as f32, or where `B16` as bf16 bits widened in registers ([`compact`]'s order):
 /// `C[r][j] (+)= Σ_p A[r][p]·B[p][j]`, `C` at row stride `ldc`, only its live `rows × cols`
 /// corner touched. Each sum starts from C's value when `acc` and adds the products in order of
@@ -714,7 +763,7 @@ unsafe fn tile_r<const ROWS: bool, const B16: bool>(
 #[target_feature(enable = "avx512f,avx512bw")]
 unsafe fn tile<const R: usize, const ROWS: bool, const B16: bool>(
     kc: usize,
-    a: *const f32,
+    (a, lda): (*const f32, usize),
     b: *const u8,
     (c, ldc): (*mut f32, usize),
     (rows, cols): (usize, usize),
@@ -764,7 +813,7 @@ unsafe fn tile<const R: usize, const ROWS: bool, const B16: bool>(
                 (_mm512_loadu_ps(b), _mm512_loadu_ps(b.add(16)))
             };
             for (r, s) in sums.iter_mut().enumerate() {
-                let av = _mm512_set1_ps(*a.add(if ROWS { r * KC } else { r }));
+                let av = _mm512_set1_ps(*a.add(if ROWS { r * lda } else { r }));
                 s[0] = _mm512_fmadd_ps(av, b0, s[0]);
                 s[1] = _mm512_fmadd_ps(av, b1, s[1]);
             }
@@ -810,8 +859,8 @@ mod tests {
         c
     }
 
-    /// Ragged tiles of every height, k past one block, both layouts of each operand, both
-    /// roundings, on one thread and on the pool, with and without accumulation: within f32
+    /// Ragged tiles of every height, k past one block, both layouts of each operand (A's rows
+    /// also inside a wider matrix), both roundings, on one thread and on the pool, with and without accumulation: within f32
     /// summation error of an f64 reference.
     #[test]
     fn products_match_an_f64_reference_for_every_layout() {
@@ -827,8 +876,9 @@ mod tests {
             (100, 517, 70),
             (7, 64, 97),
         ] {
-            let (a, b) = (randn(m * k, 1), randn(k * n, 2));
-            for (a_rs, a_cs) in [(k, 1), (1, m)] {
+            // A's rows also as a view into a wider matrix (read where they are).
+            let (a, b) = (randn(m * (k + 3), 1), randn(k * n, 2));
+            for (a_rs, a_cs) in [(k, 1), (k + 3, 1), (1, m)] {
                 for (b_rs, b_cs) in [(k, 1), (1, n)] {
                     for round in [Round::None, Round::Bf16] {
                         let av = (&a[..], a_rs, a_cs);
