@@ -1,8 +1,9 @@
 //! f32 matrix multiply on AVX-512 register tiles, for the products the `gemm` crate makes at
-//! 40–55 % of an Intel core's FMA peak: both operands are copied into k-major panels (`A` in
-//! panels of [`MR`] rows, `B` in panels of [`NR`] columns), and an `MR × NR` tile of `C` held in
-//! 24 registers walks `k` with `vfmadd231ps`, in blocks of [`KC`] that keep one `B` panel's block
-//! in L1 while a task's `A` panels pass it. The structure of [`crate::bf16`]'s kernel.
+//! 40–55 % of an Intel core's FMA peak: `B` is copied into k-major panels of [`NR`] columns,
+//! `A` into panels of [`MR`] rows — or, where its rows are contiguous and nothing is rounded,
+//! read where it is — and an `MR × NR` tile of `C` held in 24 registers walks `k` with
+//! `vfmadd231ps`, in blocks of [`KC`] that keep one `B` panel's block in L1 while a task's `A`
+//! panels pass it. The structure of [`crate::bf16`]'s kernel.
 //!
 //! Packing can round both operands to bf16 on the way ([`Round::Bf16`]): the products of two
 //! bf16 values are exact in f32, so that is `torch.autocast`'s bf16 arithmetic at the f32 FMA
