@@ -397,11 +397,6 @@ struct Left {
     padded: bool,
 }
 
-// SAFETY: `Left` only reads, through `Src`, what its product's caller keeps unchanged.
-unsafe impl Send for Left {}
-// SAFETY: as above.
-unsafe impl Sync for Left {}
-
 /// The left operand `A` (`m × k`, `A[i][p] = src[i·rs + p·cs]`, one of `rs`, `cs` 1) as the
 /// tile reads it, laid out as its strides make cheapest: where rows are contiguous (`cs` 1)
 /// and nothing is rounded, read where it is; rounded, copied into panels that hold, per block
