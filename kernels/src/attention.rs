@@ -106,36 +106,109 @@ fn softmax_rows(
 ) {
     for i in 0..seq {
         let row = &mut s[i * seq..(i + 1) * seq];
-        let (si, pi) = (seg.ids[i], seg.sees[i]);
+        let seen = (seg.ids[i], seg.sees[i]);
         // Scores past the diagonal never count; the rest count where visible (the segment and
         // the prefix it sees), as exponents (−∞ elsewhere) taken together.
         row[i + 1..].fill(0.0);
         let row = &mut row[..=i];
-        let shift = if recompute {
-            lse[i]
-        } else {
-            let mut max = f32::NEG_INFINITY;
-            for (x, &sj) in row.iter().zip(seg.ids) {
-                if sj == si || sj == pi {
-                    max = max.max(x * scale);
-                }
-            }
-            max
-        };
-        for (x, &sj) in row.iter_mut().zip(seg.ids) {
-            *x = if sj == si || sj == pi {
-                *x * scale - shift
-            } else {
-                f32::NEG_INFINITY
-            };
-        }
-        let sum = crate::vmath::exp_in_place(row);
+        let (shift, sum) = exp_visible(row, &seg.ids[..=i], seen, scale, recompute.then(|| lse[i]));
         if !recompute {
             let inv = 1.0 / sum;
             row.iter_mut().for_each(|p| *p *= inv);
             lse[i] = shift + sum.ln();
         }
     }
+}
+
+/// A row of scores (`row[j]` against key `j`, whose segment is `ids[j]`) as the unnormalised
+/// terms of its softmax, in place: `e^(x·scale − shift)` where the key is visible (its segment
+/// is one of `seen`), 0 elsewhere. `shift` is the one given, or else the largest visible
+/// `x·scale`; returns it and the terms' sum.
+fn exp_visible(
+    row: &mut [f32],
+    ids: &[u32],
+    seen: (u32, u32),
+    scale: f32,
+    shift: Option<f32>,
+) -> (f32, f32) {
+    assert_eq!(
+        row.len(),
+        ids.len(),
+        "attention: a row's scores and segments"
+    );
+    #[cfg(target_arch = "x86_64")]
+    if crate::sgemm::available() {
+        // SAFETY: AVX-512 F was just detected; the slices are of one length.
+        return unsafe { exp_visible_avx512(row, ids, seen, scale, shift) };
+    }
+    let visible = |sj: u32| sj == seen.0 || sj == seen.1;
+    let shift = shift.unwrap_or_else(|| {
+        row.iter()
+            .zip(ids)
+            .filter(|&(_, &sj)| visible(sj))
+            .fold(f32::NEG_INFINITY, |m, (x, _)| m.max(x * scale))
+    });
+    for (x, &sj) in row.iter_mut().zip(ids) {
+        *x = if visible(sj) {
+            *x * scale - shift
+        } else {
+            f32::NEG_INFINITY
+        };
+    }
+    (shift, crate::vmath::exp_in_place(row))
+}
+
+/// [`exp_visible`] sixteen keys at a time, in one pass after the maximum's (the same values:
+/// the product and the difference are rounded apart, as in the scalar form, and the
+/// exponential is [`crate::vmath::exp`]'s).
+///
+/// # Safety
+/// AVX-512 F; `row` and `ids` of one length.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn exp_visible_avx512(
+    row: &mut [f32],
+    ids: &[u32],
+    (si, pi): (u32, u32),
+    scale: f32,
+    shift: Option<f32>,
+) -> (f32, f32) {
+    use std::arch::x86_64::*;
+    let (si, pi, sc) = (
+        _mm512_set1_epi32(si as i32),
+        _mm512_set1_epi32(pi as i32),
+        _mm512_set1_ps(scale),
+    );
+    let neg = _mm512_set1_ps(f32::NEG_INFINITY);
+    let (rp, n) = (row.as_mut_ptr(), row.len());
+    // The visible lanes of chunk `i` (inside the row), and the row's values there scaled.
+    let chunk = |i: usize, m: u16| {
+        // SAFETY: the mask keeps both loads inside the slices.
+        unsafe {
+            let id = _mm512_maskz_loadu_epi32(m, ids.as_ptr().add(i).cast());
+            let vis = m & (_mm512_cmpeq_epi32_mask(id, si) | _mm512_cmpeq_epi32_mask(id, pi));
+            let x = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, rp.add(i)), sc);
+            (vis, x)
+        }
+    };
+    let lanes = crate::vmath::lanes(n);
+    let shift = shift.unwrap_or_else(|| {
+        let mut max = neg;
+        for (i, m) in lanes.clone() {
+            let (vis, x) = chunk(i, m);
+            max = _mm512_mask_max_ps(max, vis, max, x);
+        }
+        _mm512_reduce_max_ps(max)
+    });
+    let (sh, mut sum) = (_mm512_set1_ps(shift), _mm512_setzero_ps());
+    for (i, m) in lanes {
+        let (vis, x) = chunk(i, m);
+        let e = crate::vmath::exp16(_mm512_mask_sub_ps(neg, vis, x, sh));
+        sum = _mm512_add_ps(sum, e);
+        // SAFETY: the mask keeps the store inside the row.
+        unsafe { _mm512_mask_storeu_ps(rp.add(i), m, e) };
+    }
+    (shift, _mm512_reduce_add_ps(sum))
 }
 
 /// Row blocks `(r0, r1)` of a causal `[seq × seq]` product: block rows see columns `0..r1`.
@@ -365,11 +438,7 @@ fn row_dots(
 ) {
     for (i, x) in dsum.iter_mut().enumerate() {
         let o = (row0 + i) * w + col;
-        *x = d_out[o..o + d]
-            .iter()
-            .zip(&out[o..o + d])
-            .map(|(a, b)| a * b)
-            .sum();
+        *x = crate::dot(&d_out[o..o + d], &out[o..o + d]);
     }
 }
 

@@ -4,8 +4,8 @@
 //!
 //! Owns one exponential ([`exp`]: Cody–Waite range reduction and a degree-6 polynomial, within
 //! 2 ulp of the correctly rounded value over f32's range; `exp(-inf) = 0`), used the same on
-//! every AVX-512 lane and in the scalar tails, so a value never depends on where in a slice it
-//! sits; CPUs without AVX-512 take libm's `expf` for the slices. Never: allocates or spreads
+//! every AVX-512 lane (a slice's last values in a masked vector) and by the scalar [`exp`], so
+//! a value never depends on where in a slice it sits; CPUs without AVX-512 take libm's `expf` for the slices. Never: allocates or spreads
 //! work over threads (callers run it inside their own tasks).
 
 const LOG2E: f32 = std::f32::consts::LOG2_E;
@@ -91,8 +91,7 @@ pub fn exp_affine(xs: &mut [f32], a: f32, b: f32, c: f32) {
     }
 }
 
-/// `out[i] = 1 / (1 + e^(−x[i]))` (SwiGLU's gate), as [`exp`] makes it on every lane and in the
-/// tails; CPUs without AVX-512 take libm's `expf`.
+/// `out[i] = 1 / (1 + e^(−x[i]))` (SwiGLU's gate), as [`exp`] makes it on every lane; CPUs without AVX-512 take libm's `expf`.
 pub fn sigmoid(xs: &[f32], out: &mut [f32]) {
     assert_eq!(xs.len(), out.len(), "sigmoid: shapes");
     #[cfg(target_arch = "x86_64")]
@@ -114,7 +113,7 @@ fn avx512() -> bool {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 #[inline]
-fn exp16(x: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512 {
+pub(crate) fn exp16(x: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512 {
     use std::arch::x86_64::*;
     let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(x, x);
     let low = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, _mm512_set1_ps(LO));
@@ -145,21 +144,35 @@ fn exp16(x: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512 {
 unsafe fn exp_in_place_avx512(xs: &mut [f32]) -> f32 {
     use std::arch::x86_64::*;
     let mut sum = _mm512_setzero_ps();
-    let mut chunks = xs.chunks_exact_mut(16);
-    for c in &mut chunks {
-        // SAFETY: `c` holds 16 floats.
+    for (i, m) in lanes(xs.len()) {
+        // SAFETY: the mask keeps both inside `xs`; lanes past its end are e^−∞ = 0.
         unsafe {
-            let e = exp16(_mm512_loadu_ps(c.as_ptr()));
-            _mm512_storeu_ps(c.as_mut_ptr(), e);
+            let p = xs.as_mut_ptr().add(i);
+            let e = exp16(_mm512_mask_loadu_ps(
+                _mm512_set1_ps(f32::NEG_INFINITY),
+                m,
+                p,
+            ));
+            _mm512_mask_storeu_ps(p, m, e);
             sum = _mm512_add_ps(sum, e);
         }
     }
-    let mut tail = 0.0;
-    for x in chunks.into_remainder() {
-        *x = exp(*x);
-        tail += *x;
-    }
-    _mm512_reduce_add_ps(sum) + tail
+    _mm512_reduce_add_ps(sum)
+}
+
+/// Each 16-value chunk of a slice of `len`: its start and the mask of its lanes inside.
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn lanes(len: usize) -> impl Iterator<Item = (usize, u16)> + Clone {
+    (0..len).step_by(16).map(move |i| {
+        (
+            i,
+            if len - i >= 16 {
+                !0
+            } else {
+                (1u16 << (len - i)) - 1
+            },
+        )
+    })
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -168,25 +181,14 @@ unsafe fn exp_sum_dot_avx512(xs: &[f32], shift: f32) -> (f32, f32) {
     use std::arch::x86_64::*;
     let (mut sum, mut dot) = (_mm512_setzero_ps(), _mm512_setzero_ps());
     let s = _mm512_set1_ps(shift);
-    let chunks = xs.chunks_exact(16);
-    let rest = chunks.remainder();
-    for c in chunks {
-        // SAFETY: `c` holds 16 floats.
-        let v = unsafe { _mm512_loadu_ps(c.as_ptr()) };
+    for (i, m) in lanes(xs.len()) {
+        // SAFETY: the mask keeps the load inside `xs`; lanes past its end add nothing.
+        let v = unsafe { _mm512_maskz_loadu_ps(m, xs.as_ptr().add(i)) };
         let e = exp16(_mm512_sub_ps(v, s));
-        sum = _mm512_add_ps(sum, e);
-        dot = _mm512_fmadd_ps(e, v, dot);
+        sum = _mm512_mask_add_ps(sum, m, sum, e);
+        dot = _mm512_mask3_fmadd_ps(e, v, dot, m);
     }
-    let (mut ts, mut td) = (0.0, 0.0);
-    for &x in rest {
-        let e = exp(x - shift);
-        ts += e;
-        td += e * x;
-    }
-    (
-        _mm512_reduce_add_ps(sum) + ts,
-        _mm512_reduce_add_ps(dot) + td,
-    )
+    (_mm512_reduce_add_ps(sum), _mm512_reduce_add_ps(dot))
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -194,17 +196,14 @@ unsafe fn exp_sum_dot_avx512(xs: &[f32], shift: f32) -> (f32, f32) {
 unsafe fn exp_affine_avx512(xs: &mut [f32], a: f32, b: f32, c: f32) {
     use std::arch::x86_64::*;
     let (av, bv, cv) = (_mm512_set1_ps(a), _mm512_set1_ps(b), _mm512_set1_ps(c));
-    let mut chunks = xs.chunks_exact_mut(16);
-    for ch in &mut chunks {
-        // SAFETY: `ch` holds 16 floats.
+    for (i, m) in lanes(xs.len()) {
+        // SAFETY: the mask keeps both inside `xs`.
         unsafe {
-            let x = _mm512_loadu_ps(ch.as_ptr());
+            let p = xs.as_mut_ptr().add(i);
+            let x = _mm512_maskz_loadu_ps(m, p);
             let y = _mm512_mul_ps(_mm512_mul_ps(exp16(x), _mm512_fmadd_ps(bv, x, av)), cv);
-            _mm512_storeu_ps(ch.as_mut_ptr(), y);
+            _mm512_mask_storeu_ps(p, m, y);
         }
-    }
-    for x in chunks.into_remainder() {
-        *x = exp(*x) * (a + b * *x) * c;
     }
 }
 
@@ -213,20 +212,14 @@ unsafe fn exp_affine_avx512(xs: &mut [f32], a: f32, b: f32, c: f32) {
 unsafe fn sigmoid_avx512(xs: &[f32], out: &mut [f32]) {
     use std::arch::x86_64::*;
     let one = _mm512_set1_ps(1.0);
-    let mut outs = out.chunks_exact_mut(16);
-    let mut ins = xs.chunks_exact(16);
-    for (o, x) in (&mut outs).zip(&mut ins) {
-        // SAFETY: both hold 16 floats.
+    for (i, m) in lanes(xs.len()) {
+        // SAFETY: the mask keeps both inside their slices (of one length).
         unsafe {
-            let e = exp16(_mm512_sub_ps(
-                _mm512_setzero_ps(),
-                _mm512_loadu_ps(x.as_ptr()),
-            ));
-            _mm512_storeu_ps(o.as_mut_ptr(), _mm512_div_ps(one, _mm512_add_ps(one, e)));
+            let x = _mm512_maskz_loadu_ps(m, xs.as_ptr().add(i));
+            let e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
+            let y = _mm512_div_ps(one, _mm512_add_ps(one, e));
+            _mm512_mask_storeu_ps(out.as_mut_ptr().add(i), m, y);
         }
-    }
-    for (o, &x) in outs.into_remainder().iter_mut().zip(ins.remainder()) {
-        *o = 1.0 / (1.0 + exp(-x));
     }
 }
 
