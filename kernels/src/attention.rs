@@ -70,9 +70,46 @@ impl<'a> Segments<'a> {
     }
 }
 
+/// Where each row of the batch lies among the tokens of `q`, `k`, `v`, their gradients, the
+/// output and the [`Segments`].
+#[derive(Clone, Copy, Debug)]
+pub enum Rows<'a> {
+    /// Row `b` is tokens `b·seq..(b + 1)·seq` (`batch·seq` tokens).
+    Full,
+    /// Row `b` is its first `len` positions — the rest of it padding, which none of them sees —
+    /// at tokens `start..start + len`, as `(start, len)` per row (`len ≤ seq`): a batch's rows
+    /// without their padding, side by side, computed at their own lengths.
+    Ragged(&'a [(usize, usize)]),
+}
+
+impl Rows<'_> {
+    /// Row `b`'s first token and length.
+    fn of(&self, b: usize, seq: usize) -> (usize, usize) {
+        match self {
+            Rows::Full => (b * seq, seq),
+            Rows::Ragged(rows) => rows[b],
+        }
+    }
+}
+
 impl AttnShape {
-    fn check(&self, q: &[f32], k: &[f32], v: &[f32], seg: Segments<'_>) {
-        let n = self.batch * self.seq;
+    /// Checks the operands' shapes against the rows; returns the tokens.
+    fn check(&self, rows: Rows<'_>, q: &[f32], k: &[f32], v: &[f32], seg: Segments<'_>) -> usize {
+        let n = match rows {
+            Rows::Full => self.batch * self.seq,
+            Rows::Ragged(r) => {
+                let n = q.len() / (self.heads * self.head_dim).max(1);
+                assert_eq!(r.len(), self.batch, "attention: one (start, len) per row");
+                for &(start, len) in r {
+                    assert!(
+                        len <= self.seq && start + len <= n,
+                        "attention: row ({start}, {len}) outside {n} tokens of rows of {}",
+                        self.seq
+                    );
+                }
+                n
+            }
+        };
         assert!(
             self.kv_heads > 0 && self.heads.is_multiple_of(self.kv_heads),
             "attention: heads"
@@ -90,6 +127,7 @@ impl AttnShape {
         assert_eq!(v.len(), k.len(), "attention: v shape");
         assert_eq!(seg.ids.len(), n, "attention: segment shape");
         assert_eq!(seg.sees.len(), n, "attention: `sees` shape");
+        n
     }
 }
 
@@ -292,10 +330,11 @@ unsafe fn causal_apply(
     }
 }
 
-/// Forward in `precision`. Writes `out` (`[batch·seq, heads·head_dim]`) and `lse` (`[batch,
-/// heads, seq]`).
+/// Forward in `precision`. Writes `out` (`[tokens, heads·head_dim]`, the tokens as `rows`
+/// lays them out) and `lse` (`[batch, heads, seq]`; past a ragged row's length, untouched).
 pub fn attention(
     sh: AttnShape,
+    rows: Rows<'_>,
     q: &[f32],
     k: &[f32],
     v: &[f32],
@@ -305,7 +344,7 @@ pub fn attention(
     lse: &mut [f32],
     precision: Precision,
 ) {
-    sh.check(q, k, v, seg);
+    sh.check(rows, q, k, v, seg);
     assert_eq!(out.len(), q.len(), "attention: out shape");
     assert_eq!(
         lse.len(),
@@ -313,16 +352,16 @@ pub fn attention(
         "attention: lse shape"
     );
     match precision {
-        Precision::F32 => forward(sh, q, k, v, seg, scale, out, lse, false),
+        Precision::F32 => forward(sh, rows, q, k, v, seg, scale, out, lse, false),
         #[cfg(target_arch = "x86_64")]
         Precision::Bf16
             if crate::matmul::Bf16Kernel::fastest() == crate::matmul::Bf16Kernel::Dot =>
         {
-            dpbf16::forward(sh, q, k, v, seg, scale, out, lse);
+            dpbf16::forward(sh, rows, q, k, v, seg, scale, out, lse);
         }
         Precision::Bf16 => {
             let (q, k, v) = (rounded(q), rounded(k), rounded(v));
-            forward(sh, &q, &k, &v, seg, scale, out, lse, true);
+            forward(sh, rows, &q, &k, &v, seg, scale, out, lse, true);
         }
     }
 }
@@ -340,6 +379,7 @@ fn round_lower(s: &mut [f32], t: usize) {
 /// bf16 rule, on operands the caller rounded).
 fn forward(
     sh: AttnShape,
+    rows: Rows<'_>,
     q: &[f32],
     k: &[f32],
     v: &[f32],
@@ -349,17 +389,20 @@ fn forward(
     lse: &mut [f32],
     round: bool,
 ) {
-    let (t, d, nh, nkv) = (sh.seq, sh.head_dim, sh.heads, sh.kv_heads);
+    let (seq, d, nh, nkv) = (sh.seq, sh.head_dim, sh.heads, sh.kv_heads);
     let group = nh / nkv;
     let (qs, kvs) = ((nh * d) as isize, (nkv * d) as isize);
     let out_ptr = SendPtr(out.as_mut_ptr());
-    lse.par_chunks_mut(t).enumerate().for_each_init(
-        || vec![0.0f32; t * t],
+    lse.par_chunks_mut(seq).enumerate().for_each_init(
+        || vec![0.0f32; seq * seq],
         |s, (bh, lse_row)| {
             let (b, h) = (bh / nh, bh % nh);
             let g = h / group;
-            let row0 = b * t;
-            let seg = seg.row(row0, t);
+            let (row0, t) = rows.of(b, seq);
+            if t == 0 {
+                return;
+            }
+            let (seg, s, lse_row) = (seg.row(row0, t), &mut s[..t * t], &mut lse_row[..t]);
             let out_ptr = &out_ptr;
             // SAFETY: all views stay inside q/k/v/out (row0+t rows, head offsets < row width);
             // each task writes only its own head's columns of `out`.
@@ -385,6 +428,7 @@ fn forward(
 /// forward's inputs, `out` and `lse`.
 pub fn attention_backward(
     sh: AttnShape,
+    rows: Rows<'_>,
     q: &[f32],
     k: &[f32],
     v: &[f32],
@@ -398,7 +442,7 @@ pub fn attention_backward(
     dv: &mut [f32],
     precision: Precision,
 ) {
-    sh.check(q, k, v, seg);
+    sh.check(rows, q, k, v, seg);
     assert!(out.len() == q.len() && d_out.len() == q.len() && dq.len() == q.len());
     assert!(
         dk.len() == k.len() && dv.len() == v.len(),
@@ -406,16 +450,16 @@ pub fn attention_backward(
     );
     let g = Grads { dq, dk, dv };
     match precision {
-        Precision::F32 => backward(sh, q, k, v, seg, scale, out, lse, d_out, g, false),
+        Precision::F32 => backward(sh, rows, q, k, v, seg, scale, out, lse, d_out, g, false),
         #[cfg(target_arch = "x86_64")]
         Precision::Bf16
             if crate::matmul::Bf16Kernel::fastest() == crate::matmul::Bf16Kernel::Dot =>
         {
-            dpbf16::backward(sh, q, k, v, seg, scale, lse, d_out, g);
+            dpbf16::backward(sh, rows, q, k, v, seg, scale, lse, d_out, g);
         }
         Precision::Bf16 => {
             let (q, k, v, d_out) = (rounded(q), rounded(k), rounded(v), rounded(d_out));
-            backward(sh, &q, &k, &v, seg, scale, out, lse, &d_out, g, true);
+            backward(sh, rows, &q, &k, &v, seg, scale, out, lse, &d_out, g, true);
         }
     }
 }
@@ -464,6 +508,7 @@ fn softmax_grad(p: &[f32], dp: &mut [f32], t: usize, scale: f32, dots: Option<&[
 /// a product (the bf16 rule, on operands the caller rounded).
 fn backward(
     sh: AttnShape,
+    rows: Rows<'_>,
     q: &[f32],
     k: &[f32],
     v: &[f32],
@@ -475,7 +520,7 @@ fn backward(
     Grads { dq, dk, dv }: Grads<'_>,
     round: bool,
 ) {
-    let (t, d, nh, nkv) = (sh.seq, sh.head_dim, sh.heads, sh.kv_heads);
+    let (seq, d, nh, nkv) = (sh.seq, sh.head_dim, sh.heads, sh.kv_heads);
     let group = nh / nkv;
     let (qs, kvs) = ((nh * d) as isize, (nkv * d) as isize);
     let (dq_p, dk_p, dv_p) = (
@@ -484,15 +529,25 @@ fn backward(
         SendPtr(dv.as_mut_ptr()),
     );
     (0..sh.batch * nkv).into_par_iter().for_each_init(
-        || (vec![0.0f32; t * t], vec![0.0f32; t * t], vec![0.0f32; t]),
+        || {
+            (
+                vec![0.0f32; seq * seq],
+                vec![0.0f32; seq * seq],
+                vec![0.0f32; seq],
+            )
+        },
         |(p, dp, lse_buf), bg| {
             let (b, g) = (bg / nkv, bg % nkv);
-            let row0 = b * t;
+            let (row0, t) = rows.of(b, seq);
+            if t == 0 {
+                return;
+            }
+            let (p, dp, lse_buf) = (&mut p[..t * t], &mut dp[..t * t], &mut lse_buf[..t]);
             let seg = seg.row(row0, t);
             let (dq_p, dk_p, dv_p) = (&dq_p, &dk_p, &dv_p);
             for h in g * group..(g + 1) * group {
                 let first = h == g * group;
-                lse_buf.copy_from_slice(&lse[(b * nh + h) * t..(b * nh + h + 1) * t]);
+                lse_buf.copy_from_slice(&lse[(b * nh + h) * seq..][..t]);
                 let mut dsum = vec![0.0f32; t];
                 row_dots(&mut dsum, d_out, out, row0, (nh * d, h * d, d));
                 // SAFETY: views inside their buffers as in the forward; task (b, g) alone writes
@@ -548,7 +603,7 @@ fn backward(
 #[cfg(target_arch = "x86_64")]
 mod dpbf16 {
     use super::Segments;
-    use super::{AttnShape, Grads, softmax_grad, softmax_rows};
+    use super::{AttnShape, Grads, Rows, softmax_grad, softmax_rows};
     use crate::bf16::{MR, NR, Panels, Part, block};
     use crate::embedding::SendPtr;
     use rayon::prelude::*;
@@ -669,6 +724,7 @@ mod dpbf16 {
     /// [`super::attention`] in bf16 on `vdpbf16ps` (the caller checked the CPU and shapes).
     pub(super) fn forward(
         sh: AttnShape,
+        rows: Rows<'_>,
         q: &[f32],
         k: &[f32],
         v: &[f32],
@@ -677,17 +733,20 @@ mod dpbf16 {
         out: &mut [f32],
         lse: &mut [f32],
     ) {
-        let (t, d, nh, nkv) = (sh.seq, sh.head_dim, sh.heads, sh.kv_heads);
+        let (seq, d, nh, nkv) = (sh.seq, sh.head_dim, sh.heads, sh.kv_heads);
         let group = nh / nkv;
         let (qs, kvs) = (nh * d, nkv * d);
         let out_ptr = SendPtr(out.as_mut_ptr());
-        lse.par_chunks_mut(t).enumerate().for_each_init(
-            || Work::new(t),
+        lse.par_chunks_mut(seq).enumerate().for_each_init(
+            || Work::new(seq),
             |w, (bh, lse_row)| {
                 let (b, h) = (bh / nh, bh % nh);
                 let g = h / group;
-                let row0 = b * t;
-                let seg = seg.row(row0, t);
+                let (row0, t) = rows.of(b, seq);
+                if t == 0 {
+                    return;
+                }
+                let (seg, lse_row) = (seg.row(row0, t), &mut lse_row[..t]);
                 let out_ptr = &out_ptr;
                 let (qh, kg, vg) = (
                     &q[row0 * qs + h * d..],
@@ -701,7 +760,7 @@ mod dpbf16 {
                     w.a.pack(qh, t, d, qs, 1, true);
                     w.b.pack(kg, t, d, kvs, 1, false);
                     causal_scores(t, d.div_ceil(2), &w.a, &w.b, w.s.as_mut_ptr());
-                    softmax_rows(&mut w.s, t, seg, scale, lse_row, false);
+                    softmax_rows(&mut w.s[..t * t], t, seg, scale, lse_row, false);
                     w.a.pack_part(&w.s, t, t, (t, 1), true, Part::Lower);
                     w.b.pack(vg, d, t, 1, kvs, false);
                     let o = out_ptr.0.add(row0 * qs + h * d);
@@ -715,6 +774,7 @@ mod dpbf16 {
     /// shapes); the forward's output is not needed (`D` comes from the probabilities).
     pub(super) fn backward(
         sh: AttnShape,
+        rows: Rows<'_>,
         q: &[f32],
         k: &[f32],
         v: &[f32],
@@ -724,7 +784,7 @@ mod dpbf16 {
         d_out: &[f32],
         Grads { dq, dk, dv }: Grads<'_>,
     ) {
-        let (t, d, nh, nkv) = (sh.seq, sh.head_dim, sh.heads, sh.kv_heads);
+        let (seq, d, nh, nkv) = (sh.seq, sh.head_dim, sh.heads, sh.kv_heads);
         let group = nh / nkv;
         let (qs, kvs) = (nh * d, nkv * d);
         let (dq_p, dk_p, dv_p) = (
@@ -733,10 +793,13 @@ mod dpbf16 {
             SendPtr(dv.as_mut_ptr()),
         );
         (0..sh.batch * nkv).into_par_iter().for_each_init(
-            || Work::new(t),
+            || Work::new(seq),
             |w, bg| {
                 let (b, g) = (bg / nkv, bg % nkv);
-                let row0 = b * t;
+                let (row0, t) = rows.of(b, seq);
+                if t == 0 {
+                    return;
+                }
                 let seg = seg.row(row0, t);
                 let (dq_p, dk_p, dv_p) = (&dq_p, &dk_p, &dv_p);
                 let (kg, vg) = (&k[row0 * kvs + g * d..], &v[row0 * kvs + g * d..]);
@@ -747,8 +810,7 @@ mod dpbf16 {
                 }
                 for h in g * group..(g + 1) * group {
                     let first = h == g * group;
-                    w.lse
-                        .copy_from_slice(&lse[(b * nh + h) * t..(b * nh + h + 1) * t]);
+                    w.lse[..t].copy_from_slice(&lse[(b * nh + h) * seq..][..t]);
                     let (qh, doh) = (&q[row0 * qs + h * d..], &d_out[row0 * qs + h * d..]);
                     // SAFETY: as in the forward; task (b, g) alone writes dk/dv columns of kv
                     // head g and dq columns of the heads in its group.
@@ -756,11 +818,11 @@ mod dpbf16 {
                         // P, recomputed from the forward's log-sum-exp.
                         w.a.pack(qh, t, d, qs, 1, true);
                         causal_scores(t, d.div_ceil(2), &w.a, &w.b, w.s.as_mut_ptr());
-                        softmax_rows(&mut w.s, t, seg, scale, &mut w.lse, true);
+                        softmax_rows(&mut w.s[..t * t], t, seg, scale, &mut w.lse[..t], true);
                         // dP = dO · Vᵀ, then dS = P ⊙ (dP − D) · scale below the diagonal.
                         w.a2.pack(doh, t, d, qs, 1, true);
                         causal_scores(t, d.div_ceil(2), &w.a2, &w.b2, w.ds.as_mut_ptr());
-                        softmax_grad(&w.s, &mut w.ds, t, scale, None);
+                        softmax_grad(&w.s[..t * t], &mut w.ds[..t * t], t, scale, None);
                         // dQ = dS · K
                         w.a.pack_part(&w.ds, t, t, (t, 1), true, Part::Lower);
                         w.b3.pack(kg, d, t, 1, kvs, false);
@@ -837,7 +899,18 @@ mod tests {
         let scale = 1.0 / (sh.head_dim as f32).sqrt();
         let mut out = vec![0.0; q.len()];
         let mut lse = vec![0.0; sh.batch * sh.heads * sh.seq];
-        attention(sh, &q, &k, &v, seg, scale, &mut out, &mut lse, p);
+        attention(
+            sh,
+            Rows::Full,
+            &q,
+            &k,
+            &v,
+            seg,
+            scale,
+            &mut out,
+            &mut lse,
+            p,
+        );
         // What the products see: bf16 rounds the inputs (and the probabilities, which the
         // reference does not: that is within the tolerance).
         let (tol_out, tol_grad) = match p {
@@ -860,7 +933,20 @@ mod tests {
 
         let (mut dq, mut dk, mut dv) = (vec![9.0; q.len()], vec![9.0; k.len()], vec![9.0; v.len()]);
         attention_backward(
-            sh, &q, &k, &v, seg, scale, &out, &lse, &coef, &mut dq, &mut dk, &mut dv, p,
+            sh,
+            Rows::Full,
+            &q,
+            &k,
+            &v,
+            seg,
+            scale,
+            &out,
+            &lse,
+            &coef,
+            &mut dq,
+            &mut dk,
+            &mut dv,
+            p,
         );
         let f32s = |x: &[f64]| x.iter().map(|&v| v as f32).collect::<Vec<f32>>();
         let what = |x: &str| format!("{p:?} attention {x}");
@@ -931,7 +1017,18 @@ mod tests {
                 let scale = 1.0 / (sh.head_dim as f32).sqrt();
                 let mut out = vec![0.0; q.len()];
                 let mut lse = vec![0.0; n * sh.heads];
-                forward(sh, &q, &k, &v, seg, scale, &mut out, &mut lse, true);
+                forward(
+                    sh,
+                    Rows::Full,
+                    &q,
+                    &k,
+                    &v,
+                    seg,
+                    scale,
+                    &mut out,
+                    &mut lse,
+                    true,
+                );
                 let (mut dq, mut dk, mut dv) =
                     (vec![0.0; q.len()], vec![0.0; k.len()], vec![0.0; v.len()]);
                 let g = Grads {
@@ -939,7 +1036,21 @@ mod tests {
                     dk: &mut dk,
                     dv: &mut dv,
                 };
-                backward(sh, &q, &k, &v, seg, scale, &out, &lse, &r(coef), g, true);
+                let d_out = r(coef);
+                backward(
+                    sh,
+                    Rows::Full,
+                    &q,
+                    &k,
+                    &v,
+                    seg,
+                    scale,
+                    &out,
+                    &lse,
+                    &d_out,
+                    g,
+                    true,
+                );
                 for (name, hw, emu) in [
                     ("out", &bf16[0], &out),
                     ("dq", &bf16[1], &dq),
@@ -953,6 +1064,147 @@ mod tests {
                         &format!("{sh:?} vdpbf16ps vs rounding: {name}"),
                     );
                 }
+            }
+        }
+    }
+
+    /// Rows without their padding tails, side by side ([`Rows::Ragged`]), give each real
+    /// token's output and gradients bit for bit as the padded batch does, in either precision;
+    /// the log-sum-exp too, where a row has a token.
+    #[test]
+    fn ragged_rows_are_the_padded_batch_without_its_padding() {
+        const PAD: u32 = u32::MAX;
+        let sh = AttnShape {
+            batch: 4,
+            seq: 70,
+            heads: 2,
+            kv_heads: 1,
+            head_dim: 24,
+        };
+        // Real lengths: a full row, a packed row with a tail of padding, an empty row, and a
+        // row past one causal block.
+        let lens = [70usize, 33, 0, 66];
+        let (mut ids, mut sees) = (Vec::new(), Vec::new());
+        for (b, &len) in lens.iter().enumerate() {
+            for i in 0..sh.seq {
+                let (id, seen) = match i {
+                    _ if i >= len => (PAD, PAD),
+                    _ if i < 10 => (10 * b as u32, 10 * b as u32),
+                    _ => (10 * b as u32 + 1 + (i % 3 == 0) as u32, 10 * b as u32),
+                };
+                ids.push(id);
+                sees.push(seen);
+            }
+        }
+        let n = sh.batch * sh.seq;
+        let (qw, kw) = (sh.heads * sh.head_dim, sh.kv_heads * sh.head_dim);
+        let (q, k, v, d_out) = (
+            randn(n * qw, 21),
+            randn(n * kw, 22),
+            randn(n * kw, 23),
+            randn(n * qw, 24),
+        );
+        let real: Vec<usize> = (0..n).filter(|&i| i % sh.seq < lens[i / sh.seq]).collect();
+        let pick = |x: &[f32], w: usize| -> Vec<f32> {
+            real.iter()
+                .flat_map(|&i| x[i * w..][..w].to_vec())
+                .collect()
+        };
+        let pick_u32 = |x: &[u32]| -> Vec<u32> { real.iter().map(|&i| x[i]).collect() };
+        let mut rows = Vec::new();
+        let mut start = 0;
+        for &len in &lens {
+            rows.push((start, len));
+            start += len;
+        }
+        let (rids, rsees) = (pick_u32(&ids), pick_u32(&sees));
+        for p in [Precision::F32, Precision::Bf16] {
+            let run = |rows: Rows<'_>, seg: Segments<'_>, x: [&[f32]; 4]| {
+                let [q, k, v, d_out] = x;
+                let mut out = vec![0.0; q.len()];
+                let mut lse = vec![0.0; sh.batch * sh.heads * sh.seq];
+                attention(sh, rows, q, k, v, seg, 0.3, &mut out, &mut lse, p);
+                let (mut dq, mut dk, mut dv) =
+                    (vec![0.0; q.len()], vec![0.0; k.len()], vec![0.0; v.len()]);
+                attention_backward(
+                    sh, rows, q, k, v, seg, 0.3, &out, &lse, d_out, &mut dq, &mut dk, &mut dv, p,
+                );
+                (out, lse, dq, dk, dv)
+            };
+            let full = run(
+                Rows::Full,
+                Segments {
+                    ids: &ids,
+                    sees: &sees,
+                },
+                [&q, &k, &v, &d_out],
+            );
+            let (rq, rk, rv, rd) = (pick(&q, qw), pick(&k, kw), pick(&v, kw), pick(&d_out, qw));
+            let ragged = run(
+                Rows::Ragged(&rows),
+                Segments {
+                    ids: &rids,
+                    sees: &rsees,
+                },
+                [&rq, &rk, &rv, &rd],
+            );
+            let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            for (name, f, r, w) in [
+                ("out", &full.0, &ragged.0, qw),
+                ("dq", &full.2, &ragged.2, qw),
+                ("dk", &full.3, &ragged.3, kw),
+                ("dv", &full.4, &ragged.4, kw),
+            ] {
+                assert_eq!(bits(&pick(f, w)), bits(r), "{p:?} {name}");
+            }
+            for (bh, (f, r)) in full
+                .1
+                .chunks(sh.seq)
+                .zip(ragged.1.chunks(sh.seq))
+                .enumerate()
+            {
+                let len = lens[bh / sh.heads];
+                assert_eq!(bits(&f[..len]), bits(&r[..len]), "{p:?} lse of row {bh}");
+            }
+        }
+        // The `vdpbf16ps` kernels too, where this CPU has them but bf16 takes the FMA path.
+        #[cfg(target_arch = "x86_64")]
+        if crate::bf16::available() {
+            let dot = |rows: Rows<'_>, seg: Segments<'_>, x: [&[f32]; 4]| {
+                let [q, k, v, d_out] = x;
+                let mut out = vec![0.0; q.len()];
+                let mut lse = vec![0.0; sh.batch * sh.heads * sh.seq];
+                dpbf16::forward(sh, rows, q, k, v, seg, 0.3, &mut out, &mut lse);
+                let (mut dq, mut dk, mut dv) =
+                    (vec![0.0; q.len()], vec![0.0; k.len()], vec![0.0; v.len()]);
+                let g = Grads {
+                    dq: &mut dq,
+                    dk: &mut dk,
+                    dv: &mut dv,
+                };
+                dpbf16::backward(sh, rows, q, k, v, seg, 0.3, &lse, d_out, g);
+                [out, dq, dk, dv]
+            };
+            let full = dot(
+                Rows::Full,
+                Segments {
+                    ids: &ids,
+                    sees: &sees,
+                },
+                [&q, &k, &v, &d_out],
+            );
+            let (rq, rk, rv, rd) = (pick(&q, qw), pick(&k, kw), pick(&v, kw), pick(&d_out, qw));
+            let ragged = dot(
+                Rows::Ragged(&rows),
+                Segments {
+                    ids: &rids,
+                    sees: &rsees,
+                },
+                [&rq, &rk, &rv, &rd],
+            );
+            for (i, (f, r)) in full.iter().zip(&ragged).enumerate() {
+                let w = if i < 2 { qw } else { kw };
+                assert_eq!(pick(f, w), *r, "vdpbf16ps output {i}");
             }
         }
     }

@@ -6,7 +6,7 @@ use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::params::ParamsIo;
 use crate::params::{Layout, Params, Tensor};
-use kernels::attention::{AttnShape, Segments, attention, attention_backward};
+use kernels::attention::{AttnShape, Rows, Segments, attention, attention_backward};
 use kernels::matmul::{Op, Par, Precision, Rhs, matmul, matmul_new, matmul_nt_many_new};
 use kernels::rope::{RopeTable, apply as rope, inv_freq};
 use kernels::{activation, embedding, head, norm};
@@ -294,8 +294,11 @@ pub trait Attend {
 /// Attention within a padded or packed batch.
 struct BatchAttend<'a> {
     shape: AttnShape,
+    /// How the positions given lie in the batch's rows, and their segments.
+    rows: Rows<'a>,
     segments: Segments<'a>,
-    /// The batch positions of the rows given (`None`: all of them): the rest is padding.
+    /// Where the positions given must go among the batch's before attention reads them (the
+    /// padding put back), when they are not each row's first positions.
     real: Option<&'a [usize]>,
     scale: f32,
     precision: Precision,
@@ -312,6 +315,51 @@ struct Run {
     positions: Vec<u32>,
     /// [`Batch::scored`] as indices among the positions run.
     live: Option<Vec<usize>>,
+    /// The batch's rows among the positions run, where the positions run of each row are its
+    /// first ones (its padding at its end): attention then reads them where they are.
+    ragged: Option<Ragged>,
+}
+
+/// A batch's rows as attention reads them among the positions run, each without its padding
+/// tail ([`Rows::Ragged`]).
+struct Ragged {
+    /// `(first, len)` of each row among the positions run.
+    rows: Vec<(usize, usize)>,
+    /// The segment of each position run.
+    ids: Vec<u32>,
+    /// The segment each position run also sees.
+    sees: Vec<u32>,
+}
+
+impl Ragged {
+    /// `real`'s rows, when each row's positions in it are its first ones.
+    fn of(b: &Batch, real: &[usize]) -> Option<Self> {
+        let mut rows = vec![(0, 0); b.rows];
+        for (k, &i) in real.iter().enumerate() {
+            let (row, at) = (i / b.seq, i % b.seq);
+            let (first, len) = &mut rows[row];
+            if *len == 0 {
+                *first = k;
+            }
+            if at != *len {
+                return None;
+            }
+            *len += 1;
+        }
+        // A row without positions starts where the next would.
+        let mut next = real.len();
+        for (first, len) in rows.iter_mut().rev() {
+            if *len == 0 {
+                *first = next;
+            }
+            next = *first;
+        }
+        Some(Ragged {
+            rows,
+            ids: real.iter().map(|&i| b.segments[i]).collect(),
+            sees: real.iter().map(|&i| b.sees[i]).collect(),
+        })
+    }
 }
 
 impl Run {
@@ -322,6 +370,7 @@ impl Run {
             tokens: b.tokens.clone(),
             positions: b.positions.clone(),
             live: None,
+            ragged: None,
         }
     }
 
@@ -345,25 +394,42 @@ impl Run {
             tokens: real.iter().map(|&i| b.tokens[i]).collect(),
             positions: real.iter().map(|&i| b.positions[i]).collect(),
             live: Some(scored.iter().map(|&i| index[i]).collect()),
+            ragged: Ragged::of(b, &real),
             real: Some(real),
         }
     }
 
-    /// Per-position values of the positions run (`width` each) at their batch positions of
-    /// `len`, zero on the padding; borrowed when every position was run.
-    fn padded<'v>(&self, v: &'v [f32], width: usize, len: usize) -> Cow<'v, [f32]> {
-        match &self.real {
-            None => Cow::Borrowed(v),
-            Some(real) => Cow::Owned(spread_rows(v, width, real, len)),
+    /// How attention reads the positions run of `b`: their rows and segments, and where
+    /// they must first be spread among the batch's positions (when they are not each row's
+    /// first ones).
+    fn attention_view<'a>(&'a self, b: &'a Batch) -> (Rows<'a>, Segments<'a>, Option<&'a [usize]>) {
+        match &self.ragged {
+            Some(r) => (
+                Rows::Ragged(&r.rows),
+                Segments {
+                    ids: &r.ids,
+                    sees: &r.sees,
+                },
+                None,
+            ),
+            None => (
+                Rows::Full,
+                Segments {
+                    ids: &b.segments,
+                    sees: &b.sees,
+                },
+                self.real.as_deref(),
+            ),
         }
     }
+}
 
-    /// The positions run of batch-layout values (`width` each).
-    fn gathered(&self, v: Vec<f32>, width: usize) -> Vec<f32> {
-        match &self.real {
-            None => v,
-            Some(real) => rows_at(&v, width, real),
-        }
+/// Per-position values of the positions run (`width` each) at their batch positions `real`
+/// of `len`, zero on the padding; borrowed when there is nowhere to spread them.
+fn padded<'v>(real: Option<&[usize]>, v: &'v [f32], width: usize, len: usize) -> Cow<'v, [f32]> {
+    match real {
+        None => Cow::Borrowed(v),
+        Some(real) => Cow::Owned(spread_rows(v, width, real, len)),
     }
 }
 
@@ -380,14 +446,25 @@ impl Attend for BatchAttend<'_> {
         let mut lse = vec![0.0; sh.batch * sh.heads * sh.seq];
         let (seg, scale, p) = (self.segments, self.scale, self.precision);
         match self.real {
-            None => attention(sh, q, k, v, seg, scale, out, &mut lse, p),
+            None => attention(sh, self.rows, q, k, v, seg, scale, out, &mut lse, p),
             Some(real) => {
                 let len = sh.batch * sh.seq;
                 let (qw, kw) = (sh.heads * sh.head_dim, sh.kv_heads * sh.head_dim);
                 let spread = |x: &[f32], w: usize| spread_rows(x, w, real, len);
                 let (q, k, v) = (spread(q, qw), spread(k, kw), spread(v, kw));
                 let mut all = vec![0.0; len * qw];
-                attention(sh, &q, &k, &v, seg, scale, &mut all, &mut lse, p);
+                attention(
+                    sh,
+                    Rows::Full,
+                    &q,
+                    &k,
+                    &v,
+                    seg,
+                    scale,
+                    &mut all,
+                    &mut lse,
+                    p,
+                );
                 out.copy_from_slice(&rows_at(&all, qw, real));
             }
         }
@@ -711,13 +788,12 @@ impl Model {
     /// Runs the decoder stack on `run`'s positions of `b`; returns the final normed hidden
     /// states (at `run.live`'s positions only, when given) and, when `keep`, the tape.
     fn trunk(&self, b: &Batch, run: &Run, keep: bool) -> Trunk {
+        let (rows, segments, real) = run.attention_view(b);
         let mut attn = BatchAttend {
             shape: self.attn_shape(b),
-            segments: Segments {
-                ids: &b.segments,
-                sees: &b.sees,
-            },
-            real: run.real.as_deref(),
+            rows,
+            segments,
+            real,
             scale: 1.0 / (self.config.head_dim as f32).sqrt(),
             precision: self.inner_precision(),
         };
@@ -1167,8 +1243,11 @@ impl Model {
                     None => d_o,
                 }
             };
-            // Attention runs on the batch's rows: the padding put back, then taken out.
-            let (qw, kw, len) = (nh * d, nkv * d, b.len());
+            // Attention reads the positions run where they are, or (when they are not each
+            // row's first) on the batch's rows: the padding put back, then taken out.
+            let (rows, segments, real) = run.attention_view(b);
+            let (qw, kw) = (nh * d, nkv * d);
+            let len = real.map_or(n, |_| b.len());
             let (mut dq, mut dk, mut dv) = (
                 vec![0.0; len * qw],
                 vec![0.0; len * kw],
@@ -1176,27 +1255,25 @@ impl Model {
             );
             attention_backward(
                 sh,
-                &run.padded(&lt.q, qw, len),
-                &run.padded(&lt.k, kw, len),
-                &run.padded(&lt.v, kw, len),
-                Segments {
-                    ids: &b.segments,
-                    sees: &b.sees,
-                },
+                rows,
+                &padded(real, &lt.q, qw, len),
+                &padded(real, &lt.k, kw, len),
+                &padded(real, &lt.v, kw, len),
+                segments,
                 scale,
-                &run.padded(&lt.o, qw, len),
+                &padded(real, &lt.o, qw, len),
                 &lt.lse,
-                &run.padded(&d_o, qw, len),
+                &padded(real, &d_o, qw, len),
                 &mut dq,
                 &mut dk,
                 &mut dv,
                 self.inner_precision(),
             );
-            let (mut dq, mut dk, dv) = (
-                run.gathered(dq, qw),
-                run.gathered(dk, kw),
-                run.gathered(dv, kw),
-            );
+            let gathered = |v: Vec<f32>, w: usize| match real {
+                None => v,
+                Some(real) => rows_at(&v, w, real),
+            };
+            let (mut dq, mut dk, dv) = (gathered(dq, qw), gathered(dk, kw), gathered(dv, kw));
             drop(d_o);
             rope(&mut dq, nh, &tape.rope, true);
             rope(&mut dk, nkv, &tape.rope, true);

@@ -155,6 +155,7 @@ fn grouped_query_attention_with_padding_matches_the_kernel() {
     let mut lse = vec![0.0; sh.batch * sh.heads * sh.seq];
     crate::attention::attention(
         sh,
+        crate::attention::Rows::Full,
         &q,
         &k,
         &v,
@@ -167,6 +168,7 @@ fn grouped_query_attention_with_padding_matches_the_kernel() {
     let (mut dq, mut dk, mut dve) = (vec![0.0; n * qd], vec![0.0; n * kd], vec![0.0; n * kd]);
     crate::attention::attention_backward(
         sh,
+        crate::attention::Rows::Full,
         &q,
         &k,
         &v,
