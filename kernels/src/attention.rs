@@ -1,8 +1,10 @@
 //! Causal grouped-query attention over a batch of rows, with segment masks for padding and
 //! packing.
 //!
-//! Layout: `q` is `[batch·seq, heads·head_dim]`, `k` and `v` are `[batch·seq,
-//! kv_heads·head_dim]`. Query token `i` sees key token `j` of the same row iff `j ≤ i` and `j`
+//! Layout: `q` is `[tokens, heads·head_dim]`, `k` and `v` are `[tokens, kv_heads·head_dim]`,
+//! the tokens `batch·seq` of full rows or, [`Rows::Ragged`], each row's first positions side by
+//! side without its padding tail (computed at its own length: a packed batch's rows cost their
+//! tokens). Query token `i` sees key token `j` of the same row iff `j ≤ i` and `j`
 //! is in `i`'s segment or in the one segment `i` also sees ([`Segments`]): one segment per row
 //! gives a padded batch (give padding its own segment id), several per row a packed one, and a
 //! segment that several others also see is a prefix they share (a GRPO group's prompt, computed
@@ -40,7 +42,7 @@ pub struct AttnShape {
 
 /// Which keys of its row each query sees besides causality (`j ≤ i`): those of its own segment
 /// (`ids`), and those of the segment `sees` names for it — a prefix its segment shares with
-/// others, or its own id where there is none. Both are `[batch·seq]`.
+/// others, or its own id where there is none. Both are per token of the layout (`[tokens]`).
 #[derive(Clone, Copy, Debug)]
 pub struct Segments<'a> {
     /// Each token's segment.

@@ -306,8 +306,9 @@ struct BatchAttend<'a> {
 
 /// The positions of a batch the trunk runs: all of them, or — when the batch names the
 /// positions it reads ([`Batch::scored`]) — its tokens that are not padding (and every scored
-/// one), so that the linear layers, norms and MLP never pay for padding; attention alone sees
-/// the batch's rows, with the padding put back.
+/// one), so that the linear layers, norms and MLP never pay for padding, nor attention where
+/// each row's positions run are its first ones (the padding at its end, as packing lays a
+/// batch out); otherwise attention alone sees the batch's rows, with the padding put back.
 struct Run {
     /// The batch index of each position run, ascending (`None`: every position, in order).
     real: Option<Vec<usize>>,
