@@ -1120,20 +1120,11 @@ mod tests {
             start += len;
         }
         let (rids, rsees) = (pick_u32(&ids), pick_u32(&sees));
-        for p in [Precision::F32, Precision::Bf16] {
-            let run = |rows: Rows<'_>, seg: Segments<'_>, x: [&[f32]; 4]| {
-                let [q, k, v, d_out] = x;
-                let mut out = vec![0.0; q.len()];
-                let mut lse = vec![0.0; sh.batch * sh.heads * sh.seq];
-                attention(sh, rows, q, k, v, seg, 0.3, &mut out, &mut lse, p);
-                let (mut dq, mut dk, mut dv) =
-                    (vec![0.0; q.len()], vec![0.0; k.len()], vec![0.0; v.len()]);
-                attention_backward(
-                    sh, rows, q, k, v, seg, 0.3, &out, &lse, d_out, &mut dq, &mut dk, &mut dv, p,
-                );
-                (out, lse, dq, dk, dv)
-            };
-            let full = run(
+        // One kernel (its outputs: out, dq, dk, dv, lse) on the padded batch and on its ragged
+        // rows, compared at the real tokens.
+        type Kernel<'k> = dyn Fn(Rows<'_>, Segments<'_>, [&[f32]; 4]) -> [Vec<f32>; 5] + 'k;
+        let check = |what: &str, kernel: &Kernel<'_>| {
+            let full = kernel(
                 Rows::Full,
                 Segments {
                     ids: &ids,
@@ -1142,7 +1133,7 @@ mod tests {
                 [&q, &k, &v, &d_out],
             );
             let (rq, rk, rv, rd) = (pick(&q, qw), pick(&k, kw), pick(&v, kw), pick(&d_out, qw));
-            let ragged = run(
+            let ragged = kernel(
                 Rows::Ragged(&rows),
                 Segments {
                     ids: &rids,
@@ -1151,31 +1142,37 @@ mod tests {
                 [&rq, &rk, &rv, &rd],
             );
             let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
-            for (name, f, r, w) in [
-                ("out", &full.0, &ragged.0, qw),
-                ("dq", &full.2, &ragged.2, qw),
-                ("dk", &full.3, &ragged.3, kw),
-                ("dv", &full.4, &ragged.4, kw),
-            ] {
-                assert_eq!(bits(&pick(f, w)), bits(r), "{p:?} {name}");
+            for (i, name) in ["out", "dq", "dk", "dv"].iter().enumerate() {
+                let w = if i < 2 { qw } else { kw };
+                assert_eq!(bits(&pick(&full[i], w)), bits(&ragged[i]), "{what} {name}");
             }
-            for (bh, (f, r)) in full
-                .1
+            for (bh, (f, r)) in full[4]
                 .chunks(sh.seq)
-                .zip(ragged.1.chunks(sh.seq))
+                .zip(ragged[4].chunks(sh.seq))
                 .enumerate()
             {
                 let len = lens[bh / sh.heads];
-                assert_eq!(bits(&f[..len]), bits(&r[..len]), "{p:?} lse of row {bh}");
+                assert_eq!(bits(&f[..len]), bits(&r[..len]), "{what} lse of row {bh}");
             }
+        };
+        let lse_len = sh.batch * sh.heads * sh.seq;
+        for p in [Precision::F32, Precision::Bf16] {
+            check(&format!("{p:?}"), &|rows, seg, [q, k, v, d_out]| {
+                let (mut out, mut lse) = (vec![0.0; q.len()], vec![0.0; lse_len]);
+                attention(sh, rows, q, k, v, seg, 0.3, &mut out, &mut lse, p);
+                let (mut dq, mut dk, mut dv) =
+                    (vec![0.0; q.len()], vec![0.0; k.len()], vec![0.0; v.len()]);
+                attention_backward(
+                    sh, rows, q, k, v, seg, 0.3, &out, &lse, d_out, &mut dq, &mut dk, &mut dv, p,
+                );
+                [out, dq, dk, dv, lse]
+            });
         }
         // The `vdpbf16ps` kernels too, where this CPU has them but bf16 takes the FMA path.
         #[cfg(target_arch = "x86_64")]
         if crate::bf16::available() {
-            let dot = |rows: Rows<'_>, seg: Segments<'_>, x: [&[f32]; 4]| {
-                let [q, k, v, d_out] = x;
-                let mut out = vec![0.0; q.len()];
-                let mut lse = vec![0.0; sh.batch * sh.heads * sh.seq];
+            check("vdpbf16ps", &|rows, seg, [q, k, v, d_out]| {
+                let (mut out, mut lse) = (vec![0.0; q.len()], vec![0.0; lse_len]);
                 dpbf16::forward(sh, rows, q, k, v, seg, 0.3, &mut out, &mut lse);
                 let (mut dq, mut dk, mut dv) =
                     (vec![0.0; q.len()], vec![0.0; k.len()], vec![0.0; v.len()]);
@@ -1185,29 +1182,8 @@ mod tests {
                     dv: &mut dv,
                 };
                 dpbf16::backward(sh, rows, q, k, v, seg, 0.3, &lse, d_out, g);
-                [out, dq, dk, dv]
-            };
-            let full = dot(
-                Rows::Full,
-                Segments {
-                    ids: &ids,
-                    sees: &sees,
-                },
-                [&q, &k, &v, &d_out],
-            );
-            let (rq, rk, rv, rd) = (pick(&q, qw), pick(&k, kw), pick(&v, kw), pick(&d_out, qw));
-            let ragged = dot(
-                Rows::Ragged(&rows),
-                Segments {
-                    ids: &rids,
-                    sees: &rsees,
-                },
-                [&rq, &rk, &rv, &rd],
-            );
-            for (i, (f, r)) in full.iter().zip(&ragged).enumerate() {
-                let w = if i < 2 { qw } else { kw };
-                assert_eq!(pick(f, w), *r, "vdpbf16ps output {i}");
-            }
+                [out, dq, dk, dv, lse]
+            });
         }
     }
 }
